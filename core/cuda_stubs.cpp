@@ -1,0 +1,14 @@
+// Stand-ins for core/cuda/ in builds without CUDA.
+#include "cuda_hooks.h"
+
+#include <retrace/error.h>
+
+namespace retrace::detail {
+
+bool cuda_stream_capturing(c10::DeviceIndex) { return false; }
+
+Digest cuda_digest(const at::Tensor&, const Digest&) {
+  throw Error("retrace::digest: this build of retrace has no CUDA support; rebuild with the CUDA toolkit present (RETRACE_CUDA=ON)");
+}
+
+}  // namespace retrace::detail

@@ -1,0 +1,62 @@
+#include <retrace/digest.h>
+
+#include "bytes.h"
+#include "cuda_hooks.h"
+
+#include <retrace/error.h>
+
+#include <xxhash.h>
+
+#include <cstdio>
+
+namespace retrace {
+
+std::string Digest::hex() const {
+  char buf[33];
+  std::snprintf(buf, sizeof buf, "%016llx%016llx", static_cast<unsigned long long>(hi),
+                static_cast<unsigned long long>(lo));
+  return buf;
+}
+
+Digest digest_bytes(const void* data, std::size_t size) {
+  const XXH128_hash_t h = XXH3_128bits(data, size);
+  return {h.low64, h.high64, DigestAlgorithm::kXxh3_128};
+}
+
+namespace {
+
+// dtype, rank and sizes: tensors with equal bytes but another dtype or shape digest differently.
+std::vector<std::uint8_t> header_bytes(const at::Tensor& t) {
+  detail::ByteWriter w;
+  w.put(static_cast<std::uint8_t>(1));  // header layout version
+  w.put(static_cast<std::uint8_t>(t.scalar_type()));
+  w.put(static_cast<std::uint32_t>(t.dim()));
+  for (std::int64_t s : t.sizes()) w.put(s);
+  return w.take();
+}
+
+}  // namespace
+
+Digest digest(const at::Tensor& tensor) {
+  if (!tensor.defined()) throw Error("retrace::digest: the tensor is undefined");
+  if (tensor.layout() != c10::kStrided) {
+    throw Error("retrace::digest: only strided (dense) tensors are supported; call .to_dense() first");
+  }
+  if (tensor.is_meta()) throw Error("retrace::digest: a meta tensor has no values to digest");
+  at::Tensor t = tensor.resolve_conj().resolve_neg().contiguous();
+  const std::vector<std::uint8_t> header = header_bytes(t);
+
+  if (t.is_cuda()) return detail::cuda_digest(t, digest_bytes(header.data(), header.size()));
+  if (!t.is_cpu()) t = t.cpu();
+
+  XXH3_state_t* state = XXH3_createState();
+  if (state == nullptr) throw std::bad_alloc();
+  XXH3_128bits_reset(state);
+  XXH3_128bits_update(state, header.data(), header.size());
+  XXH3_128bits_update(state, t.const_data_ptr(), t.nbytes());
+  const XXH128_hash_t h = XXH3_128bits_digest(state);
+  XXH3_freeState(state);
+  return {h.low64, h.high64, DigestAlgorithm::kXxh3_128};
+}
+
+}  // namespace retrace

@@ -1,0 +1,46 @@
+#pragma once
+// Tensor digests: a 128-bit content hash of a tensor's logical values, with its dtype and shape
+// folded in. Equal digests mean equal bits (up to hash collisions); a digest is how the recorder
+// and the recompute verifier compare tensors without keeping them.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+
+namespace retrace {
+
+// Which function produced a digest. Digests of different algorithms never compare equal.
+enum class DigestAlgorithm : std::uint8_t {
+  kNone = 0,
+  // Host: XXH3-128 over a header (dtype, rank, sizes) and the contiguous bytes.
+  kXxh3_128 = 1,
+  // CUDA device kernel: two independent position-keyed 64-bit lanes summed over 8-byte words
+  // (docs/checkpoint.md). Any change confined to one 8-byte word always changes the digest.
+  kDeviceLanes = 2,
+};
+
+struct Digest {
+  std::uint64_t lo = 0;
+  std::uint64_t hi = 0;
+  DigestAlgorithm algorithm = DigestAlgorithm::kNone;
+
+  bool operator==(const Digest& o) const {
+    return lo == o.lo && hi == o.hi && algorithm == o.algorithm;
+  }
+  bool operator!=(const Digest& o) const { return !(*this == o); }
+  // 32 lowercase hex digits, hi then lo.
+  std::string hex() const;
+};
+
+// Digest of a tensor's logical contents. Non-contiguous views, conjugate and negative views are
+// digested by value (a contiguous copy is made first). CPU tensors: XXH3-128, ~10+ GB/s per core.
+// CUDA tensors: a device kernel on the current stream; only the 16-byte result crosses to the
+// host (this call waits for it). Throws retrace::Error for an undefined tensor, or a CUDA tensor
+// in a build without CUDA.
+Digest digest(const at::Tensor& tensor);
+
+// The host algorithm on raw bytes, exposed for tests and for trace payloads.
+Digest digest_bytes(const void* data, std::size_t size);
+
+}  // namespace retrace
