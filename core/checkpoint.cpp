@@ -75,11 +75,31 @@ void notify(const SegmentCall& call, SegmentPhase phase, const std::vector<at::T
   detail::notify_observers(event);
 }
 
+// The inputs as the recompute sees them: detached leaves with the callers' requires_grad.
+std::vector<at::Tensor> detached_like_recompute(const SegmentCall& call,
+                                                const std::vector<at::Tensor>& inputs) {
+  std::vector<at::Tensor> out;
+  out.reserve(inputs.size());
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    out.push_back(inputs[i].detach().requires_grad_(call.requires_grad[i]));
+  }
+  return out;
+}
+
 struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
   static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<SegmentCall> call,
                                bool will_recompute, at::TensorList all_inputs) {
     std::vector<at::Tensor> inputs(all_inputs.begin(), all_inputs.begin() + call->num_inputs);
-    std::vector<at::Tensor> outputs = call->fn(inputs);
+    std::vector<at::Tensor> outputs;
+    if (will_recompute && call->options.forward_mode == ForwardMode::kLikeRecompute) {
+      at::AutoGradMode grad_mode(true);
+      outputs = call->fn(detached_like_recompute(*call, inputs));
+      for (at::Tensor& out : outputs) {
+        if (out.defined()) out = out.detach();  // drops the segment's graph
+      }
+    } else {
+      outputs = call->fn(inputs);
+    }
     check_outputs(*call, outputs, "forward");
     notify(*call, SegmentPhase::kForward, inputs, outputs, will_recompute);
     check_outputs(*call, outputs, "forward (after observers)");
@@ -96,14 +116,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
            "which reentrant checkpointing cannot serve (the recompute's gradients would be lost); "
            "call backward() without inputs and read .grad()");
     }
-    const variable_list saved = ctx->get_saved_variables();
-    std::vector<at::Tensor> inputs;
-    inputs.reserve(saved.size());
-    for (std::size_t i = 0; i < saved.size(); ++i) {
-      at::Tensor x = saved[i].detach();
-      x.requires_grad_(call->requires_grad[i]);
-      inputs.push_back(std::move(x));
-    }
+    const std::vector<at::Tensor> inputs = detached_like_recompute(*call, ctx->get_saved_variables());
 
     std::vector<at::Tensor> outputs;
     {

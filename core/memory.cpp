@@ -6,6 +6,8 @@
 #include <c10/core/CPUAllocator.h>
 
 #include <atomic>
+#include <mutex>
+#include <unordered_map>
 
 namespace retrace {
 
@@ -15,14 +17,21 @@ namespace {
 // through it may outlive the CpuMemoryCounter and still call its deleter.
 class CountingAllocator final : public c10::Allocator {
  public:
+  // The context of every DataPtr is its data pointer, as raw_allocate() requires; the inner
+  // allocation is found again through a table.
   c10::DataPtr allocate(std::size_t n) override {
     c10::DataPtr inner = inner_.load()->allocate(n);
+    void* data = inner.get();
+    const c10::Device device = inner.device();
+    if (data == nullptr) return inner;  // zero-byte allocations
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      live_allocations_.emplace(data, Allocation{std::move(inner), static_cast<std::int64_t>(n)});
+    }
     add(static_cast<std::int64_t>(n));
-    auto* ctx = new Context{std::move(inner), static_cast<std::int64_t>(n), this};
-    void* data = ctx->inner.get();
-    const c10::Device device = ctx->inner.device();
-    return {data, ctx, &Context::release, device};
+    return {data, data, &CountingAllocator::release, device};
   }
+  c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::release; }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
   }
@@ -38,16 +47,11 @@ class CountingAllocator final : public c10::Allocator {
   void reset_peak() { peak_.store(live_.load()); }
 
  private:
-  struct Context {
+  struct Allocation {
     c10::DataPtr inner;
     std::int64_t bytes;
-    CountingAllocator* owner;
-    static void release(void* p) {
-      auto* ctx = static_cast<Context*>(p);
-      ctx->owner->add(-ctx->bytes);
-      delete ctx;  // frees through the inner allocator's deleter
-    }
   };
+  static void release(void* data);
   void add(std::int64_t delta) {
     const std::int64_t now = live_.fetch_add(delta, std::memory_order_relaxed) + delta;
     std::int64_t peak = peak_.load(std::memory_order_relaxed);
@@ -57,6 +61,8 @@ class CountingAllocator final : public c10::Allocator {
   std::atomic<c10::Allocator*> inner_{nullptr};
   std::atomic<std::int64_t> live_{0};
   std::atomic<std::int64_t> peak_{0};
+  std::mutex mutex_;
+  std::unordered_map<void*, Allocation> live_allocations_;
 };
 
 CountingAllocator& counting_allocator() {
@@ -67,6 +73,21 @@ CountingAllocator& counting_allocator() {
 // SetCPUAllocator only replaces an allocator of lower or equal priority.
 constexpr std::uint8_t kPriority = 200;
 std::atomic<bool> g_active{false};
+
+void CountingAllocator::release(void* data) {
+  if (data == nullptr) return;  // raw_deallocate of an empty raw allocation
+  CountingAllocator& self = counting_allocator();
+  Allocation allocation;
+  {
+    std::lock_guard<std::mutex> lock(self.mutex_);
+    auto it = self.live_allocations_.find(data);
+    TORCH_INTERNAL_ASSERT(it != self.live_allocations_.end(), "freeing an allocation we never made");
+    allocation = std::move(it->second);
+    self.live_allocations_.erase(it);
+  }
+  self.add(-allocation.bytes);
+  // allocation.inner frees through the inner allocator's deleter here.
+}
 
 }  // namespace
 

@@ -1,0 +1,156 @@
+// Tensor digests and RNG state: equal contents give equal digests, any single-bit change gives a
+// different one, and RNG state survives serialize -> restore bit for bit.
+#include <retrace/digest.h>
+#include <retrace/error.h>
+#include <retrace/gtest.h>
+#include <retrace/rng.h>
+
+#include <torch/torch.h>
+
+#include <cstring>
+#include <set>
+
+namespace retrace {
+namespace {
+
+TEST(Digest, EqualContentsInDistinctStoragesDigestEqual) {
+  torch::manual_seed(0);
+  const at::Tensor a = torch::randn({17, 5});
+  const at::Tensor b = a.clone();
+  ASSERT_NE(a.data_ptr(), b.data_ptr());
+  EXPECT_EQ(digest(a), digest(b));
+  EXPECT_EQ(digest(a).algorithm, DigestAlgorithm::kXxh3_128);
+  EXPECT_EQ(digest(a).hex().size(), 32u);
+}
+
+TEST(Digest, EverySingleBitFlipChangesTheDigest) {
+  for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble, at::kInt, at::kByte}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    torch::manual_seed(1);
+    const at::Tensor base = (torch::rand({3, 3}) * 100).to(dtype);
+    const Digest reference = digest(base);
+    std::set<std::pair<std::uint64_t, std::uint64_t>> seen{{reference.lo, reference.hi}};
+    const std::size_t nbytes = base.nbytes();
+    for (std::size_t byte = 0; byte < nbytes; ++byte) {
+      for (int bit = 0; bit < 8; ++bit) {
+        at::Tensor flipped = base.clone();
+        static_cast<std::uint8_t*>(flipped.data_ptr())[byte] ^= static_cast<std::uint8_t>(1u << bit);
+        const Digest d = digest(flipped);
+        EXPECT_NE(d, reference) << "byte " << byte << " bit " << bit;
+        seen.insert({d.lo, d.hi});
+      }
+    }
+    EXPECT_EQ(seen.size(), nbytes * 8 + 1);  // all distinct, not merely different from the base
+  }
+}
+
+TEST(Digest, DtypeAndShapeAreFoldedIn) {
+  const at::Tensor a = torch::zeros({4, 4});
+  EXPECT_NE(digest(a), digest(a.view({16})));
+  EXPECT_NE(digest(a), digest(a.view({2, 8})));
+  EXPECT_NE(digest(a), digest(a.view(at::kInt)));  // same bytes, another dtype
+  EXPECT_NE(digest(torch::zeros({0})), digest(torch::zeros({0, 3})));
+}
+
+TEST(Digest, NonContiguousViewsDigestByValue) {
+  torch::manual_seed(2);
+  const at::Tensor a = torch::randn({6, 8});
+  const at::Tensor t = a.t();
+  ASSERT_FALSE(t.is_contiguous());
+  EXPECT_EQ(digest(t), digest(t.contiguous()));
+  EXPECT_NE(digest(t), digest(a));
+  const at::Tensor strided = a.slice(1, 0, 8, 3);
+  EXPECT_EQ(digest(strided), digest(strided.contiguous()));
+  const at::Tensor expanded = torch::randn({1, 5}).expand({4, 5});
+  EXPECT_EQ(digest(expanded), digest(expanded.contiguous()));
+  const at::Tensor offset = a.view(-1).narrow(0, 3, 10);  // storage offset
+  EXPECT_EQ(digest(offset), digest(offset.clone()));
+}
+
+TEST(Digest, NegativeAndConjugateViewsDigestByValue) {
+  const at::Tensor c = torch::randn({4}, at::kComplexFloat);
+  EXPECT_EQ(digest(c.conj()), digest(c.conj().resolve_conj()));
+  EXPECT_NE(digest(c.conj()), digest(c));
+}
+
+TEST(Digest, RejectsWhatItCannotDigest) {
+  EXPECT_THROW(digest(at::Tensor()), Error);
+  EXPECT_THROW(digest(torch::empty({2}, torch::TensorOptions().device(at::kMeta))), Error);
+  EXPECT_THROW(digest(torch::eye(3).to_sparse()), Error);
+}
+
+TEST(Digest, RawBytes) {
+  const char data[] = "retrace";
+  EXPECT_EQ(digest_bytes(data, 7), digest_bytes(data, 7));
+  EXPECT_NE(digest_bytes(data, 7), digest_bytes(data, 6));
+}
+
+// --- RNG state -------------------------------------------------------------------------------
+
+TEST(RngState, SerializeRestoreGivesIdenticalRandomNumbers) {
+  torch::manual_seed(123);
+  torch::randn({10});  // move the generator off its seed state
+  const RngState state = RngState::capture();
+  const std::vector<std::uint8_t> bytes = state.serialize();
+  const at::Tensor expected_normal = torch::randn({64});
+  const at::Tensor expected_uniform = torch::rand({64});
+  const at::Tensor expected_dropout = torch::dropout(torch::ones({64}), 0.5, true);
+
+  torch::manual_seed(999);  // anything else
+  RngState::deserialize(bytes.data(), bytes.size()).restore();
+  EXPECT_BITWISE_EQ(expected_normal, torch::randn({64}));
+  EXPECT_BITWISE_EQ(expected_uniform, torch::rand({64}));
+  EXPECT_BITWISE_EQ(expected_dropout, torch::dropout(torch::ones({64}), 0.5, true));
+  EXPECT_EQ(RngState::deserialize(bytes.data(), bytes.size()), state);
+}
+
+TEST(RngState, NegativeControlDifferentStateGivesDifferentNumbers) {
+  torch::manual_seed(1);
+  const RngState one = RngState::capture();
+  const at::Tensor a = torch::randn({8});
+  torch::manual_seed(2);
+  EXPECT_NE(RngState::capture(), one);
+  EXPECT_FALSE(bitwise_diff(a, torch::randn({8})).bitwise_equal());
+}
+
+TEST(RngState, ForkRestoresOnScopeExit) {
+  torch::manual_seed(5);
+  const at::Tensor expected = torch::rand({4});
+  torch::manual_seed(5);
+  {
+    RngFork fork;
+    torch::rand({1000});
+  }
+  EXPECT_BITWISE_EQ(expected, torch::rand({4}));
+}
+
+TEST(RngState, CpuStateIsTheMt19937Block) {
+  const RngState s = RngState::capture();
+  ASSERT_EQ(s.generators().size(), 1u);
+  EXPECT_TRUE(s.generators()[0].device.is_cpu());
+  EXPECT_EQ(s.generators()[0].bytes.size(), 5056u);
+}
+
+TEST(RngState, TruncatedOrCorruptBytesGiveAnErrorNamingTheOffset) {
+  const std::vector<std::uint8_t> bytes = RngState::capture().serialize();
+  for (std::size_t cut = 0; cut < bytes.size(); ++cut) {
+    try {
+      RngState::deserialize(bytes.data(), cut);
+      ADD_FAILURE() << "a cut at " << cut << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("at byte offset"), std::string::npos) << e.what();
+    }
+  }
+  std::vector<std::uint8_t> bad = bytes;
+  bad[0] ^= 1;
+  EXPECT_THROW(RngState::deserialize(bad.data(), bad.size()), Error);
+  bad = bytes;
+  for (int i = 12; i < 16; ++i) bad[i] = 0xff;  // state length (bytes 12..15) far beyond the cap
+  EXPECT_THROW(RngState::deserialize(bad.data(), bad.size()), Error);
+  bad = bytes;
+  bad.push_back(0);
+  EXPECT_THROW(RngState::deserialize(bad.data(), bad.size()), Error);
+}
+
+}  // namespace
+}  // namespace retrace
