@@ -66,6 +66,9 @@ int run_demo(const std::vector<std::string>& args) {
                 std::to_string(layers) + ", segments " + std::to_string(segments) + ", steps " +
                 std::to_string(steps) + ")");
   }
+  if (device_name != "cpu" && device_name != "cuda") {
+    throw Error("--device must be cpu or cuda, got '" + device_name + "'");
+  }
   const c10::Device device(device_name);
   if (device.is_cuda() && !torch::cuda::is_available()) {
     throw Error("--device cuda: no CUDA device is visible on this machine; use --device cpu");

@@ -36,7 +36,7 @@ void usage(std::ostream& os) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    usage(std::cerr);
+    std::cerr << "retrace: no command given; run 'retrace --help' for the list\n";
     return 2;
   }
   const std::string first = argv[1];
