@@ -24,6 +24,19 @@ using torch::autograd::variable_list;
 
 std::atomic<std::uint64_t> g_next_invocation{1};
 
+struct ActiveFrame {
+  const std::string* name;
+  SegmentPhase phase;
+};
+thread_local std::vector<ActiveFrame> t_active;
+
+// Marks the calling thread as running a segment's phase for the scope.
+class ActiveScope {
+ public:
+  ActiveScope(const std::string& name, SegmentPhase phase) { t_active.push_back({&name, phase}); }
+  ~ActiveScope() { t_active.pop_back(); }
+};
+
 [[noreturn]] void fail(const std::string& segment, const std::string& what) {
   throw CheckpointError(segment, "retrace::checkpoint(\"" + segment + "\"): " + what);
 }
@@ -91,6 +104,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
                                bool will_recompute, at::TensorList all_inputs) {
     std::vector<at::Tensor> inputs(all_inputs.begin(), all_inputs.begin() + call->num_inputs);
     std::vector<at::Tensor> outputs;
+    ActiveScope active(call->name, SegmentPhase::kForward);
     if (will_recompute && call->options.forward_mode == ForwardMode::kLikeRecompute) {
       at::AutoGradMode grad_mode(true);
       outputs = call->fn(detached_like_recompute(*call, inputs));
@@ -128,6 +142,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       std::optional<AutocastGuard> autocast;
       if (call->options.restore_autocast) autocast.emplace(call->autocast);
       at::AutoGradMode grad_mode(true);
+      ActiveScope active(call->name, SegmentPhase::kRecompute);
       outputs = call->fn(inputs);
     }
     check_outputs(*call, outputs, "recompute");
@@ -146,7 +161,10 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
         root_grads.push_back(grad_outputs[i]);
       }
     }
-    if (!roots.empty()) torch::autograd::backward(roots, root_grads);
+    if (!roots.empty()) {
+      ActiveScope active(call->name, SegmentPhase::kBackward);
+      torch::autograd::backward(roots, root_grads);
+    }
 
     std::vector<at::Tensor> input_grads;
     input_grads.reserve(inputs.size());
@@ -165,6 +183,13 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
 };
 
 }  // namespace
+
+bool current_segment(ActiveSegment* out) {
+  if (t_active.empty()) return false;
+  out->segment = *t_active.back().name;
+  out->phase = t_active.back().phase;
+  return true;
+}
 
 std::vector<at::Tensor> checkpoint(const std::string& name, SegmentFn fn,
                                    const std::vector<at::Tensor>& inputs,

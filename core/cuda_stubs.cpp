@@ -11,4 +11,6 @@ Digest cuda_digest(const at::Tensor&, const Digest&) {
   throw Error("retrace::digest: this build of retrace has no CUDA support; rebuild with the CUDA toolkit present (RETRACE_CUDA=ON)");
 }
 
+std::string cuda_device_name(c10::DeviceIndex) { return "unknown (built without CUDA)"; }
+
 }  // namespace retrace::detail

@@ -4,6 +4,8 @@
 // verifier catches it.
 #include "commands.h"
 
+#include <retrace/error.h>
+
 #include <retrace/models.h>
 #include <retrace/verify.h>
 

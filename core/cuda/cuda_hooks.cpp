@@ -35,4 +35,8 @@ Digest cuda_digest(const at::Tensor& contiguous, const Digest& header) {
   return d;
 }
 
+std::string cuda_device_name(c10::DeviceIndex device) {
+  return at::cuda::getDeviceProperties(device)->name;
+}
+
 }  // namespace retrace::detail

@@ -58,6 +58,15 @@ class ObserverScope {
   SegmentObserver* observer_;
 };
 
+// The innermost checkpointed segment running on the calling thread: its name and whether its
+// function is running forward, being recomputed, or being back-propagated. Empty outside any
+// segment. Replay's op-level instrumentation uses it to attribute an op to a segment.
+struct ActiveSegment {
+  std::string segment;
+  SegmentPhase phase = SegmentPhase::kForward;
+};
+bool current_segment(ActiveSegment* out);
+
 namespace detail {
 // True when at least one observer is attached. Cost: one relaxed atomic load.
 bool observers_attached() noexcept;

@@ -1,0 +1,542 @@
+#include <retrace/trace.h>
+
+#include <retrace/version.h>
+
+#include <xxhash.h>
+#include <zstd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fcntl.h>
+#include <filesystem>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace retrace {
+
+namespace {
+
+constexpr std::uint32_t kRecordMagic = 0x43455252;  // "RREC"
+constexpr std::size_t kFileHeaderBytes = 12;        // magic + version
+constexpr std::size_t kRecordHeaderBytes = 24;
+constexpr char kTrailerMagic[8] = {'R', 'T', 'R', 'C', 'I', 'D', 'X', '\0'};
+constexpr std::size_t kTrailerBytes = 16;
+constexpr int kMaxRank = 64;
+
+struct RecordHeader {
+  std::uint32_t magic;
+  std::uint16_t type;
+  std::uint16_t flags;
+  std::uint32_t length;
+  std::uint64_t payload_checksum;
+  std::uint32_t header_checksum;
+};
+
+std::uint64_t payload_checksum(std::uint16_t type, std::uint16_t flags, std::uint32_t length,
+                               const void* payload) {
+  const std::uint64_t seed = std::uint64_t{type} | (std::uint64_t{flags} << 16) | (std::uint64_t{length} << 32);
+  return XXH3_64bits_withSeed(payload, length, seed);
+}
+
+void encode_header(const RecordHeader& h, unsigned char* out) {
+  std::memcpy(out, &h.magic, 4);
+  std::memcpy(out + 4, &h.type, 2);
+  std::memcpy(out + 6, &h.flags, 2);
+  std::memcpy(out + 8, &h.length, 4);
+  std::memcpy(out + 12, &h.payload_checksum, 8);
+  const auto check = static_cast<std::uint32_t>(XXH3_64bits(out, 20));
+  std::memcpy(out + 20, &check, 4);
+}
+
+// --- dtypes by name (stable across torch versions, unlike enum values) ------------------------
+
+struct DtypeName {
+  at::ScalarType type;
+  const char* name;
+};
+constexpr DtypeName kDtypes[] = {
+    {at::kFloat, "float32"}, {at::kDouble, "float64"}, {at::kHalf, "float16"},
+    {at::kBFloat16, "bfloat16"}, {at::kByte, "uint8"}, {at::kChar, "int8"},
+    {at::kShort, "int16"}, {at::kInt, "int32"}, {at::kLong, "int64"}, {at::kBool, "bool"},
+    {at::kComplexFloat, "complex64"}, {at::kComplexDouble, "complex128"},
+};
+
+const char* dtype_name(at::ScalarType t) {
+  for (const auto& d : kDtypes) {
+    if (d.type == t) return d.name;
+  }
+  throw Error(std::string("the trace format cannot store dtype ") + c10::toString(t));
+}
+
+std::optional<at::ScalarType> dtype_from_name(const std::string& name) {
+  for (const auto& d : kDtypes) {
+    if (name == d.name) return d.type;
+  }
+  return std::nullopt;
+}
+
+std::string hex64(std::uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+// --- byte shuffle ----------------------------------------------------------------------------
+
+void shuffle(const unsigned char* in, unsigned char* out, std::size_t n, std::size_t width) {
+  const std::size_t count = n / width;
+  for (std::size_t b = 0; b < width; ++b) {
+    unsigned char* dst = out + b * count;
+    for (std::size_t i = 0; i < count; ++i) dst[i] = in[i * width + b];
+  }
+  std::memcpy(out + count * width, in + count * width, n - count * width);
+}
+
+void unshuffle(const unsigned char* in, unsigned char* out, std::size_t n, std::size_t width) {
+  const std::size_t count = n / width;
+  for (std::size_t b = 0; b < width; ++b) {
+    const unsigned char* src = in + b * count;
+    for (std::size_t i = 0; i < count; ++i) out[i * width + b] = src[i];
+  }
+  std::memcpy(out + count * width, in + count * width, n - count * width);
+}
+
+bool want_shuffle(ShuffleMode mode, const at::Tensor& t) {
+  switch (mode) {
+    case ShuffleMode::kAlways: return t.element_size() > 1;
+    case ShuffleMode::kNever: return false;
+    case ShuffleMode::kAuto: return t.is_floating_point() && t.element_size() >= 2;
+  }
+  return false;
+}
+
+}  // namespace
+
+const char* to_string(RecordType type) {
+  switch (type) {
+    case RecordType::kHeader: return "header";
+    case RecordType::kStepBegin: return "step_begin";
+    case RecordType::kSegment: return "segment";
+    case RecordType::kStepEnd: return "step_end";
+    case RecordType::kEvent: return "event";
+    case RecordType::kIndex: return "index";
+  }
+  return "unknown";
+}
+
+const TensorEntry* Record::find(const std::string& name) const {
+  for (const TensorEntry& e : tensors) {
+    if (e.name == name) return &e;
+  }
+  return nullptr;
+}
+
+// --- writer ----------------------------------------------------------------------------------
+
+TraceWriter::TraceWriter(std::string path, nlohmann::json header, WriterOptions options)
+    : path_(std::move(path)), options_(options),
+      fs_(options.fs ? options.fs : &io::posix_file_system()) {
+  file_ = fs_->create(incomplete_path());
+  unsigned char head[kFileHeaderBytes];
+  std::memcpy(head, kTraceMagic, 8);
+  const std::uint32_t version = kTraceFormatVersion;
+  std::memcpy(head + 8, &version, 4);
+  file_->append(head, sizeof head);
+  header["format_version"] = kTraceFormatVersion;
+  header["writer"] = std::string("retrace ") + kVersion;
+  write_record(RecordType::kHeader, header, {}, {});
+}
+
+TraceWriter::~TraceWriter() = default;
+
+std::uint64_t TraceWriter::bytes_written() const { return file_ ? file_->size() : 0; }
+
+std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta,
+                                  const std::vector<TensorToWrite>& tensors) {
+  if (closed_) throw Error("retrace::TraceWriter: append after close of " + path_);
+  std::string blob;
+  std::vector<TensorEntry> entries;
+  for (const TensorToWrite& w : tensors) {
+    TensorEntry e;
+    e.name = w.name;
+    const at::Tensor t = w.tensor.detach();
+    e.dtype = t.scalar_type();
+    dtype_name(e.dtype);  // throws for dtypes the format cannot store
+    e.shape = t.sizes().vec();
+    e.raw_bytes = static_cast<std::uint64_t>(t.numel()) * t.element_size();
+    e.digest = w.digest ? *w.digest : digest(t);
+    if (w.store_data) {
+      const at::Tensor host = t.resolve_conj().resolve_neg().cpu().contiguous();
+      const auto* raw = static_cast<const unsigned char*>(host.const_data_ptr());
+      const bool shuffled = want_shuffle(options_.shuffle, host);
+      std::string staged;
+      if (shuffled) {
+        staged.resize(e.raw_bytes);
+        shuffle(raw, reinterpret_cast<unsigned char*>(staged.data()), e.raw_bytes, host.element_size());
+        raw = reinterpret_cast<const unsigned char*>(staged.data());
+      }
+      ZSTD_CCtx* cctx = ZSTD_createCCtx();
+      ZSTD_CCtx_setParameter(cctx, ZSTD_c_compressionLevel, options_.zstd_level);
+      ZSTD_CCtx_setParameter(cctx, ZSTD_c_checksumFlag, 1);
+      const std::size_t bound = ZSTD_compressBound(e.raw_bytes);
+      const std::size_t start = blob.size();
+      blob.resize(start + bound);
+      const std::size_t n = ZSTD_compress2(cctx, blob.data() + start, bound, raw, e.raw_bytes);
+      ZSTD_freeCCtx(cctx);
+      if (ZSTD_isError(n)) throw Error(std::string("zstd compression failed: ") + ZSTD_getErrorName(n));
+      blob.resize(start + n);
+      e.codec = shuffled ? TensorCodec::kZstdShuffle : TensorCodec::kZstd;
+      e.offset = start;
+      e.stored_bytes = n;
+    }
+    entries.push_back(std::move(e));
+  }
+  const std::uint64_t offset = file_->size();
+  write_record(type, meta, blob, entries);
+  nlohmann::json item = {static_cast<int>(type), offset};
+  if (meta.contains("step")) item.push_back(meta["step"]);
+  index_.push_back(std::move(item));
+  return offset;
+}
+
+void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, const std::string& blob,
+                               const std::vector<TensorEntry>& tensors) {
+  nlohmann::json meta = meta_in;
+  if (!tensors.empty()) {
+    nlohmann::json list = nlohmann::json::array();
+    for (const TensorEntry& e : tensors) {
+      list.push_back({{"name", e.name},
+                      {"dtype", dtype_name(e.dtype)},
+                      {"shape", e.shape},
+                      {"digest", e.digest.hex()},
+                      {"digest_algorithm", static_cast<int>(e.digest.algorithm)},
+                      {"codec", static_cast<int>(e.codec)},
+                      {"raw_bytes", e.raw_bytes},
+                      {"offset", e.offset},
+                      {"stored_bytes", e.stored_bytes}});
+    }
+    meta["tensors"] = std::move(list);
+  }
+  const std::string meta_text = meta.dump();
+  const std::uint64_t payload_size = 4 + meta_text.size() + blob.size();
+  if (payload_size > std::uint64_t{0xffffffff}) {
+    throw Error("a trace record would be " + std::to_string(payload_size) +
+                " bytes, over the format's 4 GiB limit; record fewer tensors per step (--mode digest)");
+  }
+  std::string payload;
+  payload.reserve(payload_size);
+  const auto meta_len = static_cast<std::uint32_t>(meta_text.size());
+  payload.append(reinterpret_cast<const char*>(&meta_len), 4);
+  payload.append(meta_text);
+  payload.append(blob);
+  RecordHeader h{kRecordMagic, static_cast<std::uint16_t>(type), 0,
+                 static_cast<std::uint32_t>(payload.size()), 0, 0};
+  h.payload_checksum = payload_checksum(h.type, h.flags, h.length, payload.data());
+  unsigned char head[kRecordHeaderBytes];
+  encode_header(h, head);
+  file_->append(head, sizeof head);
+  file_->append(payload.data(), payload.size());
+}
+
+void TraceWriter::sync() { file_->sync(); }
+
+void TraceWriter::close() {
+  if (closed_) return;
+  const std::uint64_t index_offset = file_->size();
+  write_record(RecordType::kIndex, {{"records", index_}}, {}, {});
+  unsigned char trailer[kTrailerBytes];
+  std::memcpy(trailer, &index_offset, 8);
+  std::memcpy(trailer + 8, kTrailerMagic, 8);
+  file_->append(trailer, sizeof trailer);
+  file_->sync();
+  file_->close();
+  fs_->rename(incomplete_path(), path_);
+  fs_->sync_directory(std::filesystem::path(path_).parent_path().string());
+  closed_ = true;
+}
+
+// --- reader ----------------------------------------------------------------------------------
+
+namespace {
+
+[[noreturn]] void bad(TraceError::Kind kind, const std::string& path, std::uint64_t offset,
+                      const std::string& what) {
+  throw TraceError(kind, offset, path + ": " + what + " at byte offset " + std::to_string(offset));
+}
+
+void pread_all(int fd, void* out, std::size_t n, std::uint64_t offset, const std::string& path) {
+  auto* p = static_cast<char*>(out);
+  while (n > 0) {
+    const ssize_t r = ::pread(fd, p, n, static_cast<off_t>(offset));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) bad(TraceError::Kind::kIo, path, offset, r < 0 ? std::strerror(errno) : "unexpected end of file");
+    p += r;
+    n -= static_cast<std::size_t>(r);
+    offset += static_cast<std::uint64_t>(r);
+  }
+}
+
+nlohmann::json parse_meta(const std::string& text, int max_depth, const std::string& path,
+                          std::uint64_t offset) {
+  try {
+    // The callback sees each value's depth before it is built: deep nesting is refused early.
+    return nlohmann::json::parse(text, [&](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
+      if (depth > max_depth) throw std::runtime_error("nesting deeper than " + std::to_string(max_depth));
+      return true;
+    });
+  } catch (const std::exception& e) {
+    bad(TraceError::Kind::kMalformed, path, offset, std::string("record metadata is not valid JSON (") + e.what() + ")");
+  }
+}
+
+template <typename T>
+T field(const nlohmann::json& j, const char* key, const std::string& path, std::uint64_t offset) {
+  try {
+    return j.at(key).get<T>();
+  } catch (const std::exception&) {
+    bad(TraceError::Kind::kMalformed, path, offset, std::string("record metadata lacks a valid '") + key + "'");
+  }
+}
+
+}  // namespace
+
+TraceReader::TraceReader(const std::string& path, ReaderOptions options)
+    : path_(path), options_(options) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) {
+    throw TraceError(TraceError::Kind::kIo, 0, "cannot open trace '" + path + "': " + std::strerror(errno));
+  }
+  struct stat st {};
+  ::fstat(fd_, &st);
+  if (S_ISDIR(st.st_mode)) {
+    ::close(fd_);
+    fd_ = -1;
+    throw TraceError(TraceError::Kind::kIo, 0, "'" + path + "' is a directory, not a trace");
+  }
+  file_size_ = static_cast<std::uint64_t>(st.st_size);
+  try {
+    if (file_size_ < kFileHeaderBytes) bad(TraceError::Kind::kBadMagic, path, 0, "too short to be a retrace trace");
+    unsigned char head[kFileHeaderBytes];
+    pread_all(fd_, head, sizeof head, 0, path);
+    if (std::memcmp(head, kTraceMagic, 8) != 0) bad(TraceError::Kind::kBadMagic, path, 0, "not a retrace trace (bad magic)");
+    std::uint32_t version;
+    std::memcpy(&version, head + 8, 4);
+    if (version == 0 || version > kTraceFormatVersion) {
+      bad(TraceError::Kind::kVersion, path, 8,
+          "format version " + std::to_string(version) + " is not readable by this build (reads 1.." +
+              std::to_string(kTraceFormatVersion) + "); upgrade retrace");
+    }
+    std::uint64_t pos = kFileHeaderBytes;
+    bool seen_index = false;
+    std::uint64_t index_offset = 0;
+    std::size_t indexed = 0;
+    while (pos < file_size_) {
+      const std::uint64_t left = file_size_ - pos;
+      if (seen_index) {
+        if (left != kTrailerBytes) bad(TraceError::Kind::kMalformed, path, pos, "bytes after the index are not the trailer");
+        unsigned char trailer[kTrailerBytes];
+        pread_all(fd_, trailer, sizeof trailer, pos, path);
+        std::uint64_t declared;
+        std::memcpy(&declared, trailer, 8);
+        if (std::memcmp(trailer + 8, kTrailerMagic, 8) != 0 || declared != index_offset) {
+          bad(TraceError::Kind::kMalformed, path, pos, "corrupt trailer");
+        }
+        complete_ = true;
+        break;
+      }
+      if (left < kRecordHeaderBytes) {
+        warning_ = path + ": ends inside a record header at byte offset " + std::to_string(pos) + " (" +
+                   std::to_string(left) + " trailing bytes ignored); all " + std::to_string(records_.size()) +
+                   " complete records are readable";
+        break;
+      }
+      unsigned char raw[kRecordHeaderBytes];
+      pread_all(fd_, raw, sizeof raw, pos, path);
+      RecordHeader h;
+      std::memcpy(&h.magic, raw, 4);
+      std::memcpy(&h.type, raw + 4, 2);
+      std::memcpy(&h.flags, raw + 6, 2);
+      std::memcpy(&h.length, raw + 8, 4);
+      std::memcpy(&h.payload_checksum, raw + 12, 8);
+      std::memcpy(&h.header_checksum, raw + 20, 4);
+      if (h.magic != kRecordMagic) bad(TraceError::Kind::kMalformed, path, pos, "no record starts here (bad record magic)");
+      if (h.header_checksum != static_cast<std::uint32_t>(XXH3_64bits(raw, 20))) {
+        bad(TraceError::Kind::kChecksum, path, pos, "record header checksum mismatch");
+      }
+      if (h.length > options_.max_record_bytes) {
+        bad(TraceError::Kind::kTooLarge, path, pos,
+            "record of " + std::to_string(h.length) + " bytes exceeds the cap of " +
+                std::to_string(options_.max_record_bytes) + " (ReaderOptions::max_record_bytes)");
+      }
+      if (h.length > left - kRecordHeaderBytes) {
+        warning_ = path + ": ends inside the record at byte offset " + std::to_string(pos) + " (" +
+                   std::to_string(h.length - (left - kRecordHeaderBytes)) + " bytes missing); all " +
+                   std::to_string(records_.size()) + " complete records are readable";
+        break;
+      }
+      const Record r = load(pos);
+      if (records_.empty() && !header_.is_object()) {
+        if (r.type != RecordType::kHeader) bad(TraceError::Kind::kMalformed, path, pos, "the first record is not the header");
+        header_ = r.meta;
+      } else if (r.type == RecordType::kHeader) {
+        bad(TraceError::Kind::kMalformed, path, pos, "a second header record");
+      } else if (r.type == RecordType::kIndex) {
+        const auto& list = r.meta.contains("records") ? r.meta["records"] : nlohmann::json();
+        if (!list.is_array() || list.size() != records_.size()) {
+          bad(TraceError::Kind::kMalformed, path, pos, "the index does not list the records before it");
+        }
+        for (std::size_t i = 0; i < list.size(); ++i) {
+          if (!list[i].is_array() || list[i].size() < 2 || list[i][1] != records_[i].offset) {
+            bad(TraceError::Kind::kMalformed, path, pos, "index entry " + std::to_string(i) + " does not match the record");
+          }
+        }
+        seen_index = true;
+        index_offset = pos;
+        indexed = list.size();
+      } else {
+        RecordInfo info{r.type, pos, h.length};
+        info.step = r.meta.value("step", std::int64_t{-1});
+        info.segment = r.meta.value("segment", std::string());
+        info.phase = r.meta.value("phase", std::string());
+        records_.push_back(std::move(info));
+      }
+      pos += kRecordHeaderBytes + h.length;
+    }
+    if (!header_.is_object()) bad(TraceError::Kind::kMalformed, path, kFileHeaderBytes, "no header record");
+    if (seen_index && !complete_) bad(TraceError::Kind::kMalformed, path, pos, "index without trailer");
+    (void)indexed;
+  } catch (...) {
+    ::close(fd_);
+    fd_ = -1;
+    throw;
+  }
+}
+
+TraceReader::~TraceReader() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+TraceReader::TraceReader(TraceReader&& o) noexcept
+    : path_(std::move(o.path_)), options_(o.options_), fd_(o.fd_), file_size_(o.file_size_),
+      header_(std::move(o.header_)), records_(std::move(o.records_)), warning_(std::move(o.warning_)),
+      complete_(o.complete_) {
+  o.fd_ = -1;
+}
+
+Record TraceReader::read(std::size_t i) const {
+  if (i >= records_.size()) throw Error("record " + std::to_string(i) + " does not exist in " + path_);
+  return load(records_[i].offset);
+}
+
+Record TraceReader::load(std::uint64_t offset) const {
+  unsigned char raw[kRecordHeaderBytes];
+  pread_all(fd_, raw, sizeof raw, offset, path_);
+  RecordHeader h;
+  std::memcpy(&h.type, raw + 4, 2);
+  std::memcpy(&h.flags, raw + 6, 2);
+  std::memcpy(&h.length, raw + 8, 4);
+  std::memcpy(&h.payload_checksum, raw + 12, 8);
+  // Callers checked framing, header checksum and size before calling.
+  std::string payload(h.length, '\0');
+  pread_all(fd_, payload.data(), h.length, offset + kRecordHeaderBytes, path_);
+  if (payload_checksum(h.type, h.flags, h.length, payload.data()) != h.payload_checksum) {
+    bad(TraceError::Kind::kChecksum, path_, offset, "record payload checksum mismatch");
+  }
+  Record r;
+  r.offset = offset;
+  switch (h.type) {
+    case 1: case 2: case 3: case 4: case 5: case 15: r.type = static_cast<RecordType>(h.type); break;
+    default: bad(TraceError::Kind::kMalformed, path_, offset, "unknown record type " + std::to_string(h.type));
+  }
+  if (h.length < 4) bad(TraceError::Kind::kMalformed, path_, offset, "record payload shorter than its metadata length");
+  std::uint32_t meta_len;
+  std::memcpy(&meta_len, payload.data(), 4);
+  if (meta_len > options_.max_meta_bytes || meta_len > h.length - 4) {
+    bad(TraceError::Kind::kMalformed, path_, offset, "metadata length " + std::to_string(meta_len) + " is out of bounds");
+  }
+  r.meta = parse_meta(payload.substr(4, meta_len), options_.max_meta_depth, path_, offset);
+  if (!r.meta.is_object()) bad(TraceError::Kind::kMalformed, path_, offset, "record metadata is not an object");
+  r.blob = payload.substr(4 + meta_len);
+  if (r.meta.contains("tensors")) {
+    const nlohmann::json& list = r.meta["tensors"];
+    if (!list.is_array()) bad(TraceError::Kind::kMalformed, path_, offset, "'tensors' is not a list");
+    for (const nlohmann::json& t : list) {
+      if (!t.is_object()) bad(TraceError::Kind::kMalformed, path_, offset, "a tensor entry is not an object");
+      TensorEntry e;
+      e.name = field<std::string>(t, "name", path_, offset);
+      const auto dtype = dtype_from_name(field<std::string>(t, "dtype", path_, offset));
+      if (!dtype) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown dtype");
+      e.dtype = *dtype;
+      e.shape = field<std::vector<std::int64_t>>(t, "shape", path_, offset);
+      if (e.shape.size() > kMaxRank) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has rank over 64");
+      // numel * element size without overflow, against the cap.
+      unsigned __int128 bytes = c10::elementSize(e.dtype);
+      for (std::int64_t s : e.shape) {
+        if (s < 0) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has a negative size");
+        bytes *= static_cast<unsigned __int128>(s);
+        if (bytes > options_.max_tensor_bytes) {
+          bad(TraceError::Kind::kTooLarge, path_, offset,
+              "tensor '" + e.name + "' declares more than " + std::to_string(options_.max_tensor_bytes) +
+                  " bytes (ReaderOptions::max_tensor_bytes)");
+        }
+      }
+      e.raw_bytes = field<std::uint64_t>(t, "raw_bytes", path_, offset);
+      if (e.raw_bytes != static_cast<std::uint64_t>(bytes)) {
+        bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' raw_bytes does not match its shape");
+      }
+      const std::string hex = field<std::string>(t, "digest", path_, offset);
+      if (hex.size() != 32 || hex.find_first_not_of("0123456789abcdef") != std::string::npos) {
+        bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has a malformed digest");
+      }
+      e.digest.hi = std::stoull(hex.substr(0, 16), nullptr, 16);
+      e.digest.lo = std::stoull(hex.substr(16), nullptr, 16);
+      const int alg = field<int>(t, "digest_algorithm", path_, offset);
+      if (alg < 0 || alg > 2) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown digest algorithm");
+      e.digest.algorithm = static_cast<DigestAlgorithm>(alg);
+      const int codec = field<int>(t, "codec", path_, offset);
+      if (codec < 0 || codec > 2) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown codec");
+      e.codec = static_cast<TensorCodec>(codec);
+      e.offset = field<std::uint64_t>(t, "offset", path_, offset);
+      e.stored_bytes = field<std::uint64_t>(t, "stored_bytes", path_, offset);
+      if (e.has_data() && (e.offset > r.blob.size() || e.stored_bytes > r.blob.size() - e.offset)) {
+        bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' data lies outside its record");
+      }
+      r.tensors.push_back(std::move(e));
+    }
+  }
+  return r;
+}
+
+at::Tensor TraceReader::decode(const Record& record, const TensorEntry& e) const {
+  if (!e.has_data()) {
+    throw Error(path_ + ": tensor '" + e.name + "' in the record at byte offset " + std::to_string(record.offset) +
+                " holds only a digest (recorded in digest mode)");
+  }
+  const char* src = record.blob.data() + e.offset;
+  const unsigned long long content = ZSTD_getFrameContentSize(src, e.stored_bytes);
+  if (content == ZSTD_CONTENTSIZE_ERROR || content == ZSTD_CONTENTSIZE_UNKNOWN || content != e.raw_bytes) {
+    bad(TraceError::Kind::kMalformed, path_, record.offset, "tensor '" + e.name + "' zstd frame does not declare its size");
+  }
+  at::Tensor out = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+  std::string staged;
+  void* dst = out.data_ptr();
+  if (e.codec == TensorCodec::kZstdShuffle) {
+    staged.resize(e.raw_bytes);
+    dst = staged.data();
+  }
+  const std::size_t n = ZSTD_decompress(dst, e.raw_bytes, src, e.stored_bytes);
+  if (ZSTD_isError(n) || n != e.raw_bytes) {
+    bad(TraceError::Kind::kChecksum, path_, record.offset,
+        "tensor '" + e.name + "' does not decompress (" + (ZSTD_isError(n) ? ZSTD_getErrorName(n) : "short") + ")");
+  }
+  if (e.codec == TensorCodec::kZstdShuffle) {
+    unshuffle(reinterpret_cast<const unsigned char*>(staged.data()), static_cast<unsigned char*>(out.data_ptr()),
+              e.raw_bytes, out.element_size());
+  }
+  if (e.digest.algorithm == DigestAlgorithm::kXxh3_128 && digest(out) != e.digest) {
+    bad(TraceError::Kind::kChecksum, path_, record.offset, "tensor '" + e.name + "' does not match its digest");
+  }
+  return out;
+}
+
+}  // namespace retrace

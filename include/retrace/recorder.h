@@ -1,0 +1,91 @@
+#pragma once
+// The recorder: writes a trace of a training run. It is a SegmentObserver (segment records come
+// from checkpointed segments) and a StepMonitor (grads after backward), driven per step by
+// begin_step()/end_step().
+//
+// Modes: digest (hashes only; the always-on default), full (tensors), or digest with a full
+// snapshot every k steps. The first step's state is always written in full, so any trace replays
+// from its start. The flight ring keeps the last K step-begin snapshots in memory and writes them
+// when a non-finite loss or gradient is seen, when an exception leaves a step, or on
+// SIGTERM/SIGINT. Write-ahead puts each step-begin snapshot on disk (fsync) before the step runs,
+// for crashes that leave no chance to dump (SIGSEGV, SIGKILL).
+//
+// Records are compressed and written by a background thread behind a bounded queue; a full
+// queue blocks the training thread (backpressure), never drops a record.
+
+#include <retrace/observer.h>
+#include <retrace/program.h>
+#include <retrace/trace.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace retrace {
+
+enum class RecordMode { kDigest, kFull };
+// "digest" | "full"; throws retrace::Error otherwise.
+RecordMode parse_record_mode(const std::string& text);
+
+struct RecorderOptions {
+  RecordMode mode = RecordMode::kDigest;
+  int every = 0;         // digest mode: also a full step-begin snapshot every k steps (0: never)
+  int ring = 0;          // flight ring size K (0: off)
+  bool write_ahead = false;
+  std::size_t queue_bytes = std::size_t{256} << 20;  // bound of the background writer's queue
+  bool dump_on_signal = true;  // with ring > 0: dump on SIGTERM/SIGINT, then die by the signal
+  WriterOptions writer;
+};
+
+struct RecorderStats {
+  std::int64_t steps = 0;
+  std::int64_t records = 0;
+  std::int64_t backpressure_waits = 0;   // times the training thread waited for the writer
+  double backpressure_seconds = 0;
+  std::int64_t ring_dumps = 0;
+  std::uint64_t bytes = 0;               // written to the trace so far
+};
+
+class Recorder : public SegmentObserver, public StepMonitor {
+ public:
+  // Creates PATH.incomplete and writes the header (environment, program name and config).
+  Recorder(const std::string& path, const Program& program, RecorderOptions options = {});
+  // Closes the trace (flush, index, rename) unless close() ran; never throws.
+  ~Recorder() override;
+
+  // Before step `step` runs: its state, batch, LR and loss scale; RNG is captured here.
+  void begin_step(std::int64_t step, const std::vector<NamedTensor>& state,
+                  const std::vector<NamedTensor>& batch, double lr, double loss_scale);
+  // After the step: outcome and the state after the optimizer. Dumps the ring on a non-finite
+  // loss or gradient norm.
+  void end_step(std::int64_t step, const StepOutcome& outcome, const std::vector<NamedTensor>& state_after);
+
+  void on_forward(SegmentEvent& event) override;
+  void on_recompute(SegmentEvent& event) override;
+  void on_backward(SegmentEvent& event) override;
+  void after_backward(const at::Tensor& loss, const std::vector<NamedTensor>& grads) override;
+
+  // Writes the ring's snapshots now (reason goes in an event record) and syncs the file.
+  void dump_ring(const std::string& reason);
+  // An exception left the step: note it and dump the ring.
+  void note_exception(const std::string& what);
+  // Flushes everything, writes the index and renames PATH.incomplete to PATH. Idempotent.
+  void close();
+
+  RecorderStats stats() const;
+  const std::string& path() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Runs `steps` steps of `program` (1..steps), recording them; the building block of
+// `retrace record`. Stops early, after dumping the ring, at the first non-finite step when
+// stop_on_nonfinite. Returns the outcomes. An exception from a step is noted in the trace, the
+// ring dumped, the trace closed and the exception rethrown.
+std::vector<StepOutcome> record_run(Program& program, Recorder& recorder, std::int64_t steps,
+                                    bool stop_on_nonfinite = true);
+
+}  // namespace retrace

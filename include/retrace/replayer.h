@@ -1,0 +1,94 @@
+#pragma once
+// The replayer: restores a recorded step (parameters, optimizer state, RNG, batch) and
+// re-executes it — forward, recompute, backward, clipping, optimizer — comparing every recorded
+// digest or tensor in order. The result is "reproduced bitwise" or the first divergence (step,
+// segment, phase, tensor, how far off). For a step that went non-finite it re-runs the step with
+// op-level instrumentation (at::RecordFunction, replay only) and names the first op whose output
+// holds NaN or Inf.
+
+#include <retrace/diff.h>
+#include <retrace/digest.h>
+#include <retrace/environment.h>
+#include <retrace/program.h>
+#include <retrace/trace.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace retrace {
+
+struct Divergence {
+  std::int64_t step = -1;
+  std::string segment;  // "" for state outside segments: "(loss)", "(parameters)", "(state)"
+  std::string phase;    // step_begin | forward | recompute | backward | optimizer
+  std::string tensor;   // e.g. "output.0", "grad.lm_head.weight", "state.param.block0.fc.weight"
+  Digest recorded, replayed;
+  std::optional<DiffReport> diff;  // when the trace holds the recorded values
+  std::string detail;              // for structural differences (missing record, other segment)
+  std::string message() const;
+  nlohmann::json to_json() const;
+};
+
+struct TensorStats {
+  std::string name;  // "input 0"
+  std::string meta;  // "Float[4, 16]"
+  double min = 0, max = 0, abs_max = 0;
+  NonFiniteCounts nonfinite;
+};
+
+struct NonFiniteOrigin {
+  std::int64_t step = -1;
+  std::string segment;  // "" outside checkpointed segments
+  std::string phase;    // forward | recompute | backward | optimizer
+  std::string op;       // e.g. "aten::div", "autograd::engine::evaluate_function: MulBackward0"
+  std::vector<TensorStats> inputs;
+  std::vector<TensorStats> outputs;
+  std::string message() const;
+  nlohmann::json to_json() const;
+};
+
+struct ReplayOptions {
+  std::optional<std::int64_t> step;  // the last step to replay; default: the last recorded
+  bool force = false;                // replay despite an incompatible environment
+  bool provenance = true;            // find the first non-finite op of a non-finite step
+};
+
+struct ReplayResult {
+  bool reproduced = false;
+  std::int64_t from_step = -1, to_step = -1;  // replayed range
+  std::optional<Divergence> first_divergence;
+  std::optional<NonFiniteOrigin> first_nonfinite;
+  std::vector<EnvironmentDifference> environment;  // bitwise-relevant differences (forced)
+  std::vector<std::string> notes;                   // e.g. the truncated-trace warning
+  nlohmann::json to_json() const;
+};
+
+// Thrown when the environment differs in a field that breaks bitwise equality and
+// ReplayOptions::force is off. what() names the field, both values and the fix.
+class EnvironmentMismatch : public Error {
+ public:
+  explicit EnvironmentMismatch(std::vector<EnvironmentDifference> d);
+  const std::vector<EnvironmentDifference>& differences() const { return differences_; }
+
+ private:
+  std::vector<EnvironmentDifference> differences_;
+};
+
+class Replayer {
+ public:
+  Replayer(const TraceReader& trace, Program& program);
+  ReplayResult run(const ReplayOptions& options = {});
+
+ private:
+  const TraceReader& trace_;
+  Program& program_;
+};
+
+// Rebuilds the program named in the trace header through the registry.
+std::unique_ptr<Program> program_from_trace(const TraceReader& trace);
+
+}  // namespace retrace

@@ -1,0 +1,185 @@
+#pragma once
+// The trace format: a versioned header, then append-only records (type, length, checksum), tensor
+// payloads compressed with zstd (frame checksum on) and optionally byte-shuffled, and an index
+// at the end. The spec, with every field's invariants, is docs/trace-format.md.
+//
+// A trace being written is NAME.incomplete; close() writes the index, fsyncs and renames it to
+// NAME. A truncated tail is a clean end: every complete record stays readable, with a warning.
+// The reader checks every length and offset before it allocates, caps sizes, and fails with a
+// TraceError naming the byte offset. Nothing in a trace is ever unpickled.
+
+#include <retrace/digest.h>
+#include <retrace/error.h>
+#include <retrace/io.h>
+
+#include <ATen/core/Tensor.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace retrace {
+
+// File magic, then kTraceFormatVersion as u32.
+inline constexpr char kTraceMagic[8] = {'R', 'E', 'T', 'R', 'A', 'C', 'E', '\0'};
+// Bumped on any change a version-1 reader could misread. Readers accept versions <= their own.
+inline constexpr std::uint32_t kTraceFormatVersion = 1;
+
+enum class RecordType : std::uint16_t {
+  kHeader = 1,     // exactly one, first: writer, environment, program
+  kStepBegin = 2,  // state before a step: full tensors or digests; batch and RNG always full
+  kSegment = 3,    // one checkpointed segment's event: forward, recompute or backward
+  kStepEnd = 4,    // loss, grad norm, scale, skipped, grad and post-step state digests
+  kEvent = 5,      // a note: flight-ring dump, exception, signal, injected fault tag
+  kIndex = 15,     // last: offsets of every record, for random access
+};
+const char* to_string(RecordType type);
+
+// How a tensor's bytes are stored.
+enum class TensorCodec : std::uint8_t {
+  kDigestOnly = 0,   // no data, only the digest
+  kZstd = 1,         // zstd frame of the raw little-endian bytes
+  kZstdShuffle = 2,  // zstd frame of the bytes regrouped by byte position (all byte 0s, ...)
+};
+
+struct TensorEntry {
+  std::string name;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<std::int64_t> shape;
+  Digest digest;
+  TensorCodec codec = TensorCodec::kDigestOnly;
+  std::uint64_t raw_bytes = 0;     // numel * element size
+  std::uint64_t offset = 0;        // into the record's blob
+  std::uint64_t stored_bytes = 0;  // compressed size
+  bool has_data() const { return codec != TensorCodec::kDigestOnly; }
+};
+
+struct Record {
+  RecordType type = RecordType::kEvent;
+  std::uint64_t offset = 0;  // byte offset of the record header in the file
+  nlohmann::json meta;       // record-specific fields (docs/trace-format.md)
+  std::vector<TensorEntry> tensors;
+  std::string blob;          // the stored tensor bytes
+  const TensorEntry* find(const std::string& name) const;
+};
+
+// A tensor to append: data stored (compressed) or only its digest.
+struct TensorToWrite {
+  std::string name;
+  at::Tensor tensor;                // any device; copied to host when stored
+  bool store_data = false;
+  std::optional<Digest> digest;     // precomputed (e.g. on device); else computed on the host
+};
+
+enum class ShuffleMode { kAuto, kAlways, kNever };
+
+struct WriterOptions {
+  int zstd_level = 3;
+  // kAuto: shuffle floating-point tensors of 2+ byte elements (measured in bench/README.md).
+  ShuffleMode shuffle = ShuffleMode::kAuto;
+  io::FileSystem* fs = nullptr;  // nullptr: the POSIX file system
+};
+
+// Writes one trace. Not thread-safe: one thread appends (the recorder's writer thread).
+class TraceWriter {
+ public:
+  // Creates PATH.incomplete and writes the header record. `header` is stored as the header's
+  // meta, with format_version added.
+  TraceWriter(std::string path, nlohmann::json header, WriterOptions options = {});
+  ~TraceWriter();  // without close(): the .incomplete file stays, readable up to its last record
+  TraceWriter(const TraceWriter&) = delete;
+  TraceWriter& operator=(const TraceWriter&) = delete;
+
+  // Encodes and appends one record; returns its byte offset. Cost: host copy and zstd of stored
+  // tensors, XXH3 of digest-only ones.
+  std::uint64_t append(RecordType type, nlohmann::json meta, const std::vector<TensorToWrite>& tensors);
+  // fsync: everything appended so far survives a crash.
+  void sync();
+  // Index, trailer, fsync, rename to the final name, fsync of the directory. Idempotent.
+  void close();
+  bool closed() const { return closed_; }
+  const std::string& path() const { return path_; }
+  std::string incomplete_path() const { return path_ + ".incomplete"; }
+  std::uint64_t bytes_written() const;
+
+ private:
+  void write_record(RecordType type, const nlohmann::json& meta, const std::string& blob,
+                    const std::vector<TensorEntry>& tensors);
+  std::string path_;
+  WriterOptions options_;
+  io::FileSystem* fs_;
+  std::unique_ptr<io::WritableFile> file_;
+  nlohmann::json index_ = nlohmann::json::array();
+  bool closed_ = false;
+};
+
+// A trace that cannot be read past some point.
+class TraceError : public Error {
+ public:
+  enum class Kind { kIo, kBadMagic, kVersion, kChecksum, kMalformed, kTooLarge };
+  TraceError(Kind kind, std::uint64_t offset, const std::string& what)
+      : Error(what), kind_(kind), offset_(offset) {}
+  Kind kind() const noexcept { return kind_; }
+  std::uint64_t offset() const noexcept { return offset_; }
+
+ private:
+  Kind kind_;
+  std::uint64_t offset_;
+};
+
+struct ReaderOptions {
+  std::uint64_t max_record_bytes = std::uint64_t{1} << 30;  // 1 GiB
+  std::uint64_t max_tensor_bytes = std::uint64_t{4} << 30;  // decoded size of one tensor
+  std::uint32_t max_meta_bytes = 16u << 20;
+  int max_meta_depth = 32;  // JSON nesting
+};
+
+struct RecordInfo {
+  RecordType type;
+  std::uint64_t offset;
+  std::uint32_t length;  // payload bytes
+  std::int64_t step = -1;
+  std::string segment;
+  std::string phase;
+};
+
+// Reads a trace (final or .incomplete). Opening scans every record once, verifying framing and
+// checksums. Thread-compatible: const methods may run concurrently.
+class TraceReader {
+ public:
+  explicit TraceReader(const std::string& path, ReaderOptions options = {});
+  ~TraceReader();
+  TraceReader(TraceReader&&) noexcept;
+  TraceReader& operator=(TraceReader&&) = delete;
+
+  const nlohmann::json& header() const { return header_; }
+  // Every record after the header, in file order (the index record excluded).
+  const std::vector<RecordInfo>& records() const { return records_; }
+  // True when the file ends inside a record (a crash while writing); warning() says where.
+  bool truncated() const { return !warning_.empty(); }
+  const std::string& warning() const { return warning_; }
+  // True when the trace was closed (index and trailer present).
+  bool complete() const { return complete_; }
+  std::uint64_t file_size() const { return file_size_; }
+
+  // Loads record i of records(): verifies its checksum, parses meta and tensor entries.
+  Record read(std::size_t i) const;
+  // Decodes a stored tensor (CPU), checking sizes against the caps and its digest.
+  at::Tensor decode(const Record& record, const TensorEntry& entry) const;
+
+ private:
+  Record load(std::uint64_t offset) const;
+  std::string path_;
+  ReaderOptions options_;
+  int fd_ = -1;
+  std::uint64_t file_size_ = 0;
+  nlohmann::json header_;
+  std::vector<RecordInfo> records_;
+  std::string warning_;
+  bool complete_ = false;
+};
+
+}  // namespace retrace

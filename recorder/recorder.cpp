@@ -1,0 +1,457 @@
+#include <retrace/recorder.h>
+
+#include <retrace/digest.h>
+#include <retrace/environment.h>
+#include <retrace/rng.h>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <csignal>
+#include <cstdlib>
+#include <deque>
+#include <future>
+#include <mutex>
+#include <thread>
+#include <unistd.h>
+#include <unordered_map>
+
+namespace retrace {
+
+RecordMode parse_record_mode(const std::string& text) {
+  if (text == "digest") return RecordMode::kDigest;
+  if (text == "full") return RecordMode::kFull;
+  throw Error("unknown record mode '" + text + "'; use digest or full");
+}
+
+namespace {
+
+// JSON has no NaN or infinity: non-finite numbers are stored as strings.
+nlohmann::json number(double v) {
+  if (std::isfinite(v)) return v;
+  if (std::isnan(v)) return "nan";
+  return v > 0 ? "inf" : "-inf";
+}
+
+// A stand-in with the tensor's dtype and shape and no data, for digest-only entries.
+at::Tensor shape_only(const at::Tensor& t) {
+  return at::empty(t.sizes(), t.options().device(at::kMeta));
+}
+
+TensorToWrite entry(const std::string& name, const at::Tensor& t, bool full) {
+  const at::Tensor d = t.detach();
+  if (full) return {name, d.cpu().clone(), true, std::nullopt};  // a copy later steps cannot change
+  return {name, shape_only(d), false, digest(d)};
+}
+
+std::size_t job_bytes(const std::vector<TensorToWrite>& tensors) {
+  std::size_t n = 256;
+  for (const TensorToWrite& t : tensors) {
+    if (t.store_data) n += t.tensor.nbytes();
+  }
+  return n;
+}
+
+// --- background writer -----------------------------------------------------------------------
+
+class BackgroundWriter {
+ public:
+  BackgroundWriter(std::unique_ptr<TraceWriter> writer, std::size_t cap)
+      : writer_(std::move(writer)), cap_(cap), thread_([this] { loop(); }) {}
+  ~BackgroundWriter() { stop(); }
+
+  void push(RecordType type, nlohmann::json meta, std::vector<TensorToWrite> tensors, RecorderStats& stats) {
+    Job job{type, std::move(meta), std::move(tensors), 0, nullptr};
+    job.bytes = job_bytes(job.tensors);
+    std::unique_lock<std::mutex> lock(mutex_);
+    rethrow_locked();
+    if (queued_ + job.bytes > cap_ && !queue_.empty()) {
+      ++stats.backpressure_waits;
+      const auto t0 = std::chrono::steady_clock::now();
+      popped_.wait(lock, [&] { return queue_.empty() || queued_ + job.bytes <= cap_ || error_; });
+      stats.backpressure_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      rethrow_locked();
+    }
+    queued_ += job.bytes;
+    queue_.push_back(std::move(job));
+    ++stats.records;
+    pushed_.notify_one();
+  }
+
+  // Waits until everything queued is written (and fsynced when sync).
+  void flush(bool sync) {
+    std::promise<void> done;
+    auto future = done.get_future();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      rethrow_locked();
+      Job barrier{RecordType::kEvent, nullptr, {}, 0, &done};
+      barrier.sync = sync;
+      queue_.push_back(std::move(barrier));
+      pushed_.notify_one();
+    }
+    future.get();
+  }
+
+  // Flushes, closes the trace (rename to the final name) and stops the thread.
+  void close() {
+    flush(false);
+    std::lock_guard<std::mutex> lock(mutex_);
+    writer_->close();
+  }
+
+  std::uint64_t bytes() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return written_bytes_;
+  }
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+      pushed_.notify_one();
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  struct Job {
+    RecordType type;
+    nlohmann::json meta;
+    std::vector<TensorToWrite> tensors;
+    std::size_t bytes;
+    std::promise<void>* done;
+    bool sync = false;
+  };
+
+  void rethrow_locked() {
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  void loop() {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        pushed_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping and drained
+        job = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      try {
+        if (job.done) {
+          if (job.sync && !error_) writer_->sync();
+          job.done->set_value();
+        } else if (!error_) {
+          writer_->append(job.type, std::move(job.meta), job.tensors);
+        }
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        error_ = std::current_exception();
+        if (job.done) job.done->set_exception(error_);
+      }
+      std::lock_guard<std::mutex> lock(mutex_);
+      queued_ -= job.bytes;
+      written_bytes_ = writer_->bytes_written();
+      popped_.notify_all();
+    }
+  }
+
+  std::unique_ptr<TraceWriter> writer_;
+  std::size_t cap_;
+  std::mutex mutex_;
+  std::condition_variable pushed_, popped_;
+  std::deque<Job> queue_;
+  std::size_t queued_ = 0;
+  std::uint64_t written_bytes_ = 0;
+  bool stopping_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;
+};
+
+// --- signals ---------------------------------------------------------------------------------
+
+// The handler only writes the signal number to a pipe; a watcher thread does the dump. No
+// LibTorch, allocation or locking in signal context.
+int g_signal_pipe[2] = {-1, -1};
+extern "C" void on_signal(int sig) {
+  const unsigned char b = static_cast<unsigned char>(sig);
+  [[maybe_unused]] ssize_t n = ::write(g_signal_pipe[1], &b, 1);
+}
+
+}  // namespace
+
+struct Recorder::Impl {
+  std::string path;
+  RecorderOptions options;
+  std::unique_ptr<BackgroundWriter> writer;
+  std::recursive_mutex mutex;  // public API; re-entered by dump_ring from end_step
+  RecorderStats stats;
+  bool closed = false;
+
+  std::int64_t step = -1;  // -1: between steps
+  bool first_step = true;
+  std::int64_t next_ordinal = 0;
+  std::unordered_map<std::uint64_t, std::int64_t> ordinals;  // invocation -> ordinal in step
+  std::vector<TensorToWrite> after_backward;                 // loss and grads of this step
+
+  struct RingEntry {
+    std::int64_t step;
+    nlohmann::json meta;
+    std::vector<TensorToWrite> tensors;
+  };
+  std::deque<RingEntry> ring;
+
+  std::thread signal_watcher;
+  struct sigaction old_term {}, old_int {};
+
+  bool full_now(std::int64_t s) const {
+    return options.mode == RecordMode::kFull || first_step || options.write_ahead ||
+           (options.every > 0 && s % options.every == 0);
+  }
+  bool store_values() const { return options.mode == RecordMode::kFull; }
+
+  void segment(const SegmentEvent& e, const char* phase, const char* in_prefix, const char* out_prefix) {
+    if (step < 0) return;  // outside a recorded step
+    std::int64_t ordinal;
+    if (e.phase == SegmentPhase::kForward) {
+      ordinal = next_ordinal++;
+      ordinals[e.invocation] = ordinal;
+    } else {
+      auto it = ordinals.find(e.invocation);
+      ordinal = it == ordinals.end() ? -1 : it->second;
+    }
+    nlohmann::json meta = {{"step", step}, {"segment", e.segment}, {"phase", phase}, {"ordinal", ordinal}};
+    std::vector<TensorToWrite> tensors;
+    if (in_prefix) {
+      for (std::size_t i = 0; i < e.inputs.size(); ++i) {
+        if (e.inputs[i].defined()) tensors.push_back(entry(in_prefix + std::to_string(i), e.inputs[i], store_values()));
+      }
+    }
+    for (std::size_t i = 0; i < e.outputs.size(); ++i) {
+      if (e.outputs[i].defined()) tensors.push_back(entry(out_prefix + std::to_string(i), e.outputs[i], store_values()));
+    }
+    writer->push(RecordType::kSegment, std::move(meta), std::move(tensors), stats);
+  }
+
+  void dump_ring(const std::string& reason) {
+    if (ring.empty()) return;
+    nlohmann::json steps = nlohmann::json::array();
+    for (RingEntry& r : ring) {
+      steps.push_back(r.step);
+      writer->push(RecordType::kStepBegin, r.meta, r.tensors, stats);
+    }
+    writer->push(RecordType::kEvent, {{"event", "ring_dump"}, {"reason", reason}, {"steps", steps}}, {}, stats);
+    writer->flush(/*sync=*/true);
+    ring.clear();
+    ++stats.ring_dumps;
+  }
+};
+
+namespace {
+Recorder* g_signal_recorder = nullptr;
+}
+
+Recorder::Recorder(const std::string& path, const Program& program, RecorderOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->path = path;
+  impl_->options = options;
+  if (options.every < 0 || options.ring < 0) throw Error("--every and --ring must not be negative");
+  nlohmann::json header = {
+      {"environment", Environment::current().to_json()},
+      {"program", {{"name", program.name()}, {"config", program.config()}}},
+      {"recorder",
+       {{"mode", options.mode == RecordMode::kFull ? "full" : "digest"},
+        {"every", options.every},
+        {"ring", options.ring},
+        {"write_ahead", options.write_ahead}}},
+  };
+  impl_->writer = std::make_unique<BackgroundWriter>(
+      std::make_unique<TraceWriter>(path, std::move(header), options.writer), options.queue_bytes);
+  if (options.ring > 0 && options.dump_on_signal && g_signal_recorder == nullptr && ::pipe(g_signal_pipe) == 0) {
+    g_signal_recorder = this;
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(SIGTERM, &sa, &impl_->old_term);
+    ::sigaction(SIGINT, &sa, &impl_->old_int);
+    impl_->signal_watcher = std::thread([this] {
+      unsigned char sig = 0;
+      if (::read(g_signal_pipe[0], &sig, 1) != 1 || sig == 0) return;  // 0: shut down
+      try {
+        note_exception(std::string("signal ") + (sig == SIGTERM ? "SIGTERM" : "SIGINT"));
+        close();
+      } catch (...) {
+      }
+      ::signal(sig, SIG_DFL);
+      ::raise(sig);
+    });
+  }
+}
+
+Recorder::~Recorder() {
+  try {
+    close();
+  } catch (...) {
+  }
+}
+
+const std::string& Recorder::path() const { return impl_->path; }
+
+void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& state,
+                          const std::vector<NamedTensor>& batch, double lr, double loss_scale) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
+  Impl& m = *impl_;
+  if (m.closed) throw Error("retrace::Recorder: begin_step after close");
+  m.step = step;
+  m.next_ordinal = 0;
+  m.ordinals.clear();
+  m.after_backward.clear();
+  const bool full = m.full_now(step);
+  const bool ring = m.options.ring > 0;
+  nlohmann::json meta = {{"step", step}, {"lr", number(lr)}, {"loss_scale", number(loss_scale)}, {"full", full}};
+  const std::vector<std::uint8_t> rng = RngState::capture_all().serialize();
+  at::Tensor rng_tensor = at::empty({static_cast<std::int64_t>(rng.size())}, at::kByte);
+  std::memcpy(rng_tensor.data_ptr(), rng.data(), rng.size());
+
+  std::vector<TensorToWrite> common{{"rng", rng_tensor, true, std::nullopt}};
+  for (const NamedTensor& b : batch) common.push_back(entry("batch." + b.name, b.tensor, true));
+  std::vector<TensorToWrite> full_state;
+  if (full || ring) {
+    for (const NamedTensor& s : state) full_state.push_back(entry("state." + s.name, s.tensor, true));
+  }
+  if (ring) {
+    std::vector<TensorToWrite> snapshot = common;
+    snapshot.insert(snapshot.end(), full_state.begin(), full_state.end());
+    nlohmann::json ring_meta = meta;
+    ring_meta["full"] = true;
+    ring_meta["ring"] = true;
+    m.ring.push_back({step, std::move(ring_meta), std::move(snapshot)});
+    while (static_cast<int>(m.ring.size()) > m.options.ring) m.ring.pop_front();
+  }
+  std::vector<TensorToWrite> tensors = std::move(common);
+  if (full) {
+    tensors.insert(tensors.end(), full_state.begin(), full_state.end());
+  } else {
+    for (const NamedTensor& s : state) tensors.push_back(entry("state." + s.name, s.tensor, false));
+  }
+  m.writer->push(RecordType::kStepBegin, std::move(meta), std::move(tensors), m.stats);
+  if (m.options.write_ahead) m.writer->flush(/*sync=*/true);
+  m.first_step = false;
+}
+
+void Recorder::on_forward(SegmentEvent& e) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
+  impl_->segment(e, "forward", "input.", "output.");
+}
+
+void Recorder::on_recompute(SegmentEvent& e) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
+  impl_->segment(e, "recompute", nullptr, "output.");
+}
+
+void Recorder::on_backward(SegmentEvent& e) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
+  impl_->segment(e, "backward", "grad_output.", "grad_input.");
+}
+
+void Recorder::after_backward(const at::Tensor& loss, const std::vector<NamedTensor>& grads) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
+  Impl& m = *impl_;
+  if (m.step < 0) return;
+  m.after_backward.push_back(entry("loss", loss, true));
+  for (const NamedTensor& g : grads) m.after_backward.push_back(entry(g.name, g.tensor, m.store_values()));
+}
+
+void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std::vector<NamedTensor>& state_after) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
+  Impl& m = *impl_;
+  nlohmann::json meta = {{"step", step},
+                         {"loss", number(outcome.loss)},
+                         {"grad_norm", number(outcome.grad_norm)},
+                         {"loss_scale", number(outcome.loss_scale)},
+                         {"lr", number(outcome.lr)},
+                         {"skipped", outcome.skipped},
+                         {"finite", outcome.finite()}};
+  std::vector<TensorToWrite> tensors = std::move(m.after_backward);
+  m.after_backward.clear();
+  for (const NamedTensor& s : state_after) tensors.push_back(entry("state." + s.name, s.tensor, m.store_values()));
+  m.writer->push(RecordType::kStepEnd, std::move(meta), std::move(tensors), m.stats);
+  ++m.stats.steps;
+  m.step = -1;
+  if (!outcome.finite()) {
+    m.dump_ring(std::string("non-finite ") + (std::isfinite(outcome.loss) ? "gradient norm" : "loss") +
+                " at step " + std::to_string(step));
+  }
+}
+
+void Recorder::dump_ring(const std::string& reason) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
+  if (!impl_->closed) impl_->dump_ring(reason);
+}
+
+void Recorder::note_exception(const std::string& what) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
+  Impl& m = *impl_;
+  if (m.closed) return;
+  m.writer->push(RecordType::kEvent, {{"event", "exception"}, {"what", what}, {"step", m.step}}, {}, m.stats);
+  m.dump_ring("exception: " + what);
+  m.writer->flush(/*sync=*/true);
+}
+
+void Recorder::close() {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
+  Impl& m = *impl_;
+  if (m.closed) return;
+  m.closed = true;
+  if (g_signal_recorder == this) {
+    ::sigaction(SIGTERM, &m.old_term, nullptr);
+    ::sigaction(SIGINT, &m.old_int, nullptr);
+    const unsigned char zero = 0;
+    [[maybe_unused]] ssize_t n = ::write(g_signal_pipe[1], &zero, 1);
+    if (m.signal_watcher.joinable() && m.signal_watcher.get_id() != std::this_thread::get_id()) m.signal_watcher.join();
+    else if (m.signal_watcher.joinable()) m.signal_watcher.detach();
+    ::close(g_signal_pipe[0]);
+    ::close(g_signal_pipe[1]);
+    g_signal_recorder = nullptr;
+  }
+  m.writer->close();
+  m.stats.bytes = m.writer->bytes();
+  m.writer->stop();
+}
+
+RecorderStats Recorder::stats() const {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
+  RecorderStats s = impl_->stats;
+  if (!impl_->closed) s.bytes = impl_->writer->bytes();
+  return s;
+}
+
+std::vector<StepOutcome> record_run(Program& program, Recorder& recorder, std::int64_t steps, bool stop_on_nonfinite) {
+  std::vector<StepOutcome> outcomes;
+  ObserverScope scope(recorder);
+  // Fault point for crash-consistency tests: die by SIGKILL right after step N's begin record.
+  const char* kill_env = std::getenv("RETRACE_FAULT_KILL_AT_STEP");
+  const std::int64_t kill_at = kill_env ? std::atoll(kill_env) : -1;
+  for (std::int64_t s = 1; s <= steps; ++s) {
+    try {
+      const std::vector<NamedTensor> batch = program.batch(s);
+      recorder.begin_step(s, program.state(), batch, program.lr(), program.loss_scale());
+      if (s == kill_at) ::raise(SIGKILL);
+      const StepOutcome outcome = program.step(s, batch, &recorder);
+      recorder.end_step(s, outcome, program.state());
+      outcomes.push_back(outcome);
+      if (!outcome.finite() && stop_on_nonfinite) break;
+    } catch (const std::exception& e) {
+      recorder.note_exception(e.what());
+      recorder.close();
+      throw;
+    }
+  }
+  return outcomes;
+}
+
+}  // namespace retrace

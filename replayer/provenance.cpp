@@ -1,0 +1,179 @@
+#include "provenance.h"
+
+#include <retrace/observer.h>
+#include <retrace/verify.h>
+
+#include <ATen/record_function.h>
+#include <ATen/ops/abs.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/isnan.h>
+
+#include <atomic>
+#include <string_view>
+#include <cmath>
+#include <mutex>
+
+namespace retrace {
+
+TensorStats tensor_stats(const std::string& name, const at::Tensor& t) {
+  TensorStats s;
+  s.name = name;
+  s.meta = describe(t);
+  if (!t.defined() || t.numel() == 0 || !t.has_storage()) return s;
+  const at::Tensor d = t.detach().scalar_type() == at::kBool ? t.detach().to(at::kInt) : t.detach();
+  s.nonfinite = count_nonfinite(d);
+  if (d.is_floating_point() || d.is_complex()) {
+    const at::Tensor f = d.is_complex() ? d.abs() : d;
+    const at::Tensor finite = f.masked_select(at::isfinite(f));
+    if (finite.numel() > 0) {
+      s.min = finite.min().item<double>();
+      s.max = finite.max().item<double>();
+      s.abs_max = finite.abs().max().item<double>();
+    }
+  } else {
+    s.min = d.min().item<double>();
+    s.max = d.max().item<double>();
+    s.abs_max = d.abs().max().item<double>();
+  }
+  return s;
+}
+
+namespace {
+
+struct Probe {
+  std::mutex mutex;
+  std::optional<NonFiniteOrigin> found;
+  std::atomic<bool> after_backward{false};
+};
+Probe* g_probe = nullptr;
+thread_local int t_backward_depth = 0;
+thread_local bool t_inside = false;
+
+struct ProbeContext : at::ObserverContext {
+  std::vector<at::Tensor> inputs;
+  bool infinite_scalar = false;  // e.g. masked_fill(mask, -inf): infinities by design
+};
+
+bool has_nonfinite(const at::Tensor& t) {
+  if (!t.defined() || !(t.is_floating_point() || t.is_complex()) || t.numel() == 0) return false;
+  return !at::isfinite(t.detach()).all().item<bool>();
+}
+
+bool has_nan(const at::Tensor& t) {
+  if (!t.defined() || !(t.is_floating_point() || t.is_complex()) || t.numel() == 0) return false;
+  return at::isnan(t.detach()).any().item<bool>();
+}
+
+std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+  if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) ++t_backward_depth;
+  if (t_inside || g_probe == nullptr) return nullptr;
+  auto ctx = std::make_unique<ProbeContext>();
+  for (const c10::IValue& v : fn.inputs()) {
+    if (v.isTensor()) ctx->inputs.push_back(v.toTensor());
+    else if (v.isDouble() && !std::isfinite(v.toDouble())) ctx->infinite_scalar = true;
+    else if (v.isScalar() && v.toScalar().isFloatingPoint() && !std::isfinite(v.toScalar().toDouble())) ctx->infinite_scalar = true;
+  }
+  return ctx;
+}
+
+void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
+  const bool backward_scope = fn.scope() == at::RecordScope::BACKWARD_FUNCTION;
+  struct Leave {
+    bool backward;
+    ~Leave() {
+      if (backward) --t_backward_depth;
+    }
+  } leave{backward_scope};
+  if (t_inside || g_probe == nullptr) return;
+  t_inside = true;
+  struct Reset {
+    ~Reset() { t_inside = false; }
+  } reset;
+  at::DisableRecordFunctionGuard no_recursion;
+  {
+    std::lock_guard<std::mutex> lock(g_probe->mutex);
+    if (g_probe->found) return;
+  }
+  // Allocation and view ops expose memory that some later kernel fills: their outputs hold
+  // whatever bytes were there. The op that fills them is the one to check.
+  const std::string_view name = fn.name();
+  if (name.rfind("aten::empty", 0) == 0 || name == "aten::resize_" || name == "aten::set_") return;
+  std::vector<at::Tensor> outputs;
+  for (const c10::IValue& v : fn.outputs()) {
+    if (v.isTensor()) outputs.push_back(v.toTensor());
+    else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorVector()) outputs.push_back(t);
+    }
+  }
+  bool bad = false;
+  // A view op's output aliases its input: no new values were computed (and a view of a fresh
+  // allocation shows uninitialized bytes). In-place ops (trailing '_') do compute into their input.
+  const bool in_place = !name.empty() && name.back() == '_';
+  auto aliases_input = [&](const at::Tensor& t) {
+    if (in_place || !raw || !t.has_storage()) return false;
+    for (const at::Tensor& in : static_cast<ProbeContext*>(raw)->inputs) {
+      if (in.defined() && in.has_storage() && t.storage().is_alias_of(in.storage())) return true;
+    }
+    return false;
+  };
+  // NaN always counts; an infinity counts unless the op was handed one (masking with -inf).
+  const bool inf_by_design = raw && static_cast<ProbeContext*>(raw)->infinite_scalar;
+  for (const at::Tensor& t : outputs) {
+    if (aliases_input(t)) continue;
+    bad = bad || (inf_by_design ? has_nan(t) : has_nonfinite(t));
+  }
+  if (!bad) return;
+
+  NonFiniteOrigin origin;
+  origin.op = fn.name();
+  ActiveSegment active;
+  if (current_segment(&active)) {
+    origin.segment = active.segment;
+    origin.phase = to_string(active.phase);
+  }
+  if (backward_scope || t_backward_depth > 0) origin.phase = "backward";
+  else if (origin.phase.empty()) origin.phase = g_probe->after_backward ? "optimizer" : "forward";
+  if (auto* ctx = static_cast<ProbeContext*>(raw)) {
+    for (std::size_t i = 0; i < ctx->inputs.size(); ++i) {
+      origin.inputs.push_back(tensor_stats("input " + std::to_string(i), ctx->inputs[i]));
+    }
+  }
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    origin.outputs.push_back(tensor_stats("output " + std::to_string(i), outputs[i]));
+  }
+  std::lock_guard<std::mutex> lock(g_probe->mutex);
+  if (!g_probe->found) g_probe->found = std::move(origin);
+}
+
+class AfterBackwardFlag : public StepMonitor {
+ public:
+  explicit AfterBackwardFlag(Probe& p) : probe_(p) {}
+  void after_backward(const at::Tensor&, const std::vector<NamedTensor>&) override { probe_.after_backward = true; }
+
+ private:
+  Probe& probe_;
+};
+
+}  // namespace
+
+std::optional<NonFiniteOrigin> find_first_nonfinite(Program& program, std::int64_t step,
+                                                    const std::vector<NamedTensor>& batch) {
+  Probe probe;
+  g_probe = &probe;
+  const at::CallbackHandle handle = at::addGlobalCallback(
+      at::RecordFunctionCallback(&on_start, &on_end).needsInputs(true).needsOutputs(true));
+  AfterBackwardFlag flag(probe);
+  try {
+    // Inputs that are already non-finite are reported as such by the first op that reads them.
+    program.step(step, batch, &flag);
+  } catch (...) {
+    at::removeCallback(handle);
+    g_probe = nullptr;
+    throw;
+  }
+  at::removeCallback(handle);
+  g_probe = nullptr;
+  return probe.found;
+}
+
+}  // namespace retrace

@@ -1,0 +1,354 @@
+#include <retrace/replayer.h>
+
+#include "provenance.h"
+
+#include <retrace/observer.h>
+#include <retrace/rng.h>
+
+#include <ATen/ops/isfinite.h>
+
+#include <cmath>
+#include <map>
+#include <sstream>
+
+namespace retrace {
+
+namespace {
+
+nlohmann::json digest_json(const Digest& d) { return d.algorithm == DigestAlgorithm::kNone ? nlohmann::json() : nlohmann::json(d.hex()); }
+
+}  // namespace
+
+std::string Divergence::message() const {
+  std::ostringstream os;
+  os << "step " << step << ", " << (segment.empty() ? "(outside segments)" : "segment '" + segment + "'") << ", phase "
+     << phase;
+  if (!tensor.empty()) os << ", tensor " << tensor;
+  if (!detail.empty()) os << ": " << detail;
+  if (diff) os << ": " << diff->summary();
+  else if (detail.empty()) os << ": digest " << recorded.hex() << " recorded, " << replayed.hex() << " replayed";
+  return os.str();
+}
+
+nlohmann::json Divergence::to_json() const {
+  nlohmann::json j = {{"step", step}, {"segment", segment}, {"phase", phase}, {"tensor", tensor},
+                      {"recorded_digest", digest_json(recorded)}, {"replayed_digest", digest_json(replayed)},
+                      {"detail", detail}, {"message", message()}};
+  if (diff) {
+    j["diff"] = {{"differing", diff->differing}, {"numel", diff->numel}, {"first_index", diff->first_index},
+                 {"max_abs_diff", diff->max_abs_diff}, {"max_ulp", diff->max_ulp},
+                 {"summary", diff->summary()}};
+  } else {
+    j["diff"] = nullptr;
+  }
+  return j;
+}
+
+std::string NonFiniteOrigin::message() const {
+  std::ostringstream os;
+  os << "first non-finite value at step " << step << ": op " << op << " in "
+     << (segment.empty() ? "(outside segments)" : "segment '" + segment + "'") << ", phase " << phase;
+  for (const TensorStats& s : outputs) {
+    os << "; " << s.name << " " << s.meta << " nan=" << s.nonfinite.nan << " +inf=" << s.nonfinite.pos_inf
+       << " -inf=" << s.nonfinite.neg_inf;
+  }
+  for (const TensorStats& s : inputs) {
+    os << "; " << s.name << " " << s.meta << " |max| " << s.abs_max << " nan=" << s.nonfinite.nan
+       << " inf=" << (s.nonfinite.pos_inf + s.nonfinite.neg_inf);
+  }
+  return os.str();
+}
+
+nlohmann::json NonFiniteOrigin::to_json() const {
+  auto stats = [](const std::vector<TensorStats>& v) {
+    nlohmann::json a = nlohmann::json::array();
+    for (const TensorStats& s : v) {
+      a.push_back({{"name", s.name}, {"meta", s.meta}, {"min", std::isfinite(s.min) ? nlohmann::json(s.min) : nlohmann::json(std::to_string(s.min))},
+                   {"max", std::isfinite(s.max) ? nlohmann::json(s.max) : nlohmann::json(std::to_string(s.max))},
+                   {"abs_max", std::isfinite(s.abs_max) ? nlohmann::json(s.abs_max) : nlohmann::json(std::to_string(s.abs_max))},
+                   {"nan", s.nonfinite.nan}, {"pos_inf", s.nonfinite.pos_inf}, {"neg_inf", s.nonfinite.neg_inf}});
+    }
+    return a;
+  };
+  return {{"step", step}, {"segment", segment}, {"phase", phase}, {"op", op},
+          {"inputs", stats(inputs)}, {"outputs", stats(outputs)}, {"message", message()}};
+}
+
+nlohmann::json ReplayResult::to_json() const {
+  nlohmann::json env = nlohmann::json::array();
+  for (const auto& d : environment) env.push_back({{"field", d.field}, {"recorded", d.recorded}, {"current", d.current}});
+  return {{"reproduced", reproduced},
+          {"from_step", from_step},
+          {"to_step", to_step},
+          {"first_divergence", first_divergence ? first_divergence->to_json() : nlohmann::json()},
+          {"first_nonfinite", first_nonfinite ? first_nonfinite->to_json() : nlohmann::json()},
+          {"environment_differences", env},
+          {"notes", notes}};
+}
+
+namespace {
+std::string describe_differences(const std::vector<EnvironmentDifference>& diffs) {
+  std::string s = "the trace's environment differs in what bitwise replay needs: ";
+  for (std::size_t i = 0; i < diffs.size(); ++i) {
+    const auto& d = diffs[i];
+    if (i) s += "; ";
+    s += d.field + " was " + d.recorded + ", is " + d.current;
+    if (!d.fix.empty()) s += " (" + d.fix + ")";
+  }
+  return s + "; or pass --force to replay anyway";
+}
+}  // namespace
+
+EnvironmentMismatch::EnvironmentMismatch(std::vector<EnvironmentDifference> d)
+    : Error(describe_differences(d)), differences_(std::move(d)) {}
+
+std::unique_ptr<Program> program_from_trace(const TraceReader& trace) {
+  const nlohmann::json& h = trace.header();
+  if (!h.contains("program") || !h["program"].is_object() || !h["program"].contains("name") ||
+      !h["program"]["name"].is_string() || !h["program"].contains("config") || !h["program"]["config"].is_string()) {
+    throw Error("the trace header names no program; was it written by retrace record?");
+  }
+  return make_program(h["program"]["name"].get<std::string>(), h["program"]["config"].get<std::string>());
+}
+
+namespace {
+
+struct StepRecords {
+  std::vector<std::size_t> begins;    // record indices of step_begin records (regular, then ring)
+  std::vector<std::size_t> segments;  // in file order
+  std::optional<std::size_t> end;
+};
+
+// Compares a re-executed step against its records, in order. The first difference wins.
+class Comparer : public SegmentObserver, public StepMonitor {
+ public:
+  Comparer(const TraceReader& trace, std::int64_t step, const StepRecords& records)
+      : trace_(trace), step_(step), records_(records) {
+    if (records.end) end_ = trace.read(*records.end);
+  }
+  // True when the trace holds no outcome of the step: the run died during it.
+  bool died() const { return !records_.end; }
+
+  void on_forward(SegmentEvent& e) override { segment(e, "forward", "input.", "output."); }
+  void on_recompute(SegmentEvent& e) override { segment(e, "recompute", nullptr, "output."); }
+  void on_backward(SegmentEvent& e) override { segment(e, "backward", "grad_output.", "grad_input."); }
+
+  void after_backward(const at::Tensor& loss, const std::vector<NamedTensor>& grads) override {
+    if (first || !end_) return;
+    compare(*end_, "loss", loss, "(loss)", "forward");
+    for (const NamedTensor& g : grads) compare(*end_, g.name, g.tensor, "(parameters)", "backward");
+  }
+
+  // After the step: unconsumed segment records and the post-step state.
+  void finish(const std::vector<NamedTensor>& state_after) {
+    if (!first && next_ < records_.segments.size()) {
+      const RecordInfo& info = trace_.records()[records_.segments[next_]];
+      diverge(info.segment, info.phase, "", "the trace has more segment events than the replay produced");
+    }
+    if (!end_) {
+      // The run died during this step (write-ahead snapshot, no outcome): nothing to compare.
+      unrecorded = true;
+      return;
+    }
+    for (const NamedTensor& s : state_after) compare(*end_, "state." + s.name, s.tensor, "(state)", "optimizer");
+  }
+
+  void compare(const Record& rec, const std::string& name, const at::Tensor& t, const std::string& segment,
+               const std::string& phase) {
+    if (first) return;
+    const TensorEntry* entry = rec.find(name);
+    if (!entry) {
+      diverge(segment, phase, name, "the replay produced a tensor the trace does not hold");
+      return;
+    }
+    const Digest d = digest(t);
+    if (d == entry->digest) return;
+    Divergence div;
+    div.step = step_;
+    div.segment = segment;
+    div.phase = phase;
+    div.tensor = name;
+    div.recorded = entry->digest;
+    div.replayed = d;
+    if (entry->has_data()) div.diff = bitwise_diff(trace_.decode(rec, *entry), t.detach().cpu());
+    first = std::move(div);
+  }
+
+  void diverge(const std::string& segment, const std::string& phase, const std::string& tensor, const std::string& detail) {
+    if (first) return;
+    Divergence div;
+    div.step = step_;
+    div.segment = segment;
+    div.phase = phase;
+    div.tensor = tensor;
+    div.detail = detail;
+    first = std::move(div);
+  }
+
+  std::optional<Divergence> first;
+  bool unrecorded = false;  // the trace holds no outcome of this step
+
+ private:
+  void segment(SegmentEvent& e, const char* phase, const char* in_prefix, const char* out_prefix) {
+    if (first) return;
+    if (next_ >= records_.segments.size()) {
+      if (died()) return;  // events after the crash were never recorded
+      diverge(e.segment, phase, "", "the replay ran a segment event the trace does not hold");
+      return;
+    }
+    const Record rec = trace_.read(records_.segments[next_++]);
+    const std::string rec_segment = rec.meta.value("segment", std::string());
+    const std::string rec_phase = rec.meta.value("phase", std::string());
+    if (rec_segment != e.segment || rec_phase != phase) {
+      diverge(e.segment, phase, "", "the trace's next event is segment '" + rec_segment + "' phase " + rec_phase);
+      return;
+    }
+    if (in_prefix) {
+      for (std::size_t i = 0; i < e.inputs.size(); ++i) {
+        if (e.inputs[i].defined()) compare(rec, in_prefix + std::to_string(i), e.inputs[i], e.segment, phase);
+      }
+    }
+    for (std::size_t i = 0; i < e.outputs.size(); ++i) {
+      if (e.outputs[i].defined()) compare(rec, out_prefix + std::to_string(i), e.outputs[i], e.segment, phase);
+    }
+  }
+
+  const TraceReader& trace_;
+  std::int64_t step_;
+  const StepRecords& records_;
+  std::optional<Record> end_;
+  std::size_t next_ = 0;
+};
+
+std::vector<NamedTensor> tensors_with_prefix(const TraceReader& trace, const Record& rec, const std::string& prefix) {
+  std::vector<NamedTensor> out;
+  for (const TensorEntry& e : rec.tensors) {
+    if (e.name.rfind(prefix, 0) == 0) out.push_back({e.name.substr(prefix.size()), trace.decode(rec, e)});
+  }
+  return out;
+}
+
+std::vector<std::uint8_t> rng_bytes(const TraceReader& trace, const Record& rec) {
+  const TensorEntry* e = rec.find("rng");
+  if (!e) throw Error("the step_begin record of step " + std::to_string(rec.meta.value("step", -1)) + " holds no RNG state");
+  const at::Tensor t = trace.decode(rec, *e);
+  const auto* p = t.const_data_ptr<std::uint8_t>();
+  return {p, p + t.numel()};
+}
+
+bool all_finite(const std::vector<NamedTensor>& state) {
+  for (const NamedTensor& s : state) {
+    if (s.tensor.is_floating_point() && !at::isfinite(s.tensor).all().item<bool>()) return false;
+  }
+  return true;
+}
+
+std::vector<NamedTensor> clone_all(const std::vector<NamedTensor>& v) {
+  std::vector<NamedTensor> out;
+  for (const NamedTensor& n : v) out.push_back({n.name, n.tensor.detach().clone()});
+  return out;
+}
+
+}  // namespace
+
+Replayer::Replayer(const TraceReader& trace, Program& program) : trace_(trace), program_(program) {}
+
+ReplayResult Replayer::run(const ReplayOptions& options) {
+  ReplayResult result;
+  if (trace_.truncated()) result.notes.push_back(trace_.warning());
+  const Environment recorded = Environment::from_json(trace_.header().value("environment", nlohmann::json()));
+  result.environment = recorded.differences(Environment::current());
+  if (!result.environment.empty() && !options.force) throw EnvironmentMismatch(result.environment);
+
+  std::map<std::int64_t, StepRecords> steps;
+  for (std::size_t i = 0; i < trace_.records().size(); ++i) {
+    const RecordInfo& r = trace_.records()[i];
+    if (r.step < 0) continue;
+    switch (r.type) {
+      case RecordType::kStepBegin: steps[r.step].begins.push_back(i); break;
+      case RecordType::kSegment: steps[r.step].segments.push_back(i); break;
+      case RecordType::kStepEnd: steps[r.step].end = i; break;
+      default: break;
+    }
+  }
+  std::int64_t target = -1;
+  for (const auto& [s, recs] : steps) {
+    if (!recs.begins.empty()) target = s;
+  }
+  if (target < 0) throw Error("the trace holds no recorded step");
+  if (options.step) {
+    if (!steps.count(*options.step) || steps[*options.step].begins.empty()) {
+      throw Error("the trace holds no step " + std::to_string(*options.step) + "; it has steps " +
+                  std::to_string(steps.begin()->first) + ".." + std::to_string(target) + " (see retrace inspect)");
+    }
+    target = *options.step;
+  }
+  // The anchor: the latest full snapshot at or before the target whose state is all finite (a
+  // snapshot that already holds NaN/Inf cannot show where they came from); failing that, the
+  // latest full snapshot.
+  std::optional<Record> anchor, nonfinite_anchor;
+  for (auto it = steps.upper_bound(target); it != steps.begin() && !anchor;) {
+    --it;
+    for (auto r = it->second.begins.rbegin(); r != it->second.begins.rend(); ++r) {
+      Record rec = trace_.read(*r);
+      if (!rec.meta.value("full", false)) continue;
+      if (all_finite(tensors_with_prefix(trace_, rec, "state."))) {
+        anchor = std::move(rec);
+        break;
+      }
+      if (!nonfinite_anchor) nonfinite_anchor = std::move(rec);
+    }
+  }
+  if (!anchor) anchor = std::move(nonfinite_anchor);
+  if (!anchor) throw Error("no full snapshot at or before step " + std::to_string(target) + " to replay from");
+  result.from_step = anchor->meta.value("step", std::int64_t{-1});
+  result.to_step = target;
+  program_.load_state(tensors_with_prefix(trace_, *anchor, "state."));
+
+  for (std::int64_t s = result.from_step; s <= target; ++s) {
+    const StepRecords& recs = steps[s];
+    if (recs.begins.empty()) throw Error("the trace holds no step_begin record of step " + std::to_string(s));
+    const Record begin = s == result.from_step ? *anchor : trace_.read(recs.begins.front());
+    Comparer comparer(trace_, s, recs);
+    if (s != result.from_step) {
+      for (const NamedTensor& st : program_.state()) comparer.compare(begin, "state." + st.name, st.tensor, "(state)", "step_begin");
+      const std::vector<std::uint8_t> now = RngState::capture_all().serialize();
+      if (!comparer.first && now != rng_bytes(trace_, begin)) comparer.diverge("", "step_begin", "rng", "the RNG state differs from the recorded one");
+    }
+    const std::vector<std::uint8_t> rng = rng_bytes(trace_, begin);
+    RngState::deserialize(rng.data(), rng.size()).restore();
+    std::vector<NamedTensor> batch = tensors_with_prefix(trace_, begin, "batch.");
+    const std::vector<NamedTensor> state_before = clone_all(program_.state());
+
+    StepOutcome outcome;
+    {
+      ObserverScope scope(comparer);
+      outcome = program_.step(s, batch, &comparer);
+    }
+    const std::vector<NamedTensor> state_after = program_.state();
+    comparer.finish(state_after);
+    if (comparer.first && !result.first_divergence) result.first_divergence = comparer.first;
+    if (comparer.unrecorded) {
+      std::ostringstream note;
+      note << "step " << s << " has no recorded outcome (the run died during it); re-executed from its "
+           << "snapshot: loss " << outcome.loss << ", grad norm " << outcome.grad_norm;
+      result.notes.push_back(note.str());
+    }
+
+    const bool nonfinite = !outcome.finite() || !all_finite(state_after);
+    if (nonfinite && options.provenance && !result.first_nonfinite) {
+      program_.load_state(state_before);
+      RngState::deserialize(rng.data(), rng.size()).restore();
+      result.first_nonfinite = find_first_nonfinite(program_, s, batch);
+      if (result.first_nonfinite) result.first_nonfinite->step = s;
+    }
+    if (result.first_divergence || nonfinite) {
+      result.to_step = s;
+      break;
+    }
+  }
+  result.reproduced = !result.first_divergence;
+  return result;
+}
+
+}  // namespace retrace

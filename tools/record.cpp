@@ -1,0 +1,92 @@
+// `retrace record SCENARIO.yaml -o TRACE`: trains as the scenario says, recording a trace.
+#include "commands.h"
+
+#include <retrace/recorder.h>
+#include <retrace/scenario.h>
+#include <retrace/trainer.h>
+
+#include <boost/program_options.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <iomanip>
+#include <iostream>
+
+namespace retrace::cli {
+
+namespace po = boost::program_options;
+
+int run_record(const std::vector<std::string>& args) {
+  std::string scenario, output, mode = "digest";
+  int every = 0, ring = 0;
+  std::int64_t steps = 0;
+  po::options_description opts(
+      "retrace record [SCENARIO.yaml] -o TRACE [options]\n\n"
+      "Trains as SCENARIO.yaml says and records a trace. Exit code 0 when every step stayed\n"
+      "finite, 1 when the run went non-finite (the trace then holds the flight ring), 2 for bad input.\n\n"
+      "options");
+  opts.add_options()("help,h", "show this help")(
+      "output,o", po::value<std::string>(&output), "trace to write (TRACE.incomplete while recording)")(
+      "mode", po::value<std::string>(&mode)->default_value("digest"), "digest (hashes only) or full (tensors)")(
+      "every", po::value<int>(&every)->default_value(0), "digest mode: also a full snapshot every K steps")(
+      "ring", po::value<int>(&ring)->default_value(0), "flight ring: keep the last K full snapshots, dump them on NaN/Inf, exception or SIGTERM/SIGINT")(
+      "write-ahead", "write each step's full snapshot to disk (fsync) before the step runs")(
+      "steps", po::value<std::int64_t>(&steps), "steps to run (overrides the scenario's training.steps)")(
+      "keep-going", "continue after a non-finite step instead of stopping");
+  po::options_description hidden;
+  hidden.add_options()("scenario", po::value<std::string>(&scenario));
+  po::options_description all;
+  all.add(opts).add(hidden);
+  po::positional_options_description pos;
+  pos.add("scenario", 1);
+  po::variables_map vm;
+  po::store(po::command_line_parser(args).options(all).positional(pos).run(), vm);
+  if (vm.count("help")) {
+    std::cout << opts;
+    return 0;
+  }
+  po::notify(vm);
+  if (output.empty()) throw Error("missing -o TRACE: where to write the trace");
+  if (vm.count("steps") && steps < 1) throw Error("--steps must be at least 1, got " + std::to_string(steps));
+  if (every < 0 || ring < 0) throw Error("--every and --ring must not be negative");
+  const auto parent = std::filesystem::path(output).parent_path();
+  if (!parent.empty() && !std::filesystem::is_directory(parent)) {
+    throw Error("the output folder '" + parent.string() + "' does not exist; create it first");
+  }
+
+  std::unique_ptr<Program> program;
+  if (!scenario.empty()) {
+    program = std::make_unique<ScenarioProgram>(parse_scenario_file(scenario));
+  } else if (!default_program().empty()) {
+    program = make_program(default_program(), "");
+  } else {
+    throw Error("missing SCENARIO.yaml: the scenario to record (see scenarios/ for examples)");
+  }
+  RecorderOptions options;
+  options.mode = parse_record_mode(mode);
+  options.every = every;
+  options.ring = ring;
+  options.write_ahead = vm.count("write-ahead") > 0;
+  const std::int64_t n = vm.count("steps") ? steps : program->default_steps();
+
+  Recorder recorder(output, *program, options);
+  const std::vector<StepOutcome> outcomes = record_run(*program, recorder, n, vm.count("keep-going") == 0);
+  recorder.close();
+  const RecorderStats stats = recorder.stats();
+  bool finite = true;
+  for (std::size_t i = 0; i < outcomes.size(); ++i) {
+    const StepOutcome& o = outcomes[i];
+    std::cout << "step " << std::setw(4) << i + 1 << "  loss " << std::setprecision(6) << o.loss << "  grad norm "
+              << o.grad_norm << (o.finite() ? "" : "  NON-FINITE") << "\n";
+    finite = finite && o.finite();
+  }
+  std::cout << "recorded " << outcomes.size() << " steps to " << output << " (" << mode << " mode, "
+            << stats.records << " records, " << stats.bytes / 1024 << " KiB";
+  if (stats.ring_dumps) std::cout << ", flight ring dumped";
+  if (stats.backpressure_waits) std::cout << ", writer backpressure " << stats.backpressure_waits << "x";
+  std::cout << ")\n";
+  if (!finite) std::cout << "the run went non-finite; replay it with: retrace replay " << output << "\n";
+  return finite ? 0 : 1;
+}
+
+}  // namespace retrace::cli

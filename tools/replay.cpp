@@ -1,0 +1,70 @@
+// `retrace replay TRACE`: re-executes recorded steps and compares them bit for bit.
+#include "commands.h"
+
+#include <retrace/replayer.h>
+
+#include <boost/program_options.hpp>
+
+#include <fstream>
+#include <iostream>
+
+namespace retrace::cli {
+
+namespace po = boost::program_options;
+
+int run_replay(const std::vector<std::string>& args) {
+  std::string trace_path, json_path;
+  std::int64_t step = -1;
+  po::options_description opts(
+      "retrace replay TRACE [options]\n\n"
+      "Restores the state before a recorded step and re-executes up to it, comparing every\n"
+      "recorded digest or tensor in order. Exit code 0 reproduced bitwise, 1 diverged, 2 bad input.\n\n"
+      "options");
+  opts.add_options()("help,h", "show this help")(
+      "step", po::value<std::int64_t>(&step), "last step to replay (default: the last recorded)")(
+      "json", po::value<std::string>(&json_path), "write the result as JSON to FILE ('-' for stdout)")(
+      "force", "replay even where the environment differs in a way that breaks bitwise equality")(
+      "no-provenance", "do not look for the first non-finite op");
+  po::options_description hidden;
+  hidden.add_options()("trace", po::value<std::string>(&trace_path));
+  po::options_description all;
+  all.add(opts).add(hidden);
+  po::positional_options_description pos;
+  pos.add("trace", 1);
+  po::variables_map vm;
+  po::store(po::command_line_parser(args).options(all).positional(pos).run(), vm);
+  if (vm.count("help")) {
+    std::cout << opts;
+    return 0;
+  }
+  po::notify(vm);
+  if (trace_path.empty()) throw Error("missing TRACE: the trace to replay");
+
+  const TraceReader trace(trace_path);
+  std::unique_ptr<Program> program = program_from_trace(trace);
+  ReplayOptions options;
+  if (vm.count("step")) options.step = step;
+  options.force = vm.count("force") > 0;
+  options.provenance = vm.count("no-provenance") == 0;
+  const ReplayResult result = Replayer(trace, *program).run(options);
+
+  std::ostream& out = json_path == "-" ? std::cerr : std::cout;
+  for (const std::string& note : result.notes) out << "note: " << note << "\n";
+  for (const auto& d : result.environment) out << "warning: forced despite " << d.field << " " << d.recorded << " -> " << d.current << "\n";
+  out << "replayed steps " << result.from_step << ".." << result.to_step << ": "
+      << (result.reproduced ? "reproduced bitwise" : "DIVERGED") << "\n";
+  if (result.first_divergence) out << "first divergence: " << result.first_divergence->message() << "\n";
+  if (result.first_nonfinite) out << result.first_nonfinite->message() << "\n";
+  if (!json_path.empty()) {
+    const std::string text = result.to_json().dump(2) + "\n";
+    if (json_path == "-") {
+      std::cout << text;
+    } else {
+      std::ofstream f(json_path);
+      if (!(f << text)) throw Error("cannot write --json file '" + json_path + "'");
+    }
+  }
+  return result.reproduced ? 0 : 1;
+}
+
+}  // namespace retrace::cli
