@@ -329,11 +329,15 @@ TraceReader::TraceReader(const std::string& path, ReaderOptions options)
     std::uint64_t pos = kFileHeaderBytes;
     bool seen_index = false;
     std::uint64_t index_offset = 0;
-    std::size_t indexed = 0;
     while (pos < file_size_) {
       const std::uint64_t left = file_size_ - pos;
       if (seen_index) {
-        if (left != kTrailerBytes) bad(TraceError::Kind::kMalformed, path, pos, "bytes after the index are not the trailer");
+        if (left < kTrailerBytes) {
+          warning_ = path + ": ends inside the trailer at byte offset " + std::to_string(pos) + "; all " +
+                     std::to_string(records_.size()) + " records are readable";
+          break;
+        }
+        if (left > kTrailerBytes) bad(TraceError::Kind::kMalformed, path, pos, "bytes after the index are not the trailer");
         unsigned char trailer[kTrailerBytes];
         pread_all(fd_, trailer, sizeof trailer, pos, path);
         std::uint64_t declared;
@@ -392,7 +396,6 @@ TraceReader::TraceReader(const std::string& path, ReaderOptions options)
         }
         seen_index = true;
         index_offset = pos;
-        indexed = list.size();
       } else {
         RecordInfo info{r.type, pos, h.length};
         info.step = r.meta.value("step", std::int64_t{-1});
@@ -403,8 +406,10 @@ TraceReader::TraceReader(const std::string& path, ReaderOptions options)
       pos += kRecordHeaderBytes + h.length;
     }
     if (!header_.is_object()) bad(TraceError::Kind::kMalformed, path, kFileHeaderBytes, "no header record");
-    if (seen_index && !complete_) bad(TraceError::Kind::kMalformed, path, pos, "index without trailer");
-    (void)indexed;
+    if (seen_index && !complete_ && warning_.empty()) {
+      warning_ = path + ": ends after the index without its trailer; all " + std::to_string(records_.size()) +
+                 " records are readable";
+    }
   } catch (...) {
     ::close(fd_);
     fd_ = -1;

@@ -287,7 +287,8 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
   // snapshot that already holds NaN/Inf cannot show where they came from); failing that, the
   // latest full snapshot.
   std::optional<Record> anchor, nonfinite_anchor;
-  for (auto it = steps.upper_bound(target); it != steps.begin() && !anchor;) {
+  const std::int64_t latest_anchor = options.from ? std::min(*options.from, target) : target;
+  for (auto it = steps.upper_bound(latest_anchor); it != steps.begin() && !anchor;) {
     --it;
     for (auto r = it->second.begins.rbegin(); r != it->second.begins.rend(); ++r) {
       Record rec = trace_.read(*r);

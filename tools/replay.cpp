@@ -14,7 +14,7 @@ namespace po = boost::program_options;
 
 int run_replay(const std::vector<std::string>& args) {
   std::string trace_path, json_path;
-  std::int64_t step = -1;
+  std::int64_t step = -1, from = -1;
   po::options_description opts(
       "retrace replay TRACE [options]\n\n"
       "Restores the state before a recorded step and re-executes up to it, comparing every\n"
@@ -22,6 +22,7 @@ int run_replay(const std::vector<std::string>& args) {
       "options");
   opts.add_options()("help,h", "show this help")(
       "step", po::value<std::int64_t>(&step), "last step to replay (default: the last recorded)")(
+      "from", po::value<std::int64_t>(&from), "replay from the latest full snapshot at or before this step (default: nearest to --step)")(
       "json", po::value<std::string>(&json_path), "write the result as JSON to FILE ('-' for stdout)")(
       "force", "replay even where the environment differs in a way that breaks bitwise equality")(
       "no-provenance", "do not look for the first non-finite op");
@@ -44,6 +45,7 @@ int run_replay(const std::vector<std::string>& args) {
   std::unique_ptr<Program> program = program_from_trace(trace);
   ReplayOptions options;
   if (vm.count("step")) options.step = step;
+  if (vm.count("from")) options.from = from;
   options.force = vm.count("force") > 0;
   options.provenance = vm.count("no-provenance") == 0;
   const ReplayResult result = Replayer(trace, *program).run(options);

@@ -53,6 +53,9 @@ struct NonFiniteOrigin {
 
 struct ReplayOptions {
   std::optional<std::int64_t> step;  // the last step to replay; default: the last recorded
+  // Replay from the latest full snapshot at or before this step (default: the latest at or
+  // before `step`, so a full-mode or flight-ring trace re-executes just the target step).
+  std::optional<std::int64_t> from;
   bool force = false;                // replay despite an incompatible environment
   bool provenance = true;            // find the first non-finite op of a non-finite step
 };

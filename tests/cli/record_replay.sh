@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# End-to-end through the CLI, as a user runs it: record, replay, inspect, --export (opened by
+# LibTorch's pickle loader, and by Python's torch.load(weights_only=True) where the setup's
+# Python is found), a run forced to NaN, a SIGKILL mid-step with write-ahead, and SIGTERM with
+# a flight ring.
+#   record_replay.sh RETRACE_BIN SCENARIO_DIR PICKLE_CHECK_BIN
+set -euo pipefail
+bin=$1 scenarios=$2 pickle_check=$3
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+
+# 1. A clean run replays bitwise, in digest and full mode.
+for mode in digest full; do
+  "$bin" record "$scenarios/tiny-gpt.yaml" -o "$work/$mode.trace" --mode "$mode" --steps 3 >/dev/null
+  "$bin" replay "$work/$mode.trace" --from 1 --json "$work/$mode.json" >/dev/null || fail "$mode replay diverged"
+  grep -q '"reproduced": true' "$work/$mode.json" || fail "$mode json lacks reproduced: true"
+done
+"$bin" inspect "$work/full.trace" --json >"$work/inspect.json"
+grep -q '"complete": true' "$work/inspect.json" || fail "inspect --json"
+"$bin" inspect "$work/digest.trace" | grep -q "step_begin step 2 digest" || fail "inspect text"
+
+set +e
+"$bin" replay "$work/digest.trace" --step 99 2>"$work/err" >/dev/null
+rc=$?
+set -e
+[[ $rc -eq 2 ]] && grep -q "holds no step 99; it has steps 1..3" "$work/err" || fail "--step 99: exit $rc, $(cat "$work/err")"
+
+# 2. --export writes .pt files LibTorch's pickle loader (and Python's torch.load) open.
+"$bin" inspect "$work/full.trace" --export "$work/export" 2>/dev/null >/dev/null
+n=$(ls "$work/export" | wc -l)
+[[ $n -gt 100 ]] || fail "exported only $n tensors"
+"$pickle_check" "$work/export"/*.pt || fail "pickle loader rejected an export"
+py=${RETRACE_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/retrace/torch-2.11.0}/bin/python
+if [[ -x "$py" ]]; then
+  "$py" - "$work/export" <<'PY' || fail "torch.load(weights_only=True) rejected an export"
+import sys, glob, warnings
+warnings.filterwarnings("ignore")
+import torch
+files = sorted(glob.glob(sys.argv[1] + "/*.pt"))
+for f in files:
+    t = torch.load(f, weights_only=True)
+    assert isinstance(t, torch.Tensor), f
+print(f"python: torch.load(weights_only=True) opened {len(files)} files")
+PY
+fi
+
+# 3. A run forced to NaN: exit 1, ring dumped, replay names the op.
+set +e
+"$bin" record "$scenarios/tiny-gpt-lr-explosion.yaml" -o "$work/nan.trace" --ring 2 >"$work/nan.out"
+rc=$?
+set -e
+[[ $rc -eq 1 ]] || fail "NaN record exited $rc, expected 1"
+grep -q "flight ring dumped" "$work/nan.out" || fail "no ring dump reported"
+"$bin" replay "$work/nan.trace" --json - 2>/dev/null >"$work/nan.json" || fail "NaN replay did not reproduce"
+grep -q '"op": "aten::native_layer_norm"' "$work/nan.json" || fail "first non-finite op not named: $(cat "$work/nan.json")"
+
+# 4. SIGKILL during step 3 with write-ahead: the .incomplete trace replays the dying step.
+set +e
+RETRACE_FAULT_KILL_AT_STEP=3 "$bin" record "$scenarios/tiny-gpt.yaml" -o "$work/crash.trace" --write-ahead >/dev/null 2>&1
+rc=$?
+set -e
+[[ $rc -eq 137 ]] || fail "the fault point did not kill the recorder (exit $rc)"
+[[ -f "$work/crash.trace.incomplete" && ! -f "$work/crash.trace" ]] || fail "no .incomplete trace after SIGKILL"
+"$bin" replay "$work/crash.trace.incomplete" >"$work/crash.out" || fail "crash replay failed"
+grep -q "step 3 has no recorded outcome" "$work/crash.out" || fail "crash step not re-executed: $(cat "$work/crash.out")"
+
+# 5. SIGTERM with a flight ring: the ring is written, the process dies by the signal.
+"$bin" record "$scenarios/tiny-gpt.yaml" -o "$work/term.trace" --ring 2 --steps 100000 >/dev/null 2>&1 &
+pid=$!
+for _ in $(seq 100); do
+  [[ -f "$work/term.trace.incomplete" ]] && [[ $(stat -c %s "$work/term.trace.incomplete") -gt 2000000 ]] && break
+  sleep 0.1
+done
+kill -TERM $pid
+set +e
+wait $pid
+rc=$?
+set -e
+[[ $rc -eq 143 ]] || fail "SIGTERM: exit $rc, expected 143"
+trace=$work/term.trace
+[[ -f $trace ]] || trace=$work/term.trace.incomplete
+"$bin" inspect "$trace" | grep -q "ring_dump: exception: signal SIGTERM" || fail "no ring dump after SIGTERM"
+"$bin" replay "$trace" >/dev/null || fail "SIGTERM trace did not replay"
+
+echo "ok: record/replay/inspect/export/NaN/SIGKILL/SIGTERM"

@@ -1,0 +1,316 @@
+// Record then replay: bitwise reproduction in digest and full modes, the first divergence of a
+// perturbed trace, the flight ring of a run forced to NaN and the op that went non-finite first.
+#include <retrace/gtest.h>
+#include <retrace/recorder.h>
+#include <retrace/replayer.h>
+#include <retrace/trainer.h>
+
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <functional>
+#include <unistd.h>
+
+namespace retrace {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string temp_path(const std::string& name) {
+  return (fs::temp_directory_path() / ("retrace_replay_test_" + std::to_string(::getpid()) + "_" + name)).string();
+}
+
+const char* kGpt = R"(
+name: gpt
+model: {type: tiny_gpt, layers: 4, d_model: 32, heads: 4, dropout: 0.1}
+data: {batch: 4, seed: 3}
+training: {steps: 3, optimizer: adamw, lr: 0.001, segments: 2}
+)";
+
+const char* kLstm = R"(
+name: lstm
+model: {type: lstm, layers: 2, hidden: 32, dropout: 0.1}
+training: {steps: 3, optimizer: adam, lr: 0.002, segments: 2}
+)";
+
+const char* kExplode = R"(
+name: explode
+model: {type: tiny_gpt, layers: 4, d_model: 32, heads: 4, dropout: 0.1}
+training: {steps: 20, optimizer: sgd, lr: 50000, segments: 2}
+)";
+
+struct Recorded {
+  std::string path;
+  std::vector<StepOutcome> outcomes;
+  RecorderStats stats;
+};
+
+Recorded record(const char* yaml, const std::string& name, RecorderOptions options, std::int64_t steps = -1) {
+  register_builtin_programs();
+  ScenarioProgram program(parse_scenario_text(yaml, name));
+  Recorded r;
+  r.path = temp_path(name);
+  Recorder recorder(r.path, program, options);
+  r.outcomes = record_run(program, recorder, steps > 0 ? steps : program.default_steps());
+  recorder.close();
+  r.stats = recorder.stats();
+  return r;
+}
+
+ReplayResult replay(const std::string& path, ReplayOptions options = {}) {
+  const TraceReader trace(path);
+  std::unique_ptr<Program> program = program_from_trace(trace);
+  return Replayer(trace, *program).run(options);
+}
+
+// Re-encodes a trace, letting `edit` change records (meta and tensors) on the way.
+void rewrite(const std::string& from, const std::string& to,
+             const std::function<void(Record&, std::vector<TensorToWrite>&)>& edit) {
+  const TraceReader in(from);
+  nlohmann::json header = in.header();
+  header.erase("format_version");
+  header.erase("writer");
+  TraceWriter out(to, header);
+  for (std::size_t i = 0; i < in.records().size(); ++i) {
+    Record rec = in.read(i);
+    std::vector<TensorToWrite> tensors;
+    for (const TensorEntry& e : rec.tensors) {
+      if (e.has_data()) {
+        tensors.push_back({e.name, in.decode(rec, e), true, std::nullopt});
+      } else {
+        tensors.push_back({e.name, at::empty(e.shape, at::TensorOptions().dtype(e.dtype).device(at::kMeta)), false, e.digest});
+      }
+    }
+    edit(rec, tensors);
+    rec.meta.erase("tensors");
+    out.append(rec.type, rec.meta, tensors);
+  }
+  out.close();
+}
+
+class ModesAndModels : public ::testing::TestWithParam<std::tuple<const char*, RecordMode>> {};
+
+TEST_P(ModesAndModels, RecordThenReplayIsBitwise) {
+  const auto [yaml, mode] = GetParam();
+  RecorderOptions options;
+  options.mode = mode;
+  const Recorded rec = record(yaml, mode == RecordMode::kFull ? "full" : "digest", options);
+  ASSERT_EQ(rec.outcomes.size(), 3u);
+  // From step 1: every step re-executed and compared.
+  ReplayOptions all;
+  all.from = 1;
+  const ReplayResult result = replay(rec.path, all);
+  EXPECT_TRUE(result.reproduced) << (result.first_divergence ? result.first_divergence->message() : "");
+  EXPECT_EQ(result.from_step, 1);
+  EXPECT_EQ(result.to_step, 3);
+  EXPECT_FALSE(result.first_nonfinite.has_value());
+  // By default from the nearest full snapshot: step 1 in digest mode, the target in full mode.
+  const ReplayResult nearest = replay(rec.path);
+  EXPECT_TRUE(nearest.reproduced);
+  EXPECT_EQ(nearest.from_step, mode == RecordMode::kFull ? 3 : 1);
+  // Any recorded step can be the target.
+  ReplayOptions two;
+  two.step = 2;
+  EXPECT_TRUE(replay(rec.path, two).reproduced);
+  fs::remove(rec.path);
+}
+
+INSTANTIATE_TEST_SUITE_P(Replay, ModesAndModels,
+                         ::testing::Combine(::testing::Values(kGpt, kLstm),
+                                            ::testing::Values(RecordMode::kDigest, RecordMode::kFull)),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) == kGpt ? "TinyGpt" : "Lstm") +
+                                  (std::get<1>(info.param) == RecordMode::kFull ? "Full" : "Digest");
+                         });
+
+TEST(Replay, FullModeReplaysAnyStepFromItsOwnSnapshot) {
+  RecorderOptions options;
+  options.mode = RecordMode::kFull;
+  const Recorded rec = record(kGpt, "anystep", options);
+  ReplayOptions three;
+  three.step = 3;
+  const ReplayResult r = replay(rec.path, three);
+  EXPECT_TRUE(r.reproduced);
+  EXPECT_EQ(r.from_step, 3);  // its own full step_begin, not step 1
+  fs::remove(rec.path);
+}
+
+TEST(Replay, SampledSnapshotsAnchorTheReplay) {
+  RecorderOptions options;
+  options.every = 2;
+  const Recorded rec = record(kGpt, "sampled", options, 4);
+  ReplayOptions three;
+  three.step = 3;
+  const ReplayResult r = replay(rec.path, three);
+  EXPECT_TRUE(r.reproduced);
+  EXPECT_EQ(r.from_step, 2);
+  fs::remove(rec.path);
+}
+
+// Negative control: one changed parameter element is caught at the segment that uses it.
+class Perturbed : public ::testing::TestWithParam<RecordMode> {};
+TEST_P(Perturbed, OneParameterElementDivergesAtItsSegmentAndPhase) {
+  RecorderOptions options;
+  options.mode = GetParam();
+  const Recorded rec = record(kGpt, "perturb_src", options, 2);
+  const std::string copy = temp_path("perturbed");
+  rewrite(rec.path, copy, [](Record& r, std::vector<TensorToWrite>& tensors) {
+    if (r.type != RecordType::kStepBegin || r.meta["step"] != 1) return;
+    for (TensorToWrite& t : tensors) {
+      if (t.name == "state.param.block2.fc.weight") {
+        t.tensor = t.tensor.clone();
+        t.tensor.view(-1)[5] += 0.25;
+      }
+    }
+  });
+  ReplayOptions first_step;
+  first_step.step = 1;
+  const ReplayResult r = replay(copy, first_step);
+  EXPECT_FALSE(r.reproduced);
+  ASSERT_TRUE(r.first_divergence.has_value());
+  const Divergence& d = *r.first_divergence;
+  EXPECT_EQ(d.step, 1);
+  EXPECT_EQ(d.segment, "block2..block3");
+  EXPECT_EQ(d.phase, "forward");
+  EXPECT_EQ(d.tensor, "output.0");
+  EXPECT_NE(d.recorded, d.replayed);
+  EXPECT_EQ(d.diff.has_value(), GetParam() == RecordMode::kFull);  // values only in full mode
+  if (d.diff) EXPECT_GT(d.diff->differing, 0);
+  fs::remove(rec.path);
+  fs::remove(copy);
+}
+INSTANTIATE_TEST_SUITE_P(Replay, Perturbed, ::testing::Values(RecordMode::kDigest, RecordMode::kFull),
+                         [](const auto& info) { return info.param == RecordMode::kFull ? "Full" : "Digest"; });
+
+TEST(Replay, NanRunDumpsItsFlightRingAndReplayNamesTheFirstNonFiniteOp) {
+  RecorderOptions options;
+  options.ring = 3;
+  const Recorded rec = record(kExplode, "nan", options);
+  ASSERT_FALSE(rec.outcomes.empty());
+  EXPECT_FALSE(rec.outcomes.back().finite());
+  EXPECT_LT(rec.outcomes.size(), 20u);  // stopped at the first non-finite step
+  EXPECT_EQ(rec.stats.ring_dumps, 1);
+  const TraceReader trace(rec.path);
+  int ring_snapshots = 0;
+  bool dump_event = false;
+  for (std::size_t i = 0; i < trace.records().size(); ++i) {
+    const Record r = trace.read(i);
+    ring_snapshots += r.meta.value("ring", false);
+    dump_event = dump_event || r.meta.value("event", "") == "ring_dump";
+  }
+  EXPECT_EQ(ring_snapshots, std::min<int>(3, static_cast<int>(rec.outcomes.size())));
+  EXPECT_TRUE(dump_event);
+
+  const ReplayResult r = replay(rec.path);
+  EXPECT_TRUE(r.reproduced) << (r.first_divergence ? r.first_divergence->message() : "");
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  EXPECT_EQ(r.first_nonfinite->step, static_cast<std::int64_t>(rec.outcomes.size()));
+  EXPECT_EQ(r.first_nonfinite->op, "aten::native_layer_norm");
+  EXPECT_EQ(r.first_nonfinite->segment, "block0..block1");
+  EXPECT_EQ(r.first_nonfinite->phase, "forward");
+  ASSERT_FALSE(r.first_nonfinite->inputs.empty());
+  EXPECT_EQ(r.first_nonfinite->inputs[0].nonfinite.nan, 0);  // finite but huge inputs...
+  EXPECT_GT(r.first_nonfinite->inputs[0].abs_max, 1e19);     // ...whose variance overflows
+  EXPECT_GT(r.first_nonfinite->outputs[0].nonfinite.nan, 0);
+  const nlohmann::json j = r.to_json();
+  EXPECT_EQ(j["first_nonfinite"]["op"], "aten::native_layer_norm");
+  EXPECT_TRUE(j["first_divergence"].is_null());
+  fs::remove(rec.path);
+}
+
+TEST(Replay, EnvironmentThatBreaksBitwiseEqualityIsRefusedUnlessForced) {
+  const Recorded rec = record(kGpt, "env_src", {}, 2);
+  const std::string copy = temp_path("env");
+  {
+    const TraceReader in(rec.path);
+    nlohmann::json header = in.header();
+    header["environment"]["bitwise"]["intra_op_threads"] = "64";
+    header.erase("format_version");
+    header.erase("writer");
+    TraceWriter out(copy, header);
+    out.close();
+  }
+  rewrite(rec.path, copy + ".body", [](Record&, std::vector<TensorToWrite>&) {});
+  // Splice: the edited header with the original records.
+  {
+    const TraceReader body(copy + ".body");
+    nlohmann::json header = TraceReader(copy).header();
+    header.erase("format_version");
+    header.erase("writer");
+    TraceWriter out(copy, header);
+    for (std::size_t i = 0; i < body.records().size(); ++i) {
+      Record r = body.read(i);
+      std::vector<TensorToWrite> t;
+      for (const TensorEntry& e : r.tensors) {
+        if (e.has_data()) t.push_back({e.name, body.decode(r, e), true, std::nullopt});
+        else t.push_back({e.name, at::empty(e.shape, at::TensorOptions().dtype(e.dtype).device(at::kMeta)), false, e.digest});
+      }
+      r.meta.erase("tensors");
+      out.append(r.type, r.meta, t);
+    }
+    out.close();
+  }
+  try {
+    replay(copy);
+    ADD_FAILURE() << "an incompatible environment was accepted";
+  } catch (const EnvironmentMismatch& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("intra_op_threads was 64"), std::string::npos) << what;
+    EXPECT_NE(what.find("OMP_NUM_THREADS=64"), std::string::npos) << what;
+    EXPECT_NE(what.find("--force"), std::string::npos) << what;
+  }
+  ReplayOptions force;
+  force.force = true;
+  const ReplayResult forced = replay(copy, force);
+  EXPECT_TRUE(forced.reproduced);
+  ASSERT_EQ(forced.environment.size(), 1u);
+  EXPECT_EQ(forced.environment[0].field, "intra_op_threads");
+  fs::remove(rec.path);
+  fs::remove(copy);
+  fs::remove(copy + ".body");
+}
+
+TEST(Recorder, FullQueueAppliesBackpressureAndDropsNothing) {
+  RecorderOptions options;
+  options.mode = RecordMode::kFull;
+  options.queue_bytes = 1;  // every push waits for the writer
+  const Recorded rec = record(kGpt, "backpressure", options, 2);
+  EXPECT_GT(rec.stats.backpressure_waits, 0);
+  const TraceReader trace(rec.path);
+  EXPECT_EQ(static_cast<std::int64_t>(trace.records().size()), rec.stats.records);
+  EXPECT_TRUE(replay(rec.path).reproduced);
+  fs::remove(rec.path);
+}
+
+// A program whose step throws: the exception is noted in the trace and the ring dumped.
+class Throwing : public ScenarioProgram {
+ public:
+  using ScenarioProgram::ScenarioProgram;
+  StepOutcome step(std::int64_t s, const std::vector<NamedTensor>& b, StepMonitor* m) override {
+    if (s == 3) throw std::runtime_error("data loader died");
+    return ScenarioProgram::step(s, b, m);
+  }
+};
+
+TEST(Recorder, ExceptionLeavingAStepDumpsTheRing) {
+  Throwing program(parse_scenario_text(kGpt, "throwing"));
+  const std::string path = temp_path("throwing");
+  RecorderOptions options;
+  options.ring = 2;
+  Recorder recorder(path, program, options);
+  EXPECT_THROW(record_run(program, recorder, 5), std::runtime_error);
+  const TraceReader trace(path);  // closed by record_run
+  bool noted = false;
+  int ring = 0;
+  for (std::size_t i = 0; i < trace.records().size(); ++i) {
+    const Record r = trace.read(i);
+    noted = noted || (r.meta.value("event", "") == "exception" && r.meta.value("what", "") == "data loader died");
+    ring += r.meta.value("ring", false);
+  }
+  EXPECT_TRUE(noted);
+  EXPECT_EQ(ring, 2);  // steps 2 and 3
+  fs::remove(path);
+}
+
+}  // namespace
+}  // namespace retrace

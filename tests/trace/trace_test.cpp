@@ -1,0 +1,259 @@
+// The trace format: round trips, golden files, truncation at every byte, bit flips, size caps.
+#include <retrace/gtest.h>
+#include <retrace/trace.h>
+
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <unistd.h>
+
+namespace retrace {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string temp_path(const std::string& name) {
+  return (fs::temp_directory_path() / ("retrace_trace_test_" + std::to_string(::getpid()) + "_" + name)).string();
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+void spit(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// The tensors of the small and golden traces: known answers.
+at::Tensor tensor_a() { return torch::arange(12, torch::kFloat).view({3, 4}); }
+at::Tensor tensor_b() { return (torch::arange(7, torch::kFloat) * 0.5 - 1).to(torch::kBFloat16); }
+at::Tensor tensor_c() { return torch::tensor({-3, 0, 7, 1 << 30}, torch::kLong); }
+at::Tensor tensor_d() { return torch::linspace(-2, 2, 5).to(torch::kHalf); }
+
+void write_small(const std::string& path, WriterOptions options = {}) {
+  TraceWriter w(path, {{"program", {{"name", "test"}, {"config", "small"}}}}, options);
+  w.append(RecordType::kStepBegin, {{"step", 1}, {"full", true}},
+           {{"a", tensor_a(), true, std::nullopt}, {"b", tensor_b(), true, std::nullopt},
+            {"c", tensor_c(), true, std::nullopt}, {"d", tensor_d(), false, std::nullopt}});
+  w.append(RecordType::kSegment, {{"step", 1}, {"segment", "block0"}, {"phase", "forward"}},
+           {{"output.0", tensor_d(), true, std::nullopt}});
+  w.append(RecordType::kStepEnd, {{"step", 1}, {"loss", 0.25}}, {});
+  w.close();
+}
+
+void check_small(const TraceReader& r) {
+  EXPECT_EQ(r.header()["program"]["config"], "small");
+  EXPECT_EQ(r.header()["format_version"], 1);
+  ASSERT_EQ(r.records().size(), 3u);
+  EXPECT_EQ(r.records()[1].segment, "block0");
+  EXPECT_EQ(r.records()[1].phase, "forward");
+  const Record begin = r.read(0);
+  EXPECT_EQ(begin.type, RecordType::kStepBegin);
+  EXPECT_BITWISE_EQ(tensor_a(), r.decode(begin, *begin.find("a")));
+  EXPECT_BITWISE_EQ(tensor_b(), r.decode(begin, *begin.find("b")));
+  EXPECT_BITWISE_EQ(tensor_c(), r.decode(begin, *begin.find("c")));
+  const TensorEntry& d = *begin.find("d");
+  EXPECT_FALSE(d.has_data());
+  EXPECT_EQ(d.digest, digest(tensor_d()));
+  EXPECT_EQ(d.shape, (std::vector<std::int64_t>{5}));
+  EXPECT_THROW(r.decode(begin, d), Error);
+  const Record seg = r.read(1);
+  EXPECT_BITWISE_EQ(tensor_d(), r.decode(seg, seg.tensors[0]));
+  EXPECT_EQ(r.read(2).meta["loss"], 0.25);
+}
+
+TEST(Trace, RoundTripWithAndWithoutShuffle) {
+  for (ShuffleMode mode : {ShuffleMode::kAuto, ShuffleMode::kAlways, ShuffleMode::kNever}) {
+    const std::string path = temp_path("roundtrip");
+    WriterOptions options;
+    options.shuffle = mode;
+    write_small(path, options);
+    EXPECT_FALSE(fs::exists(path + ".incomplete"));
+    const TraceReader r(path);
+    EXPECT_TRUE(r.complete());
+    EXPECT_FALSE(r.truncated());
+    check_small(r);
+    fs::remove(path);
+  }
+}
+
+TEST(Trace, OddSizesAndEveryDtypeRoundTrip) {
+  const std::string path = temp_path("dtypes");
+  std::vector<at::Tensor> tensors{torch::randn({3, 5, 7}),      torch::randn({13}).to(torch::kHalf),
+                                  torch::randn({1}).to(torch::kBFloat16), torch::randn({9}).to(torch::kDouble),
+                                  torch::randint(0, 255, {11}).to(torch::kByte), torch::tensor({true, false, true}),
+                                  torch::randn({4}, torch::kComplexFloat),   torch::empty({0, 3})};
+  {
+    TraceWriter w(path, nlohmann::json::object());
+    std::vector<TensorToWrite> list;
+    for (std::size_t i = 0; i < tensors.size(); ++i) list.push_back({"t" + std::to_string(i), tensors[i], true, std::nullopt});
+    list.push_back({"view", tensors[0].transpose(0, 2), true, std::nullopt});
+    w.append(RecordType::kEvent, {{"event", "dtypes"}}, list);
+    w.close();
+  }
+  const TraceReader r(path);
+  const Record rec = r.read(0);
+  for (std::size_t i = 0; i < tensors.size(); ++i) EXPECT_BITWISE_EQ(tensors[i], r.decode(rec, rec.tensors[i]));
+  EXPECT_BITWISE_EQ(tensors[0].transpose(0, 2).contiguous(), r.decode(rec, *rec.find("view")));
+  fs::remove(path);
+}
+
+TEST(Trace, UnclosedTraceStaysIncompleteAndReadable) {
+  const std::string path = temp_path("unclosed");
+  {
+    TraceWriter w(path, nlohmann::json::object());
+    w.append(RecordType::kStepBegin, {{"step", 1}}, {{"a", tensor_a(), true, std::nullopt}});
+    w.sync();
+  }  // no close(): as after a crash
+  EXPECT_FALSE(fs::exists(path));
+  const TraceReader r(path + ".incomplete");
+  EXPECT_FALSE(r.complete());
+  ASSERT_EQ(r.records().size(), 1u);
+  const Record rec = r.read(0);
+  EXPECT_BITWISE_EQ(tensor_a(), r.decode(rec, rec.tensors[0]));
+  fs::remove(path + ".incomplete");
+}
+
+// Golden files freeze the format: every later version must still read them.
+TEST(Trace, GoldenVersion1TraceReads) {
+  const char* dir = std::getenv("RETRACE_TEST_DATA");
+  ASSERT_NE(dir, nullptr) << "RETRACE_TEST_DATA is set by ctest";
+  const std::string golden = std::string(dir) + "/golden-v1.trace";
+  if (std::getenv("RETRACE_WRITE_GOLDEN")) write_small(golden);
+  ASSERT_TRUE(fs::exists(golden)) << golden;
+  check_small(TraceReader(golden));
+}
+
+// Every prefix of a trace either fails with a TraceError (inside the file header or header
+// record) or yields a prefix of the records, each fully readable.
+TEST(Trace, TruncationAtEveryByteIsACleanEndOrATypedError) {
+  const std::string path = temp_path("truncate_src");
+  write_small(path);
+  const std::string bytes = slurp(path);
+  const std::string cut_path = temp_path("truncate_cut");
+  std::size_t clean = 0, errors = 0;
+  for (std::size_t cut = 0; cut <= bytes.size(); ++cut) {
+    spit(cut_path, bytes.substr(0, cut));
+    try {
+      const TraceReader r(cut_path);
+      ++clean;
+      EXPECT_LE(r.records().size(), 3u);
+      EXPECT_EQ(r.complete(), cut == bytes.size()) << "cut at " << cut;
+      if (r.truncated()) EXPECT_NE(r.warning().find("readable"), std::string::npos) << r.warning();
+      for (std::size_t i = 0; i < r.records().size(); ++i) {
+        const Record rec = r.read(i);
+        for (const TensorEntry& e : rec.tensors) {
+          if (e.has_data()) r.decode(rec, e);
+        }
+      }
+      if (r.records().size() == 3) check_small(r);
+    } catch (const TraceError& e) {
+      ++errors;
+      EXPECT_NE(std::string(e.what()).find("byte offset"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_GT(clean, bytes.size() / 2);  // most cuts keep records
+  EXPECT_GT(errors, 0u);               // cuts inside the header record cannot
+  fs::remove(path);
+  fs::remove(cut_path);
+}
+
+// Every single-bit flip anywhere in a trace is detected; none crashes.
+TEST(Trace, EveryBitFlipIsDetected) {
+  const std::string path = temp_path("flip_src");
+  write_small(path);
+  const std::string bytes = slurp(path);
+  const std::string flip_path = temp_path("flip");
+  std::size_t undetected = 0;
+  for (std::size_t byte = 0; byte < bytes.size(); ++byte) {
+    for (int bit = 0; bit < 8; ++bit) {
+      std::string copy = bytes;
+      copy[byte] = static_cast<char>(copy[byte] ^ (1 << bit));
+      spit(flip_path, copy);
+      try {
+        const TraceReader r(flip_path);
+        for (std::size_t i = 0; i < r.records().size(); ++i) {
+          const Record rec = r.read(i);
+          for (const TensorEntry& e : rec.tensors) {
+            if (e.has_data()) r.decode(rec, e);
+          }
+        }
+        if (!r.truncated() && r.records().size() == 3) {
+          ++undetected;
+          ADD_FAILURE() << "flip of bit " << bit << " at byte " << byte << " went unnoticed";
+        }
+      } catch (const TraceError&) {
+      }
+    }
+  }
+  EXPECT_EQ(undetected, 0u);
+  fs::remove(path);
+  fs::remove(flip_path);
+}
+
+TEST(Trace, DeclaredSizesNeverDriveAnAllocationBeyondTheCap) {
+  const std::string path = temp_path("huge");
+  {
+    TraceWriter w(path, nlohmann::json::object());
+    const at::Tensor huge = torch::empty({std::int64_t{1} << 40}, torch::TensorOptions().device(torch::kMeta));
+    w.append(RecordType::kEvent, {{"event", "huge"}}, {{"h", huge, false, Digest{1, 2, DigestAlgorithm::kXxh3_128}}});
+    w.close();
+  }
+  try {
+    const TraceReader r(path);  // opening parses every record's tensor table
+    r.read(0);
+    ADD_FAILURE() << "a 4 TiB tensor was accepted";
+  } catch (const TraceError& e) {
+    EXPECT_EQ(e.kind(), TraceError::Kind::kTooLarge);
+    EXPECT_NE(std::string(e.what()).find("max_tensor_bytes"), std::string::npos) << e.what();
+  }
+  ReaderOptions tiny;
+  tiny.max_record_bytes = 64;
+  try {
+    TraceReader small(path, tiny);
+    ADD_FAILURE() << "a record over the cap was accepted";
+  } catch (const TraceError& e) {
+    EXPECT_EQ(e.kind(), TraceError::Kind::kTooLarge);
+  }
+  fs::remove(path);
+}
+
+TEST(Trace, WrongMagicFutureVersionAndMissingFileAreTypedErrors) {
+  const std::string path = temp_path("magic");
+  spit(path, "this is not a trace at all");
+  try {
+    TraceReader r(path);
+    ADD_FAILURE();
+  } catch (const TraceError& e) {
+    EXPECT_EQ(e.kind(), TraceError::Kind::kBadMagic);
+  }
+  write_small(path);
+  std::string bytes = slurp(path);
+  bytes[8] = 2;  // format version 2
+  spit(path, bytes);
+  try {
+    TraceReader r(path);
+    ADD_FAILURE();
+  } catch (const TraceError& e) {
+    EXPECT_EQ(e.kind(), TraceError::Kind::kVersion);
+    EXPECT_NE(std::string(e.what()).find("upgrade retrace"), std::string::npos);
+  }
+  EXPECT_THROW(TraceReader(temp_path("does_not_exist")), TraceError);
+  fs::remove(path);
+}
+
+TEST(Trace, AppendAfterCloseIsAnError) {
+  const std::string path = temp_path("closed");
+  TraceWriter w(path, nlohmann::json::object());
+  w.close();
+  w.close();  // idempotent
+  EXPECT_THROW(w.append(RecordType::kEvent, {}, {}), Error);
+  fs::remove(path);
+}
+
+}  // namespace
+}  // namespace retrace
