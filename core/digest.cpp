@@ -43,19 +43,14 @@ Digest digest(const at::Tensor& tensor) {
     throw Error("retrace::digest: only strided (dense) tensors are supported; call .to_dense() first");
   }
   if (tensor.is_meta()) throw Error("retrace::digest: a meta tensor has no values to digest");
-  at::Tensor t = tensor.resolve_conj().resolve_neg().contiguous();
+  // Fast path (no dispatch): a contiguous CPU tensor is hashed where it lies.
+  at::Tensor t = tensor;
+  if (!t.is_contiguous() || t.is_conj() || t.is_neg()) t = t.resolve_conj().resolve_neg().contiguous();
   const std::vector<std::uint8_t> header = header_bytes(t);
-
   if (t.is_cuda()) return detail::cuda_digest(t, digest_bytes(header.data(), header.size()));
   if (!t.is_cpu()) t = t.cpu();
-
-  XXH3_state_t* state = XXH3_createState();
-  if (state == nullptr) throw std::bad_alloc();
-  XXH3_128bits_reset(state);
-  XXH3_128bits_update(state, header.data(), header.size());
-  XXH3_128bits_update(state, t.const_data_ptr(), t.nbytes());
-  const XXH128_hash_t h = XXH3_128bits_digest(state);
-  XXH3_freeState(state);
+  // The header (dtype, rank, sizes) seeds the hash of the bytes.
+  const XXH128_hash_t h = XXH3_128bits_withSeed(t.const_data_ptr(), t.nbytes(), XXH3_64bits(header.data(), header.size()));
   return {h.low64, h.high64, DigestAlgorithm::kXxh3_128};
 }
 

@@ -112,6 +112,50 @@ bool want_shuffle(ShuffleMode mode, const at::Tensor& t) {
 
 }  // namespace
 
+std::string encode_tensor_payload(const at::Tensor& tensor, TensorCodec codec, int zstd_level) {
+  TORCH_INTERNAL_ASSERT(tensor.is_cpu() && tensor.is_contiguous(), "encode_tensor_payload needs a contiguous CPU tensor");
+  const std::size_t n = tensor.nbytes();
+  const auto* raw = static_cast<const unsigned char*>(tensor.const_data_ptr());
+  std::string staged;
+  if (codec == TensorCodec::kZstdShuffle && tensor.element_size() > 1) {
+    staged.resize(n);
+    shuffle(raw, reinterpret_cast<unsigned char*>(staged.data()), n, tensor.element_size());
+    raw = reinterpret_cast<const unsigned char*>(staged.data());
+  }
+  ZSTD_CCtx* cctx = ZSTD_createCCtx();
+  ZSTD_CCtx_setParameter(cctx, ZSTD_c_compressionLevel, zstd_level);
+  ZSTD_CCtx_setParameter(cctx, ZSTD_c_checksumFlag, 1);
+  std::string frame(ZSTD_compressBound(n), '\0');
+  const std::size_t size = ZSTD_compress2(cctx, frame.data(), frame.size(), raw, n);
+  ZSTD_freeCCtx(cctx);
+  if (ZSTD_isError(size)) throw Error(std::string("zstd compression failed: ") + ZSTD_getErrorName(size));
+  frame.resize(size);
+  return frame;
+}
+
+void decode_tensor_payload(const void* data, std::size_t size, TensorCodec codec, at::Tensor& out) {
+  const std::size_t n = out.nbytes();
+  const unsigned long long content = ZSTD_getFrameContentSize(data, size);
+  if (content == ZSTD_CONTENTSIZE_ERROR || content == ZSTD_CONTENTSIZE_UNKNOWN || content != n) {
+    throw Error("zstd frame does not declare its size of " + std::to_string(n) + " bytes");
+  }
+  const bool shuffled = codec == TensorCodec::kZstdShuffle && out.element_size() > 1;
+  std::string staged;
+  void* dst = out.data_ptr();
+  if (shuffled) {
+    staged.resize(n);
+    dst = staged.data();
+  }
+  const std::size_t got = ZSTD_decompress(dst, n, data, size);
+  if (ZSTD_isError(got) || got != n) {
+    throw Error(std::string("does not decompress (") + (ZSTD_isError(got) ? ZSTD_getErrorName(got) : "short") + ")");
+  }
+  if (shuffled) {
+    unshuffle(reinterpret_cast<const unsigned char*>(staged.data()), static_cast<unsigned char*>(out.data_ptr()), n,
+              out.element_size());
+  }
+}
+
 const char* to_string(RecordType type) {
   switch (type) {
     case RecordType::kHeader: return "header";
@@ -122,6 +166,15 @@ const char* to_string(RecordType type) {
     case RecordType::kIndex: return "index";
   }
   return "unknown";
+}
+
+TensorToWrite TensorToWrite::digest_only(std::string name, const at::Tensor& t, const Digest& d) {
+  TensorToWrite w;
+  w.name = std::move(name);
+  w.digest = d;
+  w.dtype = t.scalar_type();
+  w.shape = t.sizes().vec();
+  return w;
 }
 
 const TensorEntry* Record::find(const std::string& name) const {
@@ -159,6 +212,18 @@ std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta,
   for (const TensorToWrite& w : tensors) {
     TensorEntry e;
     e.name = w.name;
+    if (!w.tensor.defined()) {
+      if (w.store_data || !w.digest) throw Error("retrace::TraceWriter: entry '" + w.name + "' has neither a tensor nor a digest");
+      e.dtype = w.dtype;
+      dtype_name(e.dtype);
+      e.shape = w.shape;
+      unsigned __int128 bytes = c10::elementSize(e.dtype);
+      for (std::int64_t size : e.shape) bytes *= static_cast<unsigned __int128>(size);
+      e.raw_bytes = static_cast<std::uint64_t>(bytes);
+      e.digest = *w.digest;
+      entries.push_back(std::move(e));
+      continue;
+    }
     const at::Tensor t = w.tensor.detach();
     e.dtype = t.scalar_type();
     dtype_name(e.dtype);  // throws for dtypes the format cannot store
@@ -167,27 +232,11 @@ std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta,
     e.digest = w.digest ? *w.digest : digest(t);
     if (w.store_data) {
       const at::Tensor host = t.resolve_conj().resolve_neg().cpu().contiguous();
-      const auto* raw = static_cast<const unsigned char*>(host.const_data_ptr());
-      const bool shuffled = want_shuffle(options_.shuffle, host);
-      std::string staged;
-      if (shuffled) {
-        staged.resize(e.raw_bytes);
-        shuffle(raw, reinterpret_cast<unsigned char*>(staged.data()), e.raw_bytes, host.element_size());
-        raw = reinterpret_cast<const unsigned char*>(staged.data());
-      }
-      ZSTD_CCtx* cctx = ZSTD_createCCtx();
-      ZSTD_CCtx_setParameter(cctx, ZSTD_c_compressionLevel, options_.zstd_level);
-      ZSTD_CCtx_setParameter(cctx, ZSTD_c_checksumFlag, 1);
-      const std::size_t bound = ZSTD_compressBound(e.raw_bytes);
-      const std::size_t start = blob.size();
-      blob.resize(start + bound);
-      const std::size_t n = ZSTD_compress2(cctx, blob.data() + start, bound, raw, e.raw_bytes);
-      ZSTD_freeCCtx(cctx);
-      if (ZSTD_isError(n)) throw Error(std::string("zstd compression failed: ") + ZSTD_getErrorName(n));
-      blob.resize(start + n);
-      e.codec = shuffled ? TensorCodec::kZstdShuffle : TensorCodec::kZstd;
-      e.offset = start;
-      e.stored_bytes = n;
+      e.codec = want_shuffle(options_.shuffle, host) ? TensorCodec::kZstdShuffle : TensorCodec::kZstd;
+      const std::string frame = encode_tensor_payload(host, e.codec, options_.zstd_level);
+      e.offset = blob.size();
+      e.stored_bytes = frame.size();
+      blob += frame;
     }
     entries.push_back(std::move(e));
   }
@@ -205,15 +254,18 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
   if (!tensors.empty()) {
     nlohmann::json list = nlohmann::json::array();
     for (const TensorEntry& e : tensors) {
-      list.push_back({{"name", e.name},
-                      {"dtype", dtype_name(e.dtype)},
-                      {"shape", e.shape},
-                      {"digest", e.digest.hex()},
-                      {"digest_algorithm", static_cast<int>(e.digest.algorithm)},
-                      {"codec", static_cast<int>(e.codec)},
-                      {"raw_bytes", e.raw_bytes},
-                      {"offset", e.offset},
-                      {"stored_bytes", e.stored_bytes}});
+      nlohmann::json j = {{"name", e.name},
+                          {"dtype", dtype_name(e.dtype)},
+                          {"shape", e.shape},
+                          {"digest", e.digest.hex()},
+                          {"digest_algorithm", static_cast<int>(e.digest.algorithm)},
+                          {"raw_bytes", e.raw_bytes}};
+      if (e.has_data()) {  // digest-only entries leave codec, offset and stored_bytes at 0
+        j["codec"] = static_cast<int>(e.codec);
+        j["offset"] = e.offset;
+        j["stored_bytes"] = e.stored_bytes;
+      }
+      list.push_back(std::move(j));
     }
     meta["tensors"] = std::move(list);
   }
@@ -498,11 +550,13 @@ Record TraceReader::load(std::uint64_t offset) const {
       const int alg = field<int>(t, "digest_algorithm", path_, offset);
       if (alg < 0 || alg > 2) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown digest algorithm");
       e.digest.algorithm = static_cast<DigestAlgorithm>(alg);
-      const int codec = field<int>(t, "codec", path_, offset);
+      const int codec = t.contains("codec") ? field<int>(t, "codec", path_, offset) : 0;
       if (codec < 0 || codec > 2) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown codec");
       e.codec = static_cast<TensorCodec>(codec);
-      e.offset = field<std::uint64_t>(t, "offset", path_, offset);
-      e.stored_bytes = field<std::uint64_t>(t, "stored_bytes", path_, offset);
+      if (e.has_data()) {
+        e.offset = field<std::uint64_t>(t, "offset", path_, offset);
+        e.stored_bytes = field<std::uint64_t>(t, "stored_bytes", path_, offset);
+      }
       if (e.has_data() && (e.offset > r.blob.size() || e.stored_bytes > r.blob.size() - e.offset)) {
         bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' data lies outside its record");
       }
@@ -523,20 +577,10 @@ at::Tensor TraceReader::decode(const Record& record, const TensorEntry& e) const
     bad(TraceError::Kind::kMalformed, path_, record.offset, "tensor '" + e.name + "' zstd frame does not declare its size");
   }
   at::Tensor out = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
-  std::string staged;
-  void* dst = out.data_ptr();
-  if (e.codec == TensorCodec::kZstdShuffle) {
-    staged.resize(e.raw_bytes);
-    dst = staged.data();
-  }
-  const std::size_t n = ZSTD_decompress(dst, e.raw_bytes, src, e.stored_bytes);
-  if (ZSTD_isError(n) || n != e.raw_bytes) {
-    bad(TraceError::Kind::kChecksum, path_, record.offset,
-        "tensor '" + e.name + "' does not decompress (" + (ZSTD_isError(n) ? ZSTD_getErrorName(n) : "short") + ")");
-  }
-  if (e.codec == TensorCodec::kZstdShuffle) {
-    unshuffle(reinterpret_cast<const unsigned char*>(staged.data()), static_cast<unsigned char*>(out.data_ptr()),
-              e.raw_bytes, out.element_size());
+  try {
+    decode_tensor_payload(src, e.stored_bytes, e.codec, out);
+  } catch (const Error& err) {
+    bad(TraceError::Kind::kChecksum, path_, record.offset, "tensor '" + e.name + "' " + err.what());
   }
   if (e.digest.algorithm == DigestAlgorithm::kXxh3_128 && digest(out) != e.digest) {
     bad(TraceError::Kind::kChecksum, path_, record.offset, "tensor '" + e.name + "' does not match its digest");

@@ -36,15 +36,55 @@ nlohmann::json number(double v) {
   return v > 0 ? "inf" : "-inf";
 }
 
-// A stand-in with the tensor's dtype and shape and no data, for digest-only entries.
-at::Tensor shape_only(const at::Tensor& t) {
-  return at::empty(t.sizes(), t.options().device(at::kMeta));
+TensorToWrite entry(const std::string& name, const at::Tensor& t, bool full) {
+  if (full) return {name, t.detach().cpu().clone(), true, std::nullopt};  // a copy later steps cannot change
+  return TensorToWrite::digest_only(name, t, digest(t));
 }
 
-TensorToWrite entry(const std::string& name, const at::Tensor& t, bool full) {
-  const at::Tensor d = t.detach();
-  if (full) return {name, d.cpu().clone(), true, std::nullopt};  // a copy later steps cannot change
-  return {name, shape_only(d), false, digest(d)};
+// Host buffers for snapshots, reused once every tensor viewing them is gone: the flight ring
+// copies the whole state every step, and fresh pages cost more than the copy.
+class BufferPool {
+ public:
+  std::shared_ptr<std::uint8_t[]> get(std::size_t bytes) {
+    for (Slot& s : slots_) {
+      if (s.size >= bytes && s.buffer.use_count() == 1) return s.buffer;
+    }
+    slots_.push_back({std::shared_ptr<std::uint8_t[]>(new std::uint8_t[bytes > 0 ? bytes : 1]), bytes});
+    if (slots_.size() > 16) slots_.erase(slots_.begin());  // bound what idle buffers hold
+    return slots_.back().buffer;
+  }
+
+ private:
+  struct Slot {
+    std::shared_ptr<std::uint8_t[]> buffer;
+    std::size_t size;
+  };
+  std::vector<Slot> slots_;
+};
+
+// Host copies of many tensors in one buffer: a memcpy per contiguous CPU tensor instead of a
+// dispatched clone() each. The copies keep the buffer alive.
+std::vector<TensorToWrite> snapshot(const std::vector<NamedTensor>& tensors, const std::string& prefix,
+                                    BufferPool& pool) {
+  std::size_t total = 0;
+  for (const NamedTensor& n : tensors) total += (n.tensor.nbytes() + 63) / 64 * 64;
+  const std::shared_ptr<std::uint8_t[]> buffer = pool.get(total);
+  std::vector<TensorToWrite> out;
+  out.reserve(tensors.size());
+  std::size_t offset = 0;
+  for (const NamedTensor& n : tensors) {
+    const at::Tensor& t = n.tensor;
+    if (!t.is_cpu() || !t.is_contiguous() || t.is_conj() || t.is_neg()) {
+      out.push_back({prefix + n.name, t.detach().cpu().clone(), true, std::nullopt});
+      continue;
+    }
+    std::uint8_t* dst = buffer.get() + offset;
+    std::memcpy(dst, t.const_data_ptr(), t.nbytes());
+    offset += (t.nbytes() + 63) / 64 * 64;
+    at::Tensor copy = at::from_blob(dst, t.sizes(), [keep = buffer](void*) {}, t.options().requires_grad(false));
+    out.push_back({prefix + n.name, std::move(copy), true, std::nullopt});
+  }
+  return out;
 }
 
 std::size_t job_bytes(const std::vector<TensorToWrite>& tensors) {
@@ -205,6 +245,17 @@ struct Recorder::Impl {
   };
   std::deque<RingEntry> ring;
 
+  BufferPool pool;
+  // The state as end_step digested it (tensor, version counter): when begin_step of the next
+  // step sees the same tensors unmodified, their digests are already in the trace.
+  struct Seen {
+    std::string name;
+    const void* impl;
+    std::uint32_t version;
+    Digest digest;
+  };
+  std::vector<Seen> end_state;
+  std::int64_t end_state_step = -1;
   std::thread signal_watcher;
   struct sigaction old_term {}, old_int {};
 
@@ -213,6 +264,20 @@ struct Recorder::Impl {
            (options.every > 0 && s % options.every == 0);
   }
   bool store_values() const { return options.mode == RecordMode::kFull; }
+
+  // True when `state` holds the bits end_step digested: the same tensors at the same version
+  // counters, or (for tensors a program makes afresh, like Adam's step count) equal digests.
+  bool unchanged_since_end(const std::vector<NamedTensor>& state) const {
+    if (end_state.size() != state.size()) return false;
+    for (std::size_t i = 0; i < state.size(); ++i) {
+      const at::Tensor& t = state[i].tensor;
+      const Seen& seen = end_state[i];
+      if (seen.name != state[i].name) return false;
+      if (seen.impl == t.unsafeGetTensorImpl() && seen.version == t._version()) continue;
+      if (digest(t) != seen.digest) return false;
+    }
+    return true;
+  }
 
   void segment(const SegmentEvent& e, const char* phase, const char* in_prefix, const char* out_prefix) {
     if (step < 0) return;  // outside a recorded step
@@ -320,9 +385,7 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
   std::vector<TensorToWrite> common{{"rng", rng_tensor, true, std::nullopt}};
   for (const NamedTensor& b : batch) common.push_back(entry("batch." + b.name, b.tensor, true));
   std::vector<TensorToWrite> full_state;
-  if (full || ring) {
-    for (const NamedTensor& s : state) full_state.push_back(entry("state." + s.name, s.tensor, true));
-  }
+  if (full || ring) full_state = snapshot(state, "state.", m.pool);
   if (ring) {
     std::vector<TensorToWrite> snapshot = common;
     snapshot.insert(snapshot.end(), full_state.begin(), full_state.end());
@@ -335,6 +398,8 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
   std::vector<TensorToWrite> tensors = std::move(common);
   if (full) {
     tensors.insert(tensors.end(), full_state.begin(), full_state.end());
+  } else if (m.unchanged_since_end(state)) {
+    meta["state_as_step_end"] = m.end_state_step;  // same bits as that step_end's state digests
   } else {
     for (const NamedTensor& s : state) tensors.push_back(entry("state." + s.name, s.tensor, false));
   }
@@ -378,7 +443,17 @@ void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std
                          {"finite", outcome.finite()}};
   std::vector<TensorToWrite> tensors = std::move(m.after_backward);
   m.after_backward.clear();
-  for (const NamedTensor& s : state_after) tensors.push_back(entry("state." + s.name, s.tensor, m.store_values()));
+  m.end_state.clear();
+  for (const NamedTensor& s : state_after) {
+    const Digest d = digest(s.tensor);
+    if (m.store_values()) {
+      tensors.push_back({"state." + s.name, s.tensor.detach().cpu().clone(), true, d});
+    } else {
+      tensors.push_back(TensorToWrite::digest_only("state." + s.name, s.tensor, d));
+    }
+    m.end_state.push_back({s.name, s.tensor.unsafeGetTensorImpl(), s.tensor._version(), d});
+  }
+  m.end_state_step = step;
   m.writer->push(RecordType::kStepEnd, std::move(meta), std::move(tensors), m.stats);
   ++m.stats.steps;
   m.step = -1;
@@ -386,6 +461,11 @@ void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std
     m.dump_ring(std::string("non-finite ") + (std::isfinite(outcome.loss) ? "gradient norm" : "loss") +
                 " at step " + std::to_string(step));
   }
+}
+
+void Recorder::flush(bool sync) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
+  if (!impl_->closed) impl_->writer->flush(sync);
 }
 
 void Recorder::dump_ring(const std::string& reason) {

@@ -13,7 +13,8 @@ namespace retrace {
 // Which function produced a digest. Digests of different algorithms never compare equal.
 enum class DigestAlgorithm : std::uint8_t {
   kNone = 0,
-  // Host: XXH3-128 over a header (dtype, rank, sizes) and the contiguous bytes.
+  // Host: XXH3-128 of the contiguous bytes, seeded with XXH3-64 of a header (layout version,
+  // dtype, rank, sizes).
   kXxh3_128 = 1,
   // CUDA device kernel: two independent position-keyed 64-bit lanes summed over 8-byte words
   // (docs/checkpoint.md). Any change confined to one 8-byte word always changes the digest.

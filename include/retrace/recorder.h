@@ -66,6 +66,8 @@ class Recorder : public SegmentObserver, public StepMonitor {
   void on_backward(SegmentEvent& event) override;
   void after_backward(const at::Tensor& loss, const std::vector<NamedTensor>& grads) override;
 
+  // Waits until every record so far is written (and fsynced when sync).
+  void flush(bool sync = false);
   // Writes the ring's snapshots now (reason goes in an event record) and syncs the file.
   void dump_ring(const std::string& reason);
   // An exception left the step: note it and dump the ring.
