@@ -6,7 +6,7 @@
 #include <retrace/trainer.h>
 #include <retrace/version.h>
 
-#include <boost/program_options/errors.hpp>
+#include <boost/program_options.hpp>
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 
@@ -17,6 +17,26 @@ namespace retrace {
 namespace cli {
 namespace {
 std::string g_default_program;
+}
+
+std::optional<boost::program_options::variables_map> parse_arguments(
+    const std::vector<std::string>& args, const boost::program_options::options_description& options,
+    const char* positional_name, std::string* positional) {
+  namespace po = boost::program_options;
+  po::options_description hidden;
+  hidden.add_options()(positional_name, po::value<std::string>(positional));
+  po::options_description all;
+  all.add(options).add(hidden);
+  po::positional_options_description pos;
+  pos.add(positional_name, 1);
+  po::variables_map vm;
+  po::store(po::command_line_parser(args).options(all).positional(pos).run(), vm);
+  if (vm.count("help")) {
+    std::cout << options;
+    return std::nullopt;
+  }
+  po::notify(vm);
+  return vm;
 }
 const std::string& default_program() { return g_default_program; }
 void set_default_program(const std::string& name) { g_default_program = name; }

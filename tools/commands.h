@@ -2,10 +2,20 @@
 // The retrace CLI's subcommands. Each takes the arguments after its name and returns the exit
 // code: 0 ok / reproduced, 1 a check failed or diverged, 2 bad input or usage.
 
+#include <boost/program_options/options_description.hpp>
+#include <boost/program_options/variables_map.hpp>
+
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace retrace::cli {
+
+// Parses `args` against `options` plus one positional argument stored into `positional`.
+// Returns nullopt after printing the help when --help was given.
+std::optional<boost::program_options::variables_map> parse_arguments(
+    const std::vector<std::string>& args, const boost::program_options::options_description& options,
+    const char* positional_name, std::string* positional);
 
 int run_demo(const std::vector<std::string>& args);
 int run_record(const std::vector<std::string>& args);

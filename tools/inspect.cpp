@@ -39,19 +39,9 @@ int run_inspect(const std::vector<std::string>& args) {
       "tensors", "list every tensor of every record (text mode)")(
       "export", po::value<std::string>(&export_dir),
       "write every stored tensor to DIR as .pt files (torch.load(..., weights_only=True) opens them)");
-  po::options_description hidden;
-  hidden.add_options()("trace", po::value<std::string>(&trace_path));
-  po::options_description all;
-  all.add(opts).add(hidden);
-  po::positional_options_description pos;
-  pos.add("trace", 1);
-  po::variables_map vm;
-  po::store(po::command_line_parser(args).options(all).positional(pos).run(), vm);
-  if (vm.count("help")) {
-    std::cout << opts;
-    return 0;
-  }
-  po::notify(vm);
+  const auto parsed = parse_arguments(args, opts, "trace", &trace_path);
+  if (!parsed) return 0;
+  const po::variables_map& vm = *parsed;
   if (trace_path.empty()) throw Error("missing TRACE: the trace to inspect");
   const TraceReader trace(trace_path);
 

@@ -33,19 +33,9 @@ int run_record(const std::vector<std::string>& args) {
       "write-ahead", "write each step's full snapshot to disk (fsync) before the step runs")(
       "steps", po::value<std::int64_t>(&steps), "steps to run (overrides the scenario's training.steps)")(
       "keep-going", "continue after a non-finite step instead of stopping");
-  po::options_description hidden;
-  hidden.add_options()("scenario", po::value<std::string>(&scenario));
-  po::options_description all;
-  all.add(opts).add(hidden);
-  po::positional_options_description pos;
-  pos.add("scenario", 1);
-  po::variables_map vm;
-  po::store(po::command_line_parser(args).options(all).positional(pos).run(), vm);
-  if (vm.count("help")) {
-    std::cout << opts;
-    return 0;
-  }
-  po::notify(vm);
+  const auto parsed = parse_arguments(args, opts, "scenario", &scenario);
+  if (!parsed) return 0;
+  const po::variables_map& vm = *parsed;
   if (output.empty()) throw Error("missing -o TRACE: where to write the trace");
   if (vm.count("steps") && steps < 1) throw Error("--steps must be at least 1, got " + std::to_string(steps));
   if (every < 0 || ring < 0) throw Error("--every and --ring must not be negative");

@@ -26,19 +26,9 @@ int run_replay(const std::vector<std::string>& args) {
       "json", po::value<std::string>(&json_path), "write the result as JSON to FILE ('-' for stdout)")(
       "force", "replay even where the environment differs in a way that breaks bitwise equality")(
       "no-provenance", "do not look for the first non-finite op");
-  po::options_description hidden;
-  hidden.add_options()("trace", po::value<std::string>(&trace_path));
-  po::options_description all;
-  all.add(opts).add(hidden);
-  po::positional_options_description pos;
-  pos.add("trace", 1);
-  po::variables_map vm;
-  po::store(po::command_line_parser(args).options(all).positional(pos).run(), vm);
-  if (vm.count("help")) {
-    std::cout << opts;
-    return 0;
-  }
-  po::notify(vm);
+  const auto parsed = parse_arguments(args, opts, "trace", &trace_path);
+  if (!parsed) return 0;
+  const po::variables_map& vm = *parsed;
   if (trace_path.empty()) throw Error("missing TRACE: the trace to replay");
 
   const TraceReader trace(trace_path);
