@@ -64,6 +64,10 @@ Environment Environment::from_json(const nlohmann::json& j) {
 
 std::vector<EnvironmentDifference> Environment::differences(const Environment& now) const {
   std::vector<EnvironmentDifference> out;
+  if (bitwise.empty()) {
+    out.push_back({"environment", "not recorded", "this process", "the trace has no environment fingerprint"});
+    return out;
+  }
   for (const auto& [key, recorded] : bitwise) {
     auto it = now.bitwise.find(key);
     const std::string current = it == now.bitwise.end() ? "absent" : it->second;

@@ -3,12 +3,14 @@
 #include <retrace/version.h>
 
 #include <xxhash.h>
+#define ZSTD_STATIC_LINKING_ONLY  // ZSTD_getFrameHeader: checks the frame carries its checksum
 #include <zstd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
 #include <filesystem>
+#include <limits>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -135,6 +137,10 @@ std::string encode_tensor_payload(const at::Tensor& tensor, TensorCodec codec, i
 
 void decode_tensor_payload(const void* data, std::size_t size, TensorCodec codec, at::Tensor& out) {
   const std::size_t n = out.nbytes();
+  ZSTD_frameHeader frame{};
+  if (ZSTD_getFrameHeader(&frame, data, size) != 0 || !frame.checksumFlag) {
+    throw Error("zstd frame is malformed or carries no checksum");
+  }
   const unsigned long long content = ZSTD_getFrameContentSize(data, size);
   if (content == ZSTD_CONTENTSIZE_ERROR || content == ZSTD_CONTENTSIZE_UNKNOWN || content != n) {
     throw Error("zstd frame does not declare its size of " + std::to_string(n) + " bytes");
@@ -341,13 +347,44 @@ nlohmann::json parse_meta(const std::string& text, int max_depth, const std::str
   }
 }
 
+// A metadata field of exactly type T: integers must be JSON integers in T's range (nlohmann
+// would otherwise cast floats and booleans), strings strings, lists lists of such.
+template <typename T>
+bool valid_as(const nlohmann::json& v) {
+  if constexpr (std::is_same_v<T, std::string>) {
+    return v.is_string();
+  } else if constexpr (std::is_same_v<T, std::vector<std::int64_t>>) {
+    if (!v.is_array()) return false;
+    for (const nlohmann::json& x : v) {
+      if (!valid_as<std::int64_t>(x)) return false;
+    }
+    return true;
+  } else {
+    static_assert(std::is_integral_v<T>);
+    if (v.is_number_unsigned()) return v.get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<T>::max());
+    if (v.is_number_integer()) {
+      const auto x = v.get<std::int64_t>();
+      return std::is_signed_v<T> ? x >= static_cast<std::int64_t>(std::numeric_limits<T>::min()) &&
+                                       x <= static_cast<std::int64_t>(std::numeric_limits<T>::max())
+                                 : x >= 0;
+    }
+    return false;
+  }
+}
+
 template <typename T>
 T field(const nlohmann::json& j, const char* key, const std::string& path, std::uint64_t offset) {
-  try {
-    return j.at(key).get<T>();
-  } catch (const std::exception&) {
+  auto it = j.find(key);
+  if (it == j.end() || !valid_as<T>(*it)) {
     bad(TraceError::Kind::kMalformed, path, offset, std::string("record metadata lacks a valid '") + key + "'");
   }
+  return it->get<T>();
+}
+
+// An optional field: absent gives `fallback`, a wrong type is malformed.
+template <typename T>
+T optional_field(const nlohmann::json& j, const char* key, T fallback, const std::string& path, std::uint64_t offset) {
+  return j.contains(key) ? field<T>(j, key, path, offset) : fallback;
 }
 
 }  // namespace
@@ -419,6 +456,7 @@ TraceReader::TraceReader(const std::string& path, ReaderOptions options)
       if (h.header_checksum != static_cast<std::uint32_t>(XXH3_64bits(raw, 20))) {
         bad(TraceError::Kind::kChecksum, path, pos, "record header checksum mismatch");
       }
+      if (h.flags != 0) bad(TraceError::Kind::kMalformed, path, pos, "record flags " + std::to_string(h.flags) + " are not defined in format version 1");
       if (h.length > options_.max_record_bytes) {
         bad(TraceError::Kind::kTooLarge, path, pos,
             "record of " + std::to_string(h.length) + " bytes exceeds the cap of " +
@@ -442,7 +480,8 @@ TraceReader::TraceReader(const std::string& path, ReaderOptions options)
           bad(TraceError::Kind::kMalformed, path, pos, "the index does not list the records before it");
         }
         for (std::size_t i = 0; i < list.size(); ++i) {
-          if (!list[i].is_array() || list[i].size() < 2 || list[i][1] != records_[i].offset) {
+          if (!list[i].is_array() || list[i].size() < 2 || list[i][0] != static_cast<int>(records_[i].type) ||
+              list[i][1] != records_[i].offset) {
             bad(TraceError::Kind::kMalformed, path, pos, "index entry " + std::to_string(i) + " does not match the record");
           }
         }
@@ -450,9 +489,9 @@ TraceReader::TraceReader(const std::string& path, ReaderOptions options)
         index_offset = pos;
       } else {
         RecordInfo info{r.type, pos, h.length};
-        info.step = r.meta.value("step", std::int64_t{-1});
-        info.segment = r.meta.value("segment", std::string());
-        info.phase = r.meta.value("phase", std::string());
+        info.step = optional_field<std::int64_t>(r.meta, "step", -1, path, pos);
+        info.segment = optional_field<std::string>(r.meta, "segment", "", path, pos);
+        info.phase = optional_field<std::string>(r.meta, "phase", "", path, pos);
         records_.push_back(std::move(info));
       }
       pos += kRecordHeaderBytes + h.length;
@@ -548,9 +587,9 @@ Record TraceReader::load(std::uint64_t offset) const {
       e.digest.hi = std::stoull(hex.substr(0, 16), nullptr, 16);
       e.digest.lo = std::stoull(hex.substr(16), nullptr, 16);
       const int alg = field<int>(t, "digest_algorithm", path_, offset);
-      if (alg < 0 || alg > 2) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown digest algorithm");
+      if (alg < 1 || alg > 2) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown digest algorithm");
       e.digest.algorithm = static_cast<DigestAlgorithm>(alg);
-      const int codec = t.contains("codec") ? field<int>(t, "codec", path_, offset) : 0;
+      const int codec = optional_field<int>(t, "codec", 0, path_, offset);
       if (codec < 0 || codec > 2) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown codec");
       e.codec = static_cast<TensorCodec>(codec);
       if (e.has_data()) {

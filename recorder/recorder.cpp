@@ -107,6 +107,7 @@ class BackgroundWriter {
     Job job{type, std::move(meta), std::move(tensors), 0, nullptr};
     job.bytes = job_bytes(job.tensors);
     std::unique_lock<std::mutex> lock(mutex_);
+    if (stopping_) throw Error("retrace::Recorder: the trace is closed");
     rethrow_locked();
     if (queued_ + job.bytes > cap_ && !queue_.empty()) {
       ++stats.backpressure_waits;
@@ -127,6 +128,7 @@ class BackgroundWriter {
     auto future = done.get_future();
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_) throw Error("retrace::Recorder: the trace is closed");
       rethrow_locked();
       Job barrier{RecordType::kEvent, nullptr, {}, 0, &done};
       barrier.sync = sync;
@@ -140,6 +142,7 @@ class BackgroundWriter {
   void close() {
     flush(false);
     std::lock_guard<std::mutex> lock(mutex_);
+    rethrow_locked();  // never index a trace with a failed record in it
     writer_->close();
   }
 
@@ -183,8 +186,17 @@ class BackgroundWriter {
       }
       try {
         if (job.done) {
-          if (job.sync && !error_) writer_->sync();
-          job.done->set_value();
+          std::exception_ptr failed;
+          {
+            std::lock_guard<std::mutex> lock(mutex_);
+            failed = error_;
+          }
+          if (failed) {
+            job.done->set_exception(failed);  // an earlier record failed: the flush did not happen
+          } else {
+            if (job.sync) writer_->sync();
+            job.done->set_value();
+          }
         } else if (!error_) {
           writer_->append(job.type, std::move(job.meta), job.tensors);
         }
@@ -217,9 +229,11 @@ class BackgroundWriter {
 // The handler only writes the signal number to a pipe; a watcher thread does the dump. No
 // LibTorch, allocation or locking in signal context.
 int g_signal_pipe[2] = {-1, -1};
+std::atomic<int> g_signal_write_end{-1};  // lock-free on every platform we build for
 extern "C" void on_signal(int sig) {
   const unsigned char b = static_cast<unsigned char>(sig);
-  [[maybe_unused]] ssize_t n = ::write(g_signal_pipe[1], &b, 1);
+  const int fd = g_signal_write_end.load();
+  if (fd >= 0) [[maybe_unused]] ssize_t n = ::write(fd, &b, 1);
 }
 
 }  // namespace
@@ -250,7 +264,7 @@ struct Recorder::Impl {
   // step sees the same tensors unmodified, their digests are already in the trace.
   struct Seen {
     std::string name;
-    const void* impl;
+    at::Tensor tensor;  // held, so that its address cannot be reused by another tensor
     std::uint32_t version;
     Digest digest;
   };
@@ -273,14 +287,14 @@ struct Recorder::Impl {
       const at::Tensor& t = state[i].tensor;
       const Seen& seen = end_state[i];
       if (seen.name != state[i].name) return false;
-      if (seen.impl == t.unsafeGetTensorImpl() && seen.version == t._version()) continue;
+      if (seen.tensor.is_same(t) && seen.version == t._version()) continue;
       if (digest(t) != seen.digest) return false;
     }
     return true;
   }
 
   void segment(const SegmentEvent& e, const char* phase, const char* in_prefix, const char* out_prefix) {
-    if (step < 0) return;  // outside a recorded step
+    if (step < 0 || closed) return;  // outside a recorded step, or after a signal closed the trace
     std::int64_t ordinal;
     if (e.phase == SegmentPhase::kForward) {
       ordinal = next_ordinal++;
@@ -338,6 +352,7 @@ Recorder::Recorder(const std::string& path, const Program& program, RecorderOpti
       std::make_unique<TraceWriter>(path, std::move(header), options.writer), options.queue_bytes);
   if (options.ring > 0 && options.dump_on_signal && g_signal_recorder == nullptr && ::pipe(g_signal_pipe) == 0) {
     g_signal_recorder = this;
+    g_signal_write_end.store(g_signal_pipe[1]);
     struct sigaction sa {};
     sa.sa_handler = on_signal;
     sigemptyset(&sa.sa_mask);
@@ -426,7 +441,7 @@ void Recorder::on_backward(SegmentEvent& e) {
 void Recorder::after_backward(const at::Tensor& loss, const std::vector<NamedTensor>& grads) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
   Impl& m = *impl_;
-  if (m.step < 0) return;
+  if (m.step < 0 || m.closed) return;
   m.after_backward.push_back(entry("loss", loss, true));
   for (const NamedTensor& g : grads) m.after_backward.push_back(entry(g.name, g.tensor, m.store_values()));
 }
@@ -434,6 +449,7 @@ void Recorder::after_backward(const at::Tensor& loss, const std::vector<NamedTen
 void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std::vector<NamedTensor>& state_after) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
   Impl& m = *impl_;
+  if (m.closed) throw Error("retrace::Recorder: end_step after close");
   nlohmann::json meta = {{"step", step},
                          {"loss", number(outcome.loss)},
                          {"grad_norm", number(outcome.grad_norm)},
@@ -451,7 +467,7 @@ void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std
     } else {
       tensors.push_back(TensorToWrite::digest_only("state." + s.name, s.tensor, d));
     }
-    m.end_state.push_back({s.name, s.tensor.unsafeGetTensorImpl(), s.tensor._version(), d});
+    m.end_state.push_back({s.name, s.tensor, s.tensor._version(), d});
   }
   m.end_state_step = step;
   m.writer->push(RecordType::kStepEnd, std::move(meta), std::move(tensors), m.stats);
@@ -483,24 +499,44 @@ void Recorder::note_exception(const std::string& what) {
 }
 
 void Recorder::close() {
-  std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
-  Impl& m = *impl_;
-  if (m.closed) return;
-  m.closed = true;
-  if (g_signal_recorder == this) {
-    ::sigaction(SIGTERM, &m.old_term, nullptr);
-    ::sigaction(SIGINT, &m.old_int, nullptr);
-    const unsigned char zero = 0;
-    [[maybe_unused]] ssize_t n = ::write(g_signal_pipe[1], &zero, 1);
-    if (m.signal_watcher.joinable() && m.signal_watcher.get_id() != std::this_thread::get_id()) m.signal_watcher.join();
-    else if (m.signal_watcher.joinable()) m.signal_watcher.detach();
-    ::close(g_signal_pipe[0]);
-    ::close(g_signal_pipe[1]);
-    g_signal_recorder = nullptr;
+  std::thread watcher;
+  int read_end = -1;
+  {
+    std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
+    Impl& m = *impl_;
+    if (m.closed) return;
+    m.closed = true;
+    if (g_signal_recorder == this) {
+      ::sigaction(SIGTERM, &m.old_term, nullptr);
+      ::sigaction(SIGINT, &m.old_int, nullptr);
+      const int write_end = g_signal_write_end.exchange(-1);  // a late handler writes nowhere
+      const unsigned char zero = 0;
+      [[maybe_unused]] ssize_t n = ::write(write_end, &zero, 1);  // wakes the watcher to leave
+      ::close(write_end);
+      read_end = g_signal_pipe[0];
+      watcher = std::move(m.signal_watcher);
+      g_signal_recorder = nullptr;
+    }
+    try {
+      m.writer->close();
+    } catch (...) {
+      m.stats.bytes = m.writer->bytes();
+      m.writer->stop();
+      throw;
+    }
+    m.stats.bytes = m.writer->bytes();
+    m.writer->stop();
   }
-  m.writer->close();
-  m.stats.bytes = m.writer->bytes();
-  m.writer->stop();
+  // Join outside the lock: a watcher that caught a signal may be waiting for it (it then finds
+  // the trace closed, and re-raises the signal).
+  if (watcher.joinable()) {
+    if (watcher.get_id() == std::this_thread::get_id()) {
+      watcher.detach();
+    } else {
+      watcher.join();
+    }
+  }
+  if (read_end >= 0) ::close(read_end);
 }
 
 RecorderStats Recorder::stats() const {

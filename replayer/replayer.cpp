@@ -7,6 +7,7 @@
 
 #include <ATen/ops/isfinite.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <sstream>
@@ -151,11 +152,14 @@ class Comparer : public SegmentObserver, public StepMonitor {
       return;
     }
     for (const NamedTensor& s : state_after) compare(*end_, "state." + s.name, s.tensor, "(state)", "optimizer");
+    require_all(*end_, "grad.", "(parameters)", "backward");
+    require_all(*end_, "state.", "(state)", "optimizer");
   }
 
   void compare(const Record& rec, const std::string& name, const at::Tensor& t, const std::string& segment,
                const std::string& phase) {
     if (first) return;
+    compared_[rec.offset].push_back(name);
     const TensorEntry* entry = rec.find(name);
     if (!entry) {
       diverge(segment, phase, name, "the replay produced a tensor the trace does not hold");
@@ -185,6 +189,19 @@ class Comparer : public SegmentObserver, public StepMonitor {
     first = std::move(div);
   }
 
+  // Recorded entries of `rec` with `prefix` that the replay never produced.
+  void require_all(const Record& rec, const std::string& prefix, const std::string& segment, const std::string& phase) {
+    if (first) return;
+    const std::vector<std::string>& seen = compared_[rec.offset];
+    for (const TensorEntry& e : rec.tensors) {
+      if (e.name.rfind(prefix, 0) != 0) continue;
+      if (std::find(seen.begin(), seen.end(), e.name) == seen.end()) {
+        diverge(segment, phase, e.name, "the trace holds a tensor the replay did not produce");
+        return;
+      }
+    }
+  }
+
   std::optional<Divergence> first;
   bool unrecorded = false;  // the trace holds no outcome of this step
 
@@ -211,6 +228,7 @@ class Comparer : public SegmentObserver, public StepMonitor {
     for (std::size_t i = 0; i < e.outputs.size(); ++i) {
       if (e.outputs[i].defined()) compare(rec, out_prefix + std::to_string(i), e.outputs[i], e.segment, phase);
     }
+    require_all(rec, "", e.segment, phase);
   }
 
   const TraceReader& trace_;
@@ -218,6 +236,7 @@ class Comparer : public SegmentObserver, public StepMonitor {
   const StepRecords& records_;
   std::optional<Record> end_;
   std::size_t next_ = 0;
+  std::map<std::uint64_t, std::vector<std::string>> compared_;  // record offset -> names compared
 };
 
 std::vector<NamedTensor> tensors_with_prefix(const TraceReader& trace, const Record& rec, const std::string& prefix) {
@@ -231,6 +250,7 @@ std::vector<NamedTensor> tensors_with_prefix(const TraceReader& trace, const Rec
 std::vector<std::uint8_t> rng_bytes(const TraceReader& trace, const Record& rec) {
   const TensorEntry* e = rec.find("rng");
   if (!e) throw Error("the step_begin record of step " + std::to_string(rec.meta.value("step", -1)) + " holds no RNG state");
+  if (e->dtype != at::kByte || e->shape.size() != 1) throw Error("the RNG state of step " + std::to_string(rec.meta.value("step", -1)) + " is not a byte vector");
   const at::Tensor t = trace.decode(rec, *e);
   const auto* p = t.const_data_ptr<std::uint8_t>();
   return {p, p + t.numel()};
@@ -292,7 +312,8 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
     --it;
     for (auto r = it->second.begins.rbegin(); r != it->second.begins.rend(); ++r) {
       Record rec = trace_.read(*r);
-      if (!rec.meta.value("full", false)) continue;
+      const auto full = rec.meta.find("full");
+      if (full == rec.meta.end() || !full->is_boolean() || !full->get<bool>()) continue;
       if (all_finite(tensors_with_prefix(trace_, rec, "state."))) {
         anchor = std::move(rec);
         break;
@@ -312,7 +333,7 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
     const Record begin = s == result.from_step ? *anchor : trace_.read(recs.begins.front());
     Comparer comparer(trace_, s, recs);
     // A step_begin that says its state is the previous step_end's was checked there.
-    if (s != result.from_step && !begin.meta.contains("state_as_step_end")) {
+    if (s != result.from_step && !(begin.meta.contains("state_as_step_end") && s > result.from_step)) {
       for (const NamedTensor& st : program_.state()) comparer.compare(begin, "state." + st.name, st.tensor, "(state)", "step_begin");
     }
     if (s != result.from_step) {

@@ -59,12 +59,20 @@ void save_adam(const State& st, const std::string& prefix, std::vector<NamedTens
   }
 }
 
+const at::Tensor& need(const std::map<std::string, at::Tensor>& by_name, const std::string& name) {
+  auto it = by_name.find(name);
+  if (it == by_name.end()) throw Error("the recorded state lacks '" + name + "'; was it recorded by another scenario?");
+  return it->second;
+}
+
 template <typename State>
 std::unique_ptr<State> load_adam(const std::map<std::string, at::Tensor>& by_name, const std::string& prefix) {
   auto st = std::make_unique<State>();
-  st->step(by_name.at(prefix + "step").item<std::int64_t>());
-  st->exp_avg(by_name.at(prefix + "exp_avg").clone());
-  st->exp_avg_sq(by_name.at(prefix + "exp_avg_sq").clone());
+  const at::Tensor& step = need(by_name, prefix + "step");
+  if (step.numel() != 1 || step.is_floating_point()) throw Error("the recorded '" + prefix + "step' is not an integer scalar");
+  st->step(step.item<std::int64_t>());
+  st->exp_avg(need(by_name, prefix + "exp_avg").clone());
+  st->exp_avg_sq(need(by_name, prefix + "exp_avg_sq").clone());
   if (auto it = by_name.find(prefix + "max_exp_avg_sq"); it != by_name.end()) st->max_exp_avg_sq(it->second.clone());
   return st;
 }
@@ -156,7 +164,7 @@ void ScenarioProgram::load_state(const std::vector<NamedTensor>& state) {
       states[key] = load_adam<torch::optim::AdamParamState>(local, prefix);
     } else {
       auto st = std::make_unique<torch::optim::SGDParamState>();
-      st->momentum_buffer(local.at(prefix + "momentum_buffer").clone());
+      st->momentum_buffer(need(local, prefix + "momentum_buffer").clone());
       states[key] = std::move(st);
     }
   }

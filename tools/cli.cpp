@@ -10,6 +10,8 @@
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 
+#include <nlohmann/json.hpp>
+
 #include <iostream>
 
 namespace retrace {
@@ -92,6 +94,9 @@ int main(int argc, char** argv) {
       return 2;
     } catch (const retrace::Error& e) {
       std::cerr << "retrace " << c.name << ": " << e.what() << "\n";
+      return 2;
+    } catch (const nlohmann::json::exception& e) {
+      std::cerr << "retrace " << c.name << ": malformed metadata in the input (" << e.what() << ")\n";
       return 2;
     } catch (const c10::Error& e) {
       std::cerr << "retrace " << c.name << ": " << e.what_without_backtrace() << "\n";

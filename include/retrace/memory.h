@@ -9,7 +9,9 @@ namespace retrace {
 // While alive, every CPU tensor allocation goes through a counting wrapper around the allocator
 // that was installed before. live_bytes() is what is allocated now and not yet freed (counting
 // from construction), peak_bytes() its maximum. One instance at a time (throws retrace::Error
-// otherwise). Cost: two relaxed atomic adds per allocation and free.
+// otherwise). Cost: a mutex and a hash-table entry per allocation and free. Allocations made
+// under an earlier counter and freed under this one are subtracted too, so live_bytes() can go
+// below zero then: create the counter before what it should measure.
 class CpuMemoryCounter {
  public:
   CpuMemoryCounter();

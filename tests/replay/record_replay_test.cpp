@@ -186,6 +186,25 @@ TEST_P(Perturbed, OneParameterElementDivergesAtItsSegmentAndPhase) {
   fs::remove(rec.path);
   fs::remove(copy);
 }
+// A recorded tensor the replay does not produce is a divergence too (e.g. an optimizer state the
+// replayed program lost).
+TEST(Replay, RecordedTensorMissingFromTheReplayDiverges) {
+  const Recorded rec = record(kGpt, "extra_src", {}, 2);
+  const std::string copy = temp_path("extra");
+  rewrite(rec.path, copy, [](Record& r, std::vector<TensorToWrite>& tensors) {
+    if (r.type == RecordType::kStepEnd && r.meta["step"] == 1) {
+      tensors.push_back(TensorToWrite::digest_only("state.optim.ghost.exp_avg", torch::zeros({2}), digest(torch::zeros({2}))));
+    }
+  });
+  const ReplayResult r = replay(copy);
+  ASSERT_TRUE(r.first_divergence.has_value());
+  EXPECT_EQ(r.first_divergence->step, 1);
+  EXPECT_EQ(r.first_divergence->phase, "optimizer");
+  EXPECT_EQ(r.first_divergence->tensor, "state.optim.ghost.exp_avg");
+  fs::remove(rec.path);
+  fs::remove(copy);
+}
+
 INSTANTIATE_TEST_SUITE_P(Replay, Perturbed, ::testing::Values(RecordMode::kDigest, RecordMode::kFull),
                          [](const auto& info) { return info.param == RecordMode::kFull ? "Full" : "Digest"; });
 

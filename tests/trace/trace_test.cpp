@@ -246,6 +246,28 @@ TEST(Trace, WrongMagicFutureVersionAndMissingFileAreTypedErrors) {
   fs::remove(path);
 }
 
+// Well-framed records with metadata of the wrong types are malformed, never another exception.
+TEST(Trace, MetadataOfTheWrongTypeIsMalformed) {
+  const std::vector<nlohmann::json> metas = {
+      {{"step", "1"}}, {{"step", nullptr}}, {{"step", 1.5}}, {{"segment", 0}}, {{"phase", true}}};
+  for (const nlohmann::json& meta : metas) {
+    SCOPED_TRACE(meta.dump());
+    const std::string path = temp_path("types");
+    {
+      TraceWriter w(path, nlohmann::json::object());
+      w.append(RecordType::kSegment, meta, {});
+      w.close();
+    }
+    try {
+      TraceReader r(path);
+      ADD_FAILURE() << "accepted";
+    } catch (const TraceError& e) {
+      EXPECT_EQ(e.kind(), TraceError::Kind::kMalformed);
+    }
+    fs::remove(path);
+  }
+}
+
 TEST(Trace, AppendAfterCloseIsAnError) {
   const std::string path = temp_path("closed");
   TraceWriter w(path, nlohmann::json::object());
