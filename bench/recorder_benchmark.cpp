@@ -2,6 +2,7 @@
 // replay time against the original step. Every figure is a ratio measured in the same run.
 #include <retrace/recorder.h>
 #include <retrace/replayer.h>
+#include <retrace/io.h>
 #include <retrace/trace.h>
 #include <retrace/trainer.h>
 
@@ -156,6 +157,40 @@ RETRACE_CODEC_BENCH(WeightsF16, weights(at::kHalf))
 RETRACE_CODEC_BENCH(ActivationsF32, activations(at::kFloat))
 RETRACE_CODEC_BENCH(ActivationsBF16, activations(at::kBFloat16))
 RETRACE_CODEC_BENCH(ActivationsF16, activations(at::kHalf))
+
+// Durable writes: encode, write to a file and fsync, as a trace writer (or a checkpoint saver)
+// must. The codec's smaller output competes with torch::save's faster encoding.
+void BM_DurableWrite(benchmark::State& state, const char* variant) {
+  const std::string which = variant;
+  const at::Tensor t = weights(at::kBFloat16);
+  const std::string path = bench_path(std::string("durable_") + variant);
+  double total = 0;
+  std::size_t bytes = 0;
+  for (auto _ : state) {
+    const double dt = seconds([&] {
+      std::string encoded;
+      if (which == "torch_save") {
+        std::ostringstream os;
+        torch::save(t, os);
+        encoded = os.str();
+      } else {
+        encoded = encode_tensor_payload(t, TensorCodec::kZstdShuffle);
+      }
+      bytes = encoded.size();
+      auto file = io::posix_file_system().create(path);
+      file->append(encoded.data(), encoded.size());
+      file->sync();
+      file->close();
+    });
+    total += dt;
+    state.SetIterationTime(dt);
+  }
+  state.counters["GBps_of_tensor"] = static_cast<double>(state.iterations()) * t.nbytes() / total / 1e9;
+  state.counters["file_MiB"] = bytes / 1048576.0;
+  std::filesystem::remove(path);
+}
+BENCHMARK_CAPTURE(BM_DurableWrite, retrace_bf16_weights, "retrace")->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_DurableWrite, torch_save_bf16_weights, "torch_save")->UseManualTime()->Unit(benchmark::kMillisecond);
 
 // Replaying a recorded step (open the trace, restore, re-execute, compare) against the step.
 void BM_ReplayVsStep(benchmark::State& state) {
