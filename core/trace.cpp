@@ -86,6 +86,7 @@ std::string hex64(std::uint64_t v) {
 // --- byte shuffle ----------------------------------------------------------------------------
 
 void shuffle(const unsigned char* in, unsigned char* out, std::size_t n, std::size_t width) {
+  if (n == 0) return;  // an empty tensor may have no data pointer at all
   const std::size_t count = n / width;
   for (std::size_t b = 0; b < width; ++b) {
     unsigned char* dst = out + b * count;
@@ -95,6 +96,7 @@ void shuffle(const unsigned char* in, unsigned char* out, std::size_t n, std::si
 }
 
 void unshuffle(const unsigned char* in, unsigned char* out, std::size_t n, std::size_t width) {
+  if (n == 0) return;
   const std::size_t count = n / width;
   for (std::size_t b = 0; b < width; ++b) {
     const unsigned char* src = in + b * count;

@@ -2,6 +2,7 @@
 // Umbrella header: everything public in retrace.
 #include <retrace/autocast.h>
 #include <retrace/checkpoint.h>
+#include <retrace/determinism.h>
 #include <retrace/diff.h>
 #include <retrace/digest.h>
 #include <retrace/error.h>

@@ -154,3 +154,38 @@ TEST(RngState, TruncatedOrCorruptBytesGiveAnErrorNamingTheOffset) {
 
 }  // namespace
 }  // namespace retrace
+
+// DeterministicGuard: flags on while alive, restored after; cuBLAS configured before CUDA use.
+#include <retrace/determinism.h>
+
+namespace retrace {
+namespace {
+
+TEST(DeterministicGuard, TurnsFlagsOnAndRestoresThem) {
+  auto& ctx = at::globalContext();
+  ctx.setDeterministicAlgorithms(false, false);
+  ctx.setBenchmarkCuDNN(true);
+  {
+    DeterministicGuard guard;
+    EXPECT_TRUE(ctx.deterministicAlgorithms());
+    EXPECT_FALSE(ctx.deterministicAlgorithmsWarnOnly());
+    EXPECT_TRUE(ctx.deterministicCuDNN());
+    EXPECT_FALSE(ctx.benchmarkCuDNN());
+    EXPECT_TRUE(cublas_workspace_config_is_deterministic());  // set by the guard (no CUDA used yet)
+  }
+  EXPECT_FALSE(ctx.deterministicAlgorithms());
+  EXPECT_TRUE(ctx.benchmarkCuDNN());
+  ctx.setBenchmarkCuDNN(false);
+}
+
+TEST(DeterministicGuard, RecognizesTheDocumentedWorkspaceConfigs) {
+  ::setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8", 1);
+  EXPECT_TRUE(cublas_workspace_config_is_deterministic());
+  ::setenv("CUBLAS_WORKSPACE_CONFIG", ":1024:2", 1);
+  EXPECT_FALSE(cublas_workspace_config_is_deterministic());
+  ::unsetenv("CUBLAS_WORKSPACE_CONFIG");
+  EXPECT_FALSE(cublas_workspace_config_is_deterministic());
+}
+
+}  // namespace
+}  // namespace retrace
