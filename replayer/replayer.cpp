@@ -2,6 +2,7 @@
 
 #include "provenance.h"
 
+#include <retrace/determinism.h>
 #include <retrace/observer.h>
 #include <retrace/rng.h>
 
@@ -277,6 +278,11 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
   ReplayResult result;
   if (trace_.truncated()) result.notes.push_back(trace_.warning());
   const Environment recorded = Environment::from_json(trace_.header().value("environment", nlohmann::json()));
+  // A run recorded under DeterministicGuard is replayed under it too.
+  std::optional<DeterministicGuard> deterministic;
+  if (auto it = recorded.bitwise.find("deterministic_algorithms"); it != recorded.bitwise.end() && it->second == "on") {
+    deterministic.emplace();
+  }
   result.environment = recorded.differences(Environment::current());
   if (!result.environment.empty() && !options.force) throw EnvironmentMismatch(result.environment);
 

@@ -1,6 +1,7 @@
 // `retrace record SCENARIO.yaml -o TRACE`: trains as the scenario says, recording a trace.
 #include "commands.h"
 
+#include <retrace/determinism.h>
 #include <retrace/recorder.h>
 #include <retrace/scenario.h>
 #include <retrace/trainer.h>
@@ -32,7 +33,8 @@ int run_record(const std::vector<std::string>& args) {
       "ring", po::value<int>(&ring)->default_value(0), "flight ring: keep the last K full snapshots, dump them on NaN/Inf, exception or SIGTERM/SIGINT")(
       "write-ahead", "write each step's full snapshot to disk (fsync) before the step runs")(
       "steps", po::value<std::int64_t>(&steps), "steps to run (overrides the scenario's training.steps)")(
-      "keep-going", "continue after a non-finite step instead of stopping");
+      "keep-going", "continue after a non-finite step instead of stopping")(
+      "deterministic", "deterministic algorithms on, cuDNN benchmark off, cuBLAS workspace configured (replay then does the same)");
   const auto parsed = parse_arguments(args, opts, "scenario", &scenario);
   if (!parsed) return 0;
   const po::variables_map& vm = *parsed;
@@ -44,6 +46,8 @@ int run_record(const std::vector<std::string>& args) {
     throw Error("the output folder '" + parent.string() + "' does not exist; create it first");
   }
 
+  std::optional<DeterministicGuard> deterministic;
+  if (vm.count("deterministic")) deterministic.emplace();
   std::unique_ptr<Program> program;
   if (!scenario.empty()) {
     program = std::make_unique<ScenarioProgram>(parse_scenario_file(scenario));

@@ -26,6 +26,11 @@ rc=$?
 set -e
 [[ $rc -eq 2 ]] && grep -q "holds no step 99; it has steps 1..3" "$work/err" || fail "--step 99: exit $rc, $(cat "$work/err")"
 
+# Recorded under --deterministic: the fingerprint says so and replay applies the same settings.
+"$bin" record "$scenarios/tiny-gpt.yaml" -o "$work/det.trace" --steps 2 --deterministic >/dev/null
+"$bin" inspect "$work/det.trace" | grep -q "deterministic_algorithms=on" || fail "--deterministic not in the fingerprint"
+"$bin" replay "$work/det.trace" >/dev/null || fail "deterministic trace did not replay"
+
 # 2. --export writes .pt files LibTorch's pickle loader (and Python's torch.load) open.
 "$bin" inspect "$work/full.trace" --export "$work/export" 2>/dev/null >/dev/null
 n=$(ls "$work/export" | wc -l)
