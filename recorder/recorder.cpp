@@ -7,6 +7,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -47,7 +48,12 @@ class BufferPool {
  public:
   std::shared_ptr<std::uint8_t[]> get(std::size_t bytes) {
     for (Slot& s : slots_) {
-      if (s.size >= bytes && s.buffer.use_count() == 1) return s.buffer;
+      if (s.size >= bytes && s.buffer.use_count() == 1) {
+        // The writer thread's last reads of this buffer happen before its release of the last
+        // other reference; pair that with an acquire before we write into it.
+        std::atomic_thread_fence(std::memory_order_acquire);
+        return s.buffer;
+      }
     }
     slots_.push_back({std::shared_ptr<std::uint8_t[]>(new std::uint8_t[bytes > 0 ? bytes : 1]), bytes});
     if (slots_.size() > 16) slots_.erase(slots_.begin());  // bound what idle buffers hold
@@ -363,7 +369,10 @@ Recorder::Recorder(const std::string& path, const Program& program, RecorderOpti
       if (::read(g_signal_pipe[0], &sig, 1) != 1 || sig == 0) return;  // 0: shut down
       try {
         note_exception(std::string("signal ") + (sig == SIGTERM ? "SIGTERM" : "SIGINT"));
-        close();
+      } catch (...) {
+      }
+      try {
+        close();  // even when the dump failed: what was written stays readable
       } catch (...) {
       }
       ::signal(sig, SIG_DFL);
@@ -562,8 +571,12 @@ std::vector<StepOutcome> record_run(Program& program, Recorder& recorder, std::i
       outcomes.push_back(outcome);
       if (!outcome.finite() && stop_on_nonfinite) break;
     } catch (const std::exception& e) {
-      recorder.note_exception(e.what());
-      recorder.close();
+      try {
+        recorder.note_exception(e.what());
+        recorder.close();
+      } catch (...) {
+        // The step's exception is the one to report; a failing trace write must not replace it.
+      }
       throw;
     }
   }
