@@ -9,5 +9,6 @@
 #include <retrace/memory.h>
 #include <retrace/observer.h>
 #include <retrace/rng.h>
+#include <retrace/sequential.h>
 #include <retrace/verify.h>
 #include <retrace/version.h>

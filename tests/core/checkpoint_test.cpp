@@ -4,6 +4,7 @@
 #include <retrace/checkpoint.h>
 #include <retrace/gtest.h>
 #include <retrace/models.h>
+#include <retrace/sequential.h>
 
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
@@ -203,6 +204,29 @@ TEST(Checkpoint, NestedCheckpointsGiveSameGrads) {
   inner(torch::dropout(l1(x).tanh(), 0.3, true)).sum().backward();
   EXPECT_BITWISE_EQ(x.grad(), g);
   EXPECT_BITWISE_EQ(l1->weight.grad(), gw);
+}
+
+TEST(Checkpoint, SequentialModuleBitwiseEqualToPlainWithDropout) {
+  torch::manual_seed(0);
+  torch::nn::Sequential seq;
+  for (int i = 0; i < 3; ++i) {
+    seq->push_back(torch::nn::Linear(8, 8));
+    seq->push_back(torch::nn::GELU());
+    seq->push_back(torch::nn::Dropout(0.3));
+  }
+  const at::Tensor x = torch::randn({4, 8}, torch::requires_grad());
+  torch::manual_seed(11);
+  seq->forward(x).pow(2).sum().backward();
+  std::vector<at::Tensor> plain{x.grad().clone()};
+  for (const auto& p : seq->parameters()) plain.push_back(p.grad().clone());
+  seq->zero_grad();
+  x.grad().zero_();
+  torch::manual_seed(11);
+  checkpoint_sequential(seq, 3, x).pow(2).sum().backward();
+  std::vector<at::Tensor> ckpt{x.grad().clone()};
+  for (const auto& p : seq->parameters()) ckpt.push_back(p.grad().clone());
+  ASSERT_EQ(plain.size(), ckpt.size());
+  for (std::size_t i = 0; i < plain.size(); ++i) EXPECT_BITWISE_EQ(plain[i], ckpt[i]);
 }
 
 TEST(Checkpoint, SegmentNamesOfSequentialGroups) {
