@@ -4,6 +4,7 @@
 #include <retrace/environment.h>
 #include <retrace/rng.h>
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 
@@ -72,23 +73,35 @@ class BufferPool {
 // dispatched clone() each. The copies keep the buffer alive.
 std::vector<TensorToWrite> snapshot(const std::vector<NamedTensor>& tensors, const std::string& prefix,
                                     BufferPool& pool) {
+  // Offsets first, then the copies in parallel on LibTorch's intra-op pool (memcpy only, no
+  // dispatch), then the tensors viewing the buffer.
+  std::vector<std::size_t> offsets(tensors.size(), SIZE_MAX);
   std::size_t total = 0;
-  for (const NamedTensor& n : tensors) total += (n.tensor.nbytes() + 63) / 64 * 64;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i].tensor;
+    if (!t.is_cpu() || !t.is_contiguous() || t.is_conj() || t.is_neg()) continue;
+    offsets[i] = total;
+    total += (t.nbytes() + 63) / 64 * 64;
+  }
   const std::shared_ptr<std::uint8_t[]> buffer = pool.get(total);
+  at::parallel_for(0, static_cast<std::int64_t>(tensors.size()), 8, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      if (offsets[i] == SIZE_MAX) continue;
+      const at::Tensor& t = tensors[i].tensor;
+      std::memcpy(buffer.get() + offsets[i], t.const_data_ptr(), t.nbytes());
+    }
+  });
   std::vector<TensorToWrite> out;
   out.reserve(tensors.size());
-  std::size_t offset = 0;
-  for (const NamedTensor& n : tensors) {
-    const at::Tensor& t = n.tensor;
-    if (!t.is_cpu() || !t.is_contiguous() || t.is_conj() || t.is_neg()) {
-      out.push_back({prefix + n.name, t.detach().cpu().clone(), true, std::nullopt});
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i].tensor;
+    if (offsets[i] == SIZE_MAX) {
+      out.push_back({prefix + tensors[i].name, t.detach().cpu().clone(), true, std::nullopt});
       continue;
     }
-    std::uint8_t* dst = buffer.get() + offset;
-    std::memcpy(dst, t.const_data_ptr(), t.nbytes());
-    offset += (t.nbytes() + 63) / 64 * 64;
-    at::Tensor copy = at::from_blob(dst, t.sizes(), [keep = buffer](void*) {}, t.options().requires_grad(false));
-    out.push_back({prefix + n.name, std::move(copy), true, std::nullopt});
+    at::Tensor copy = at::from_blob(buffer.get() + offsets[i], t.sizes(), [keep = buffer](void*) {},
+                                    t.options().requires_grad(false));
+    out.push_back({prefix + tensors[i].name, std::move(copy), true, std::nullopt});
   }
   return out;
 }
