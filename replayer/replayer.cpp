@@ -313,6 +313,7 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
   // snapshot that already holds NaN/Inf cannot show where they came from); failing that, the
   // latest full snapshot.
   std::optional<Record> anchor, nonfinite_anchor;
+  std::vector<NamedTensor> anchor_state, nonfinite_anchor_state;  // decoded once, loaded below
   const std::int64_t latest_anchor = options.from ? std::min(*options.from, target) : target;
   for (auto it = steps.upper_bound(latest_anchor); it != steps.begin() && !anchor;) {
     --it;
@@ -320,33 +321,42 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
       Record rec = trace_.read(*r);
       const auto full = rec.meta.find("full");
       if (full == rec.meta.end() || !full->is_boolean() || !full->get<bool>()) continue;
-      if (all_finite(tensors_with_prefix(trace_, rec, "state."))) {
+      std::vector<NamedTensor> state = tensors_with_prefix(trace_, rec, "state.");
+      if (all_finite(state)) {
         anchor = std::move(rec);
+        anchor_state = std::move(state);
         break;
       }
-      if (!nonfinite_anchor) nonfinite_anchor = std::move(rec);
+      if (!nonfinite_anchor) {
+        nonfinite_anchor = std::move(rec);
+        nonfinite_anchor_state = std::move(state);
+      }
     }
   }
-  if (!anchor) anchor = std::move(nonfinite_anchor);
+  if (!anchor) {
+    anchor = std::move(nonfinite_anchor);
+    anchor_state = std::move(nonfinite_anchor_state);
+  }
   if (!anchor) throw Error("no full snapshot at or before step " + std::to_string(target) + " to replay from");
   result.from_step = anchor->meta.value("step", std::int64_t{-1});
   result.to_step = target;
-  program_.load_state(tensors_with_prefix(trace_, *anchor, "state."));
+  program_.load_state(anchor_state);
 
   for (std::int64_t s = result.from_step; s <= target; ++s) {
     const StepRecords& recs = steps[s];
     if (recs.begins.empty()) throw Error("the trace holds no step_begin record of step " + std::to_string(s));
     const Record begin = s == result.from_step ? *anchor : trace_.read(recs.begins.front());
     Comparer comparer(trace_, s, recs);
-    // A step_begin that says its state is the previous step_end's was checked there.
-    if (s != result.from_step && !(begin.meta.contains("state_as_step_end") && s > result.from_step)) {
-      for (const NamedTensor& st : program_.state()) comparer.compare(begin, "state." + st.name, st.tensor, "(state)", "step_begin");
-    }
-    if (s != result.from_step) {
-      const std::vector<std::uint8_t> now = RngState::capture_all().serialize();
-      if (!comparer.first && now != rng_bytes(trace_, begin)) comparer.diverge("", "step_begin", "rng", "the RNG state differs from the recorded one");
-    }
     const std::vector<std::uint8_t> rng = rng_bytes(trace_, begin);
+    if (s != result.from_step) {
+      // A step_begin that says its state is the previous step_end's was checked there.
+      if (!begin.meta.contains("state_as_step_end")) {
+        for (const NamedTensor& st : program_.state()) comparer.compare(begin, "state." + st.name, st.tensor, "(state)", "step_begin");
+      }
+      if (!comparer.first && RngState::capture_all().serialize() != rng) {
+        comparer.diverge("", "step_begin", "rng", "the RNG state differs from the recorded one");
+      }
+    }
     RngState::deserialize(rng.data(), rng.size()).restore();
     std::vector<NamedTensor> batch = tensors_with_prefix(trace_, begin, "batch.");
     const std::vector<NamedTensor> state_before = clone_all(program_.state());
