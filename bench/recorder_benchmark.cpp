@@ -147,8 +147,9 @@ void codec(benchmark::State& state, const at::Tensor& t, const char* variant, in
   BENCHMARK_CAPTURE(BM_Codec_##NAME, torch_save, "torch_save")->UseManualTime();
 
 void BM_CodecLevel_WeightsBF16(benchmark::State& s, int level) { codec(s, weights(at::kBFloat16), "retrace_shuffle", level); }
+BENCHMARK_CAPTURE(BM_CodecLevel_WeightsBF16, level_minus20, -20)->UseManualTime();
+BENCHMARK_CAPTURE(BM_CodecLevel_WeightsBF16, level_minus5, -5)->UseManualTime();
 BENCHMARK_CAPTURE(BM_CodecLevel_WeightsBF16, level_1, 1)->UseManualTime();
-BENCHMARK_CAPTURE(BM_CodecLevel_WeightsBF16, level_minus1, -1)->UseManualTime();
 BENCHMARK_CAPTURE(BM_CodecLevel_WeightsBF16, level_3, 3)->UseManualTime();
 
 RETRACE_CODEC_BENCH(WeightsF32, weights(at::kFloat))

@@ -83,10 +83,13 @@ struct TensorToWrite {
 
 enum class ShuffleMode { kAuto, kAlways, kNever };
 
+inline constexpr int kDefaultZstdLevel = -20;
+
 struct WriterOptions {
-  // Level 1: on byte-shuffled bf16 weights it compresses better than level 3 (1.46x vs 1.41x
-  // smaller than raw) at 1.8x the speed (bench/README.md).
-  int zstd_level = 1;
+  // zstd's fastest level, with Huffman coding of literals forced on: on byte-shuffled bf16 weights
+  // it stores 1.47x smaller than raw (level 1: 1.46x, level 3: 1.41x) and encodes 1.6x faster
+  // than level 1 (bench/README.md).
+  int zstd_level = kDefaultZstdLevel;
   // kAuto: shuffle floating-point tensors of 2+ byte elements (measured in bench/README.md).
   ShuffleMode shuffle = ShuffleMode::kAuto;
   io::FileSystem* fs = nullptr;  // nullptr: the POSIX file system
@@ -95,7 +98,7 @@ struct WriterOptions {
 // The tensor payload codec on its own, as TraceWriter stores each tensor: the contiguous host
 // bytes, byte-shuffled for kZstdShuffle (element size > 1), in one zstd frame with its content
 // size and checksum. `tensor` must be a contiguous CPU tensor.
-std::string encode_tensor_payload(const at::Tensor& tensor, TensorCodec codec, int zstd_level = 1);
+std::string encode_tensor_payload(const at::Tensor& tensor, TensorCodec codec, int zstd_level = kDefaultZstdLevel);
 // Decodes into `out` (contiguous CPU, of the encoded dtype and shape). Throws retrace::Error when
 // the frame does not declare exactly out.nbytes() or fails its checksum.
 void decode_tensor_payload(const void* data, std::size_t size, TensorCodec codec, at::Tensor& out);
