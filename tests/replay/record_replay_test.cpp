@@ -7,8 +7,10 @@
 
 #include <torch/torch.h>
 
+#include <chrono>
 #include <filesystem>
 #include <functional>
+#include <thread>
 #include <unistd.h>
 
 namespace retrace {
@@ -268,10 +270,36 @@ TEST(Replay, EnvironmentThatBreaksBitwiseEqualityIsRefusedUnlessForced) {
   fs::remove(copy);
 }
 
+// The POSIX file system with every append slowed down, so the writer is certainly behind the
+// training thread (a fast codec had let it keep up, and the test then proved nothing).
+class SlowFileSystem : public io::FileSystem {
+ public:
+  std::unique_ptr<io::WritableFile> create(const std::string& path) override {
+    struct Slow : io::WritableFile {
+      std::unique_ptr<io::WritableFile> f;
+      void append(const void* d, std::size_t n) override {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        f->append(d, n);
+      }
+      void sync() override { f->sync(); }
+      void close() override { f->close(); }
+      std::uint64_t size() const override { return f->size(); }
+    };
+    auto slow = std::make_unique<Slow>();
+    slow->f = io::posix_file_system().create(path);
+    return slow;
+  }
+  void rename(const std::string& a, const std::string& b) override { io::posix_file_system().rename(a, b); }
+  void sync_directory(const std::string& d) override { io::posix_file_system().sync_directory(d); }
+  void remove(const std::string& p) override { io::posix_file_system().remove(p); }
+};
+
 TEST(Recorder, FullQueueAppliesBackpressureAndDropsNothing) {
+  SlowFileSystem slow;
   RecorderOptions options;
   options.mode = RecordMode::kFull;
   options.queue_bytes = 1;  // every push waits for the writer
+  options.writer.fs = &slow;
   const Recorded rec = record(kGpt, "backpressure", options, 2);
   EXPECT_GT(rec.stats.backpressure_waits, 0);
   const TraceReader trace(rec.path);
