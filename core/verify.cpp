@@ -7,14 +7,16 @@ namespace retrace {
 VerifyPolicy parse_verify_policy(const std::string& text) {
   if (text == "off") return VerifyPolicy::kOff;
   if (text == "warn") return VerifyPolicy::kWarn;
+  if (text == "record") return VerifyPolicy::kRecord;
   if (text == "throw") return VerifyPolicy::kThrow;
-  throw Error("unknown verify policy '" + text + "'; use off, warn or throw");
+  throw Error("unknown verify policy '" + text + "'; use off, warn, throw or record");
 }
 
 const char* to_string(VerifyPolicy policy) {
   switch (policy) {
     case VerifyPolicy::kOff: return "off";
     case VerifyPolicy::kWarn: return "warn";
+    case VerifyPolicy::kRecord: return "record";
     case VerifyPolicy::kThrow: return "throw";
   }
   return "?";
@@ -99,6 +101,7 @@ void RecomputeVerifier::on_recompute(SegmentEvent& event) {
   }
   if (found.empty()) return;
   if (options_.policy == VerifyPolicy::kThrow) throw RecomputeMismatchError(found.front());
+  if (options_.policy == VerifyPolicy::kRecord) return;
   for (const RecomputeMismatch& m : found) std::cerr << "retrace: warning: " << m.message() << "\n";
 }
 

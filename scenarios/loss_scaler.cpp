@@ -15,10 +15,12 @@ namespace retrace {
 
 LossScaler::LossScaler(LossScalerOptions options, c10::Device device) : options_(options) {
   if (!(options.init_scale > 0) || !std::isfinite(options.init_scale) || !(options.growth_factor > 1) ||
-      !(options.backoff_factor > 0 && options.backoff_factor < 1) || options.growth_interval < 1) {
-    throw Error("retrace::LossScaler: need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
-                "growth_interval >= 1");
+      !(options.backoff_factor > 0 && options.backoff_factor < 1) || options.growth_interval < 1 ||
+      options.hysteresis < 1 || !(options.min_scale >= 0) || options.min_scale > options.init_scale) {
+    throw Error("retrace::LossScaler: need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, "
+                "growth_interval >= 1, hysteresis >= 1 and 0 <= min_scale <= init_scale");
   }
+  hysteresis_left_ = options.hysteresis;
   scale_ = at::full({1}, options.init_scale, at::TensorOptions().dtype(at::kFloat).device(device));
   growth_tracker_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));
   found_inf_ = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device));
@@ -66,14 +68,24 @@ bool LossScaler::step(torch::optim::Optimizer& optimizer) {
   const bool skip = found_inf_.item<float>() != 0.0f;
   if (!skip) optimizer.step();
   const double before = current_scale();
-  at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, options_.growth_factor, options_.backoff_factor,
-                         options_.growth_interval);
+  // Hysteresis (DeepSpeed's delayed shift): while overflows are left to tolerate, an overflow skips
+  // the step and resets the growth counter but keeps the scale.
+  const bool tolerate = skip && hysteresis_left_ > 1;
+  at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, options_.growth_factor,
+                         tolerate ? 1.0 : options_.backoff_factor, options_.growth_interval);
+  if (skip && options_.min_scale > 0) scale_.clamp_min_(options_.min_scale);
   const double after = current_scale();
   if (skip) {
     ++skipped_;
-    ++backoffs_;
+    if (tolerate) {
+      --hysteresis_left_;
+      ++tolerated_;
+    } else if (after < before) {
+      ++backoffs_;
+    }
   } else if (after > before) {
     ++growths_;
+    hysteresis_left_ = options_.hysteresis;  // DeepSpeed restores its hysteresis on growth
   }
   unscaled_ = false;
   return skip;
@@ -83,13 +95,16 @@ double LossScaler::current_scale() const { return scale_.item<double>(); }
 std::int64_t LossScaler::growth_tracker() const { return growth_tracker_.item<std::int64_t>(); }
 
 std::vector<NamedTensor> LossScaler::state() const {
-  return {{"scaler.scale", scale_}, {"scaler.growth_tracker", growth_tracker_}};
+  return {{"scaler.scale", scale_},
+          {"scaler.growth_tracker", growth_tracker_},
+          {"scaler.hysteresis_left", at::scalar_tensor(hysteresis_left_, at::kLong)}};
 }
 
 void LossScaler::load_state(const std::vector<NamedTensor>& state) {
   for (const NamedTensor& s : state) {
     if (s.name == "scaler.scale") scale_.copy_(s.tensor);
     if (s.name == "scaler.growth_tracker") growth_tracker_.copy_(s.tensor);
+    if (s.name == "scaler.hysteresis_left") hysteresis_left_ = s.tensor.item<std::int64_t>();
   }
   unscaled_ = false;
 }

@@ -42,12 +42,23 @@ Batch arithmetic_sequences(std::uint64_t seed, std::int64_t batch, std::int64_t 
 
 // --- TinyGpt ---------------------------------------------------------------------------------
 
+// LayerNorm as the module computes it, or in fp32 whatever the input's (autocast) dtype -- the
+// "fp32 LayerNorm" defense.
+static at::Tensor layer_norm(torch::nn::LayerNorm& ln, const at::Tensor& x, bool fp32) {
+  if (!fp32) return ln(x);
+  const auto& o = ln->options;
+  return F::layer_norm(x.to(at::kFloat), F::LayerNormFuncOptions(o.normalized_shape())
+                                              .weight(ln->weight.to(at::kFloat))
+                                              .bias(ln->bias.to(at::kFloat))
+                                              .eps(o.eps()));
+}
+
 struct TinyGpt::Block : torch::nn::Module {
-  Block(const GptConfig& c) : heads(c.heads), dropout(c.dropout) {
-    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+  Block(const GptConfig& c) : heads(c.heads), dropout(c.dropout), layernorm_fp32(c.layernorm_fp32) {
+    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(c.layernorm_eps)));
     qkv = register_module("qkv", torch::nn::Linear(c.d_model, 3 * c.d_model));
     proj = register_module("proj", torch::nn::Linear(c.d_model, c.d_model));
-    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(c.layernorm_eps)));
     fc = register_module("fc", torch::nn::Linear(c.d_model, 4 * c.d_model));
     fc_out = register_module("fc_out", torch::nn::Linear(4 * c.d_model, c.d_model));
     causal_mask = register_buffer(
@@ -74,12 +85,13 @@ struct TinyGpt::Block : torch::nn::Module {
   }
 
   at::Tensor forward(const at::Tensor& x) {
-    const at::Tensor h = x + attention(ln1(x));
-    return h + mlp(ln2(h));
+    const at::Tensor h = x + attention(layer_norm(ln1, x, layernorm_fp32));
+    return h + mlp(layer_norm(ln2, h, layernorm_fp32));
   }
 
   std::int64_t heads;
   double dropout;
+  bool layernorm_fp32;
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc{nullptr}, fc_out{nullptr};
   at::Tensor causal_mask;
@@ -95,7 +107,7 @@ TinyGpt::TinyGpt(GptConfig config) : config_(config) {
   for (std::int64_t i = 0; i < config.layers; ++i) {
     blocks_.push_back(register_module("block" + std::to_string(i), std::make_shared<Block>(config)));
   }
-  final_norm_ = register_module("final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({config.d_model})));
+  final_norm_ = register_module("final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({config.d_model}).eps(config.layernorm_eps)));
   lm_head_ = register_module("lm_head", torch::nn::Linear(config.d_model, config.vocab));
 }
 
@@ -113,7 +125,9 @@ std::vector<Stage> TinyGpt::stages() {
   return out;
 }
 
-at::Tensor TinyGpt::head(const at::Tensor& hidden) { return lm_head_(final_norm_(hidden)); }
+at::Tensor TinyGpt::head(const at::Tensor& hidden) {
+  return lm_head_(layer_norm(final_norm_, hidden, config_.layernorm_fp32));
+}
 
 at::Tensor TinyGpt::criterion(const at::Tensor& logits, const at::Tensor& target) {
   return F::cross_entropy(logits.reshape({-1, logits.size(-1)}), target.reshape({-1}));

@@ -90,6 +90,14 @@ class Parser {
     return v;
   }
 
+  bool boolean(const YAML::Node& parent, const char* key, const std::string& full, bool fallback) const {
+    const YAML::Node n = parent[key];
+    if (!n.IsDefined()) return fallback;
+    bool v = false;
+    if (!n.IsScalar() || !YAML::convert<bool>::decode(n, v)) fail(n, full, "must be true or false, got '" + (n.IsScalar() ? n.Scalar() : std::string("a collection")) + "'");
+    return v;
+  }
+
   std::string text(const YAML::Node& parent, const char* key, const std::string& full) const {
     const YAML::Node n = parent[key];
     if (!n.IsDefined()) return "";
@@ -109,19 +117,136 @@ class Parser {
 
 constexpr std::int64_t kBig = std::int64_t{1} << 40;
 
+void parse_defenses(const Parser& p, const YAML::Node& d, DefenseSpec& out) {
+  p.keys(d, "defenses", {"loss_scaling", "clip", "skip_nonfinite", "warmup_steps", "plateau", "layernorm_fp32",
+                         "layernorm_min_eps", "rollback", "preserve_rng_state", "verify_recompute", "validate_batch"});
+  if (const YAML::Node ls = d["loss_scaling"]; ls.IsDefined()) {
+    LossScalingSpec& l = out.loss_scaling;
+    bool on = false;
+    if (ls.IsScalar() && YAML::convert<bool>::decode(ls, on)) {
+      l.enabled = on;
+    } else {
+      p.keys(ls, "defenses.loss_scaling", {"enabled", "init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale"});
+      l.enabled = p.boolean(ls, "enabled", "defenses.loss_scaling.enabled", true);
+      l.init_scale = p.number(ls, "init_scale", "defenses.loss_scaling.init_scale", l.init_scale, 1e-30, 1e30);
+      l.growth_factor = p.number(ls, "growth_factor", "defenses.loss_scaling.growth_factor", l.growth_factor, 1.0, 1e6);
+      l.backoff_factor = p.number(ls, "backoff_factor", "defenses.loss_scaling.backoff_factor", l.backoff_factor, 1e-6, 1.0);
+      l.growth_interval = p.integer(ls, "growth_interval", "defenses.loss_scaling.growth_interval", l.growth_interval, 1, 1 << 30);
+      l.hysteresis = p.integer(ls, "hysteresis", "defenses.loss_scaling.hysteresis", l.hysteresis, 1, 1 << 20);
+      l.min_scale = p.number(ls, "min_scale", "defenses.loss_scaling.min_scale", l.min_scale, 0.0, 1e30);
+    }
+  }
+  if (const YAML::Node c = d["clip"]; c.IsDefined()) {
+    p.keys(c, "defenses.clip", {"mode", "max_norm", "error_if_nonfinite", "window", "multiplier"});
+    ClipSpec& cl = out.clip;
+    cl.mode = p.choice(c, "mode", "defenses.clip.mode", "global", {"off", "global", "per_tensor", "adaptive"});
+    cl.max_norm = p.number(c, "max_norm", "defenses.clip.max_norm", cl.max_norm, 1e-30, 1e30);
+    cl.error_if_nonfinite = p.boolean(c, "error_if_nonfinite", "defenses.clip.error_if_nonfinite", cl.error_if_nonfinite);
+    cl.window = p.integer(c, "window", "defenses.clip.window", cl.window, 1, 1 << 20);
+    cl.multiplier = p.number(c, "multiplier", "defenses.clip.multiplier", cl.multiplier, 1.0, 1e6);
+  }
+  out.skip_nonfinite = p.boolean(d, "skip_nonfinite", "defenses.skip_nonfinite", out.skip_nonfinite);
+  out.warmup_steps = p.integer(d, "warmup_steps", "defenses.warmup_steps", out.warmup_steps, 0, 1 << 30);
+  if (const YAML::Node pl = d["plateau"]; pl.IsDefined()) {
+    p.keys(pl, "defenses.plateau", {"factor", "patience", "threshold", "min_lr"});
+    PlateauSpec& ps = out.plateau;
+    ps.enabled = true;
+    ps.factor = p.number(pl, "factor", "defenses.plateau.factor", ps.factor, 1e-6, 0.999999);
+    ps.patience = p.integer(pl, "patience", "defenses.plateau.patience", ps.patience, 0, 1 << 20);
+    ps.threshold = p.number(pl, "threshold", "defenses.plateau.threshold", ps.threshold, 0.0, 1.0);
+    ps.min_lr = p.number(pl, "min_lr", "defenses.plateau.min_lr", ps.min_lr, 0.0, 1e12);
+  }
+  out.layernorm_fp32 = p.boolean(d, "layernorm_fp32", "defenses.layernorm_fp32", out.layernorm_fp32);
+  out.layernorm_min_eps = p.number(d, "layernorm_min_eps", "defenses.layernorm_min_eps", out.layernorm_min_eps, 0.0, 1.0);
+  out.rollback = p.boolean(d, "rollback", "defenses.rollback", out.rollback);
+  out.preserve_rng_state = p.boolean(d, "preserve_rng_state", "defenses.preserve_rng_state", out.preserve_rng_state);
+  out.verify_recompute = p.boolean(d, "verify_recompute", "defenses.verify_recompute", out.verify_recompute);
+  out.validate_batch = p.boolean(d, "validate_batch", "defenses.validate_batch", out.validate_batch);
+}
+
+InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::string& at, const ScenarioSpec& s) {
+  p.keys(n, at, {"type", "step", "duration", "probability", "seed", "segment", "factor", "mode", "target",
+                 "bit_class", "bits", "rows"});
+  InjectionSpec in;
+  const std::string type = p.choice(n, "type", at + ".type", "", injection_type_names(), /*required=*/true);
+  in.type = parse_injection_type(type);
+  in.step = p.integer(n, "step", at + ".step", in.step, 1, 1 << 30);
+  in.duration = p.integer(n, "duration", at + ".duration", in.duration, 1, 1 << 30);
+  in.probability = p.number(n, "probability", at + ".probability", in.probability, 0.0, 1.0);
+  in.seed = static_cast<std::uint64_t>(p.integer(n, "seed", at + ".seed", 0, 0, kBig));
+  in.segment = p.text(n, "segment", at + ".segment");
+  in.factor = p.number(n, "factor", at + ".factor", 0.0, -1e30, 1e30);
+  in.rows = p.number(n, "rows", at + ".rows", in.rows, 0.0, 1.0);
+  in.bits = static_cast<int>(p.integer(n, "bits", at + ".bits", in.bits, 1, 64));
+  in.bit_class = p.choice(n, "bit_class", at + ".bit_class", in.bit_class, {"sign", "exponent", "mantissa", "any"});
+  const bool segment_fault = in.type == InjectionType::kActivationOverflow || in.type == InjectionType::kLayerNormInput ||
+                             in.type == InjectionType::kRngDesync;
+  switch (in.type) {
+    case InjectionType::kLayerNormInput:
+      in.mode = p.choice(n, "mode", at + ".mode", "constant", {"constant", "huge", "nan"});
+      break;
+    case InjectionType::kGradNonFinite:
+      in.mode = p.choice(n, "mode", at + ".mode", "nan", {"nan", "inf"});
+      break;
+    case InjectionType::kCorruptBatch: {
+      const std::string fallback = s.model.type == "mlp" ? "nan_features" : "token_out_of_range";
+      in.mode = p.choice(n, "mode", at + ".mode", fallback, {"nan_features", "token_out_of_range"});
+      if ((in.mode == "nan_features") != (s.model.type == "mlp")) {
+        p.fail(n["mode"], at + ".mode", in.mode + " does not fit model type " + s.model.type +
+                                            (s.model.type == "mlp" ? " (float features); use nan_features" : " (token ids); use token_out_of_range"));
+      }
+      break;
+    }
+    case InjectionType::kBitFlip:
+      in.target = p.choice(n, "target", at + ".target", "weights", {"weights", "activations", "optimizer"});
+      break;
+    default:
+      if (n["mode"].IsDefined()) p.fail(n["mode"], at + ".mode", "is not used by injection type " + type);
+      break;
+  }
+  if ((segment_fault || in.target == "activations") && s.training.segments == 0) {
+    p.fail(n["type"], at + ".type", type + " hits a checkpointed segment, but training.segments is 0; set training.segments >= 1");
+  }
+  return in;
+}
+
+void parse_expect(const Parser& p, const YAML::Node& e, ExpectSpec& out) {
+  p.keys(e, "expect", {"params_finite", "loss_finite", "max_skipped_steps", "min_skipped_steps", "min_scale_backoffs",
+                       "min_scale_growths", "min_rollbacks", "final_loss_below", "recompute_bitwise", "replay_bitwise",
+                       "injections_fired", "diverges"});
+  auto opt_bool = [&](const char* key, std::optional<bool>& field) {
+    if (e[key].IsDefined()) field = p.boolean(e, key, std::string("expect.") + key, false);
+  };
+  auto opt_int = [&](const char* key, std::optional<std::int64_t>& field) {
+    if (e[key].IsDefined()) field = p.integer(e, key, std::string("expect.") + key, 0, 0, kBig);
+  };
+  opt_bool("params_finite", out.params_finite);
+  opt_bool("loss_finite", out.loss_finite);
+  opt_int("max_skipped_steps", out.max_skipped_steps);
+  opt_int("min_skipped_steps", out.min_skipped_steps);
+  opt_int("min_scale_backoffs", out.min_scale_backoffs);
+  opt_int("min_scale_growths", out.min_scale_growths);
+  opt_int("min_rollbacks", out.min_rollbacks);
+  if (e["final_loss_below"].IsDefined()) out.final_loss_below = p.number(e, "final_loss_below", "expect.final_loss_below", 0.0, -1e30, 1e30);
+  opt_bool("recompute_bitwise", out.recompute_bitwise);
+  opt_bool("replay_bitwise", out.replay_bitwise);
+  opt_bool("injections_fired", out.injections_fired);
+  out.diverges = p.boolean(e, "diverges", "expect.diverges", false);
+}
+
 ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
   Parser p(origin);
   ScenarioSpec s;
   s.origin = origin;
   if (!root.IsDefined() || root.IsNull()) throw Error(origin + ": the scenario file is empty; it needs at least a 'model' section");
-  p.keys(root, "", {"name", "description", "model", "data", "training"});
+  p.keys(root, "", {"name", "description", "model", "data", "training", "defenses", "injections", "expect"});
   s.name = p.text(root, "name", "name");
   s.description = p.text(root, "description", "description");
 
   const YAML::Node model = root["model"];
   if (!model.IsDefined()) p.fail(root, "model", "is required (a mapping with at least 'type')");
   p.keys(model, "model", {"type", "layers", "d_model", "heads", "hidden", "vocab", "seq_len",
-                          "in_features", "out_features", "dropout"});
+                          "in_features", "out_features", "dropout", "layernorm_eps"});
   ModelSpec& m = s.model;
   m.type = p.choice(model, "type", "model.type", "", {"tiny_gpt", "lstm", "mlp"}, /*required=*/true);
   m.layers = p.integer(model, "layers", "model.layers", m.layers, 1, 1024);
@@ -133,6 +258,7 @@ ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
   m.in_features = p.integer(model, "in_features", "model.in_features", m.in_features, 1, 1 << 20);
   m.out_features = p.integer(model, "out_features", "model.out_features", m.out_features, 1, 1 << 20);
   m.dropout = p.number(model, "dropout", "model.dropout", m.dropout, 0.0, 0.999);
+  m.layernorm_eps = p.number(model, "layernorm_eps", "model.layernorm_eps", m.layernorm_eps, 0.0, 1.0);
   if (m.type == "tiny_gpt" && m.d_model % m.heads != 0) {
     p.fail(model["heads"].IsDefined() ? model["heads"] : model, "model.heads",
            "d_model (" + std::to_string(m.d_model) + ") must be divisible by heads (" + std::to_string(m.heads) + ")");
@@ -146,7 +272,7 @@ ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
 
   if (const YAML::Node t = root["training"]; t.IsDefined()) {
     p.keys(t, "training", {"steps", "seed", "optimizer", "lr", "weight_decay", "momentum", "segments",
-                           "clip_grad_norm", "device"});
+                           "clip_grad_norm", "device", "precision", "loss_weight"});
     TrainingSpec& tr = s.training;
     tr.steps = p.integer(t, "steps", "training.steps", tr.steps, 1, 1 << 30);
     tr.seed = static_cast<std::uint64_t>(p.integer(t, "seed", "training.seed", 0, 0, kBig));
@@ -157,12 +283,27 @@ ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
     tr.segments = static_cast<int>(p.integer(t, "segments", "training.segments", tr.segments, 0, 1 << 20));
     tr.clip_grad_norm = p.number(t, "clip_grad_norm", "training.clip_grad_norm", tr.clip_grad_norm, 0.0, 1e12);
     tr.device = p.choice(t, "device", "training.device", tr.device, {"cpu", "cuda"});
+    tr.precision = p.choice(t, "precision", "training.precision", tr.precision, {"fp32", "bf16", "fp16"});
+    tr.loss_weight = p.number(t, "loss_weight", "training.loss_weight", tr.loss_weight, 1e-30, 1e30);
     if (tr.segments > m.layers) {
       p.fail(t["segments"], "training.segments",
              "is " + std::to_string(tr.segments) + " but the model has " + std::to_string(m.layers) +
                  " layers; use 0 (off) to " + std::to_string(m.layers));
     }
   }
+
+  if (const YAML::Node d = root["defenses"]; d.IsDefined()) parse_defenses(p, d, s.defenses);
+  if (s.training.clip_grad_norm > 0 && s.defenses.clip.mode == "off") {  // the shorthand
+    s.defenses.clip.mode = "global";
+    s.defenses.clip.max_norm = s.training.clip_grad_norm;
+  }
+  if (const YAML::Node list = root["injections"]; list.IsDefined()) {
+    if (!list.IsSequence()) p.fail(list, "injections", "must be a list of injections (each a mapping with 'type')");
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      s.injections.push_back(parse_injection(p, list[i], "injections[" + std::to_string(i) + "]", s));
+    }
+  }
+  if (const YAML::Node e = root["expect"]; e.IsDefined()) parse_expect(p, e, s.expect);
   return s;
 }
 
@@ -204,6 +345,7 @@ std::string to_yaml(const ScenarioSpec& s) {
   out << YAML::Key << "in_features" << YAML::Value << s.model.in_features;
   out << YAML::Key << "out_features" << YAML::Value << s.model.out_features;
   out << YAML::Key << "dropout" << YAML::Value << s.model.dropout;
+  out << YAML::Key << "layernorm_eps" << YAML::Value << s.model.layernorm_eps;
   out << YAML::EndMap;
   out << YAML::Key << "data" << YAML::Value << YAML::BeginMap;
   out << YAML::Key << "batch" << YAML::Value << s.data.batch;
@@ -219,9 +361,96 @@ std::string to_yaml(const ScenarioSpec& s) {
   out << YAML::Key << "segments" << YAML::Value << s.training.segments;
   out << YAML::Key << "clip_grad_norm" << YAML::Value << s.training.clip_grad_norm;
   out << YAML::Key << "device" << YAML::Value << s.training.device;
+  out << YAML::Key << "precision" << YAML::Value << s.training.precision;
+  out << YAML::Key << "loss_weight" << YAML::Value << s.training.loss_weight;
   out << YAML::EndMap;
+
+  const DefenseSpec& d = s.defenses;
+  out << YAML::Key << "defenses" << YAML::Value << YAML::BeginMap;
+  const LossScalingSpec& l = d.loss_scaling;
+  out << YAML::Key << "loss_scaling" << YAML::Value << YAML::BeginMap;
+  out << YAML::Key << "enabled" << YAML::Value << l.enabled;
+  out << YAML::Key << "init_scale" << YAML::Value << l.init_scale;
+  out << YAML::Key << "growth_factor" << YAML::Value << l.growth_factor;
+  out << YAML::Key << "backoff_factor" << YAML::Value << l.backoff_factor;
+  out << YAML::Key << "growth_interval" << YAML::Value << l.growth_interval;
+  out << YAML::Key << "hysteresis" << YAML::Value << l.hysteresis;
+  out << YAML::Key << "min_scale" << YAML::Value << l.min_scale;
+  out << YAML::EndMap;
+  out << YAML::Key << "clip" << YAML::Value << YAML::BeginMap;
+  out << YAML::Key << "mode" << YAML::Value << d.clip.mode;
+  out << YAML::Key << "max_norm" << YAML::Value << d.clip.max_norm;
+  out << YAML::Key << "error_if_nonfinite" << YAML::Value << d.clip.error_if_nonfinite;
+  out << YAML::Key << "window" << YAML::Value << d.clip.window;
+  out << YAML::Key << "multiplier" << YAML::Value << d.clip.multiplier;
+  out << YAML::EndMap;
+  out << YAML::Key << "skip_nonfinite" << YAML::Value << d.skip_nonfinite;
+  out << YAML::Key << "warmup_steps" << YAML::Value << d.warmup_steps;
+  if (d.plateau.enabled) {
+    out << YAML::Key << "plateau" << YAML::Value << YAML::BeginMap;
+    out << YAML::Key << "factor" << YAML::Value << d.plateau.factor;
+    out << YAML::Key << "patience" << YAML::Value << d.plateau.patience;
+    out << YAML::Key << "threshold" << YAML::Value << d.plateau.threshold;
+    out << YAML::Key << "min_lr" << YAML::Value << d.plateau.min_lr;
+    out << YAML::EndMap;
+  }
+  out << YAML::Key << "layernorm_fp32" << YAML::Value << d.layernorm_fp32;
+  out << YAML::Key << "layernorm_min_eps" << YAML::Value << d.layernorm_min_eps;
+  out << YAML::Key << "rollback" << YAML::Value << d.rollback;
+  out << YAML::Key << "preserve_rng_state" << YAML::Value << d.preserve_rng_state;
+  out << YAML::Key << "verify_recompute" << YAML::Value << d.verify_recompute;
+  out << YAML::Key << "validate_batch" << YAML::Value << d.validate_batch;
+  out << YAML::EndMap;
+
+  if (!s.injections.empty()) {
+    out << YAML::Key << "injections" << YAML::Value << YAML::BeginSeq;
+    for (const InjectionSpec& in : s.injections) {
+      out << YAML::BeginMap;
+      out << YAML::Key << "type" << YAML::Value << to_string(in.type);
+      out << YAML::Key << "step" << YAML::Value << in.step;
+      out << YAML::Key << "duration" << YAML::Value << in.duration;
+      out << YAML::Key << "probability" << YAML::Value << in.probability;
+      out << YAML::Key << "seed" << YAML::Value << in.seed;
+      if (!in.segment.empty()) out << YAML::Key << "segment" << YAML::Value << in.segment;
+      out << YAML::Key << "factor" << YAML::Value << in.factor;
+      if (!in.mode.empty()) out << YAML::Key << "mode" << YAML::Value << in.mode;
+      if (!in.target.empty()) out << YAML::Key << "target" << YAML::Value << in.target;
+      out << YAML::Key << "bit_class" << YAML::Value << in.bit_class;
+      out << YAML::Key << "bits" << YAML::Value << in.bits;
+      out << YAML::Key << "rows" << YAML::Value << in.rows;
+      out << YAML::EndMap;
+    }
+    out << YAML::EndSeq;
+  }
+
+  const ExpectSpec& e = s.expect;
+  if (e.any()) {
+    out << YAML::Key << "expect" << YAML::Value << YAML::BeginMap;
+    auto opt = [&](const char* key, const auto& field) {
+      if (field) out << YAML::Key << key << YAML::Value << *field;
+    };
+    opt("params_finite", e.params_finite);
+    opt("loss_finite", e.loss_finite);
+    opt("max_skipped_steps", e.max_skipped_steps);
+    opt("min_skipped_steps", e.min_skipped_steps);
+    opt("min_scale_backoffs", e.min_scale_backoffs);
+    opt("min_scale_growths", e.min_scale_growths);
+    opt("min_rollbacks", e.min_rollbacks);
+    opt("final_loss_below", e.final_loss_below);
+    opt("recompute_bitwise", e.recompute_bitwise);
+    opt("replay_bitwise", e.replay_bitwise);
+    opt("injections_fired", e.injections_fired);
+    if (e.diverges) out << YAML::Key << "diverges" << YAML::Value << true;
+    out << YAML::EndMap;
+  }
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
+}
+
+bool ExpectSpec::any() const {
+  return params_finite || loss_finite || max_skipped_steps || min_skipped_steps || min_scale_backoffs ||
+         min_scale_growths || min_rollbacks || final_loss_below || recompute_bitwise || replay_bitwise ||
+         injections_fired || diverges;
 }
 
 }  // namespace retrace

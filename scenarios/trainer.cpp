@@ -1,6 +1,8 @@
 #include <retrace/trainer.h>
 
+#include <retrace/autocast.h>
 #include <retrace/error.h>
+#include <retrace/observer.h>
 
 #include <torch/cuda.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -9,7 +11,10 @@
 #include <torch/optim/sgd.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <cmath>
 #include <map>
+#include <optional>
 
 namespace retrace {
 
@@ -26,6 +31,8 @@ std::shared_ptr<models::SegmentedModel> build_model(const ScenarioSpec& s) {
     c.seq_len = m.seq_len;
     c.batch = s.data.batch;
     c.dropout = m.dropout;
+    c.layernorm_eps = std::max(m.layernorm_eps, s.defenses.layernorm_min_eps);  // the eps guard
+    c.layernorm_fp32 = s.defenses.layernorm_fp32;
     return std::make_shared<models::TinyGpt>(c);
   }
   if (m.type == "lstm") {
@@ -79,7 +86,7 @@ std::unique_ptr<State> load_adam(const std::map<std::string, at::Tensor>& by_nam
 
 }  // namespace
 
-ScenarioProgram::ScenarioProgram(ScenarioSpec spec) : spec_(std::move(spec)) {
+ScenarioProgram::ScenarioProgram(ScenarioSpec spec) : spec_(std::move(spec)), injector_(spec_.injections) {
   if (spec_.training.device == "cuda") {
     if (!torch::cuda::is_available()) {
       throw Error(spec_.origin + ": key 'training.device': cuda, but no CUDA device is visible; use cpu");
@@ -100,6 +107,22 @@ ScenarioProgram::ScenarioProgram(ScenarioSpec spec) : spec_(std::move(spec)) {
   } else {
     optimizer_ = std::make_unique<torch::optim::SGD>(
         model_->parameters(), torch::optim::SGDOptions(t.lr).momentum(t.momentum).weight_decay(t.weight_decay));
+  }
+  const LossScalingSpec& ls = spec_.defenses.loss_scaling;
+  if (ls.enabled) {
+    LossScalerOptions o;
+    o.init_scale = ls.init_scale;
+    o.growth_factor = ls.growth_factor;
+    o.backoff_factor = ls.backoff_factor;
+    o.growth_interval = ls.growth_interval;
+    o.hysteresis = ls.hysteresis;
+    o.min_scale = ls.min_scale;
+    scaler_ = std::make_unique<LossScaler>(o, device_);
+  }
+  if (spec_.defenses.verify_recompute) {
+    VerifyOptions v;
+    v.policy = VerifyPolicy::kRecord;
+    verifier_ = std::make_unique<RecomputeVerifier>(v);
   }
 }
 
@@ -124,6 +147,17 @@ std::vector<NamedTensor> ScenarioProgram::state() {
     } else if (auto* s = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
       if (s->momentum_buffer().defined()) out.push_back({prefix + "momentum_buffer", s->momentum_buffer()});
     }
+  }
+  if (scaler_) {
+    for (NamedTensor& n : scaler_->state()) out.push_back(std::move(n));
+  }
+  // Schedule state: what the next step's LR and clipping threshold depend on.
+  out.push_back({"schedule.applied_steps", at::scalar_tensor(applied_steps_, at::kLong)});
+  if (spec_.defenses.plateau.enabled) {
+    out.push_back({"schedule.plateau", at::tensor({plateau_factor_, plateau_best_, static_cast<double>(plateau_bad_)}, at::kDouble)});
+  }
+  if (spec_.defenses.clip.mode == "adaptive") {
+    out.push_back({"clip.recent_norms", at::tensor(std::vector<double>(recent_norms_.begin(), recent_norms_.end()), at::kDouble)});
   }
   return out;
 }
@@ -168,6 +202,20 @@ void ScenarioProgram::load_state(const std::vector<NamedTensor>& state) {
       states[key] = std::move(st);
     }
   }
+  if (scaler_) scaler_->load_state(state);
+  applied_steps_ = 0;
+  if (auto it = by_name.find("schedule.applied_steps"); it != by_name.end()) applied_steps_ = it->second.item<std::int64_t>();
+  if (auto it = by_name.find("schedule.plateau"); it != by_name.end() && it->second.numel() == 3) {
+    const at::Tensor p = it->second.to(at::kDouble).contiguous();
+    plateau_factor_ = p[0].item<double>();
+    plateau_best_ = p[1].item<double>();
+    plateau_bad_ = static_cast<std::int64_t>(p[2].item<double>());
+  }
+  recent_norms_.clear();
+  if (auto it = by_name.find("clip.recent_norms"); it != by_name.end()) {
+    const at::Tensor r = it->second.to(at::kDouble).contiguous();
+    for (std::int64_t i = 0; i < r.numel(); ++i) recent_norms_.push_back(r[i].item<double>());
+  }
 }
 
 std::vector<NamedTensor> ScenarioProgram::batch(std::int64_t step) {
@@ -175,33 +223,213 @@ std::vector<NamedTensor> ScenarioProgram::batch(std::int64_t step) {
   return {{"input", b.input.to(device_)}, {"target", b.target.to(device_)}};
 }
 
-StepOutcome ScenarioProgram::step(std::int64_t, const std::vector<NamedTensor>& batch, StepMonitor* monitor) {
+double ScenarioProgram::scheduled_lr() const {
+  const DefenseSpec& d = spec_.defenses;
+  double lr = spec_.training.lr * plateau_factor_;
+  if (d.warmup_steps > 0 && applied_steps_ < d.warmup_steps) {
+    lr *= static_cast<double>(applied_steps_ + 1) / static_cast<double>(d.warmup_steps);
+  }
+  if (d.plateau.enabled) lr = std::max(lr, std::min(d.plateau.min_lr, spec_.training.lr));
+  return lr;
+}
+
+double ScenarioProgram::lr() const { return scheduled_lr(); }
+double ScenarioProgram::loss_scale() const { return scaler_ ? scaler_->current_scale() : 1.0; }
+
+void ScenarioProgram::set_lr(double lr) {
+  for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
+}
+
+void ScenarioProgram::advance_schedule(double loss) {
+  ++applied_steps_;
+  const PlateauSpec& p = spec_.defenses.plateau;
+  if (!p.enabled) return;
+  if (std::isfinite(loss) && loss < plateau_best_ * (1.0 - p.threshold)) {
+    plateau_best_ = loss;
+    plateau_bad_ = 0;
+  } else if (++plateau_bad_ > p.patience) {
+    plateau_factor_ *= p.factor;
+    plateau_bad_ = 0;
+  }
+}
+
+bool ScenarioProgram::params_finite() const {
+  for (const at::Tensor& p : model_->parameters()) {
+    if (!at::isfinite(p).all().item<bool>()) return false;
+  }
+  return true;
+}
+
+StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTensor>& batch_in, StepMonitor* monitor) {
+  const DefenseSpec& d = spec_.defenses;
+  StepOutcome out;
+  injector_.begin_step(step);
+  auto finish = [&]() -> StepOutcome {
+    for (const InjectionEvent& e : injector_.fired()) out.injected.push_back(e.type + " " + e.where + ": " + e.detail);
+    return out;
+  };
+  auto skip = [&](std::string why) {
+    out.skipped = true;
+    out.skip_reason = std::move(why);
+  };
+
+  // Learning rate: schedule x injected spike.
+  out.lr = scheduled_lr() * injector_.lr_factor();
+  set_lr(out.lr);
+  out.loss_scale = loss_scale();
+
+  // Batch: injected corruption, then validation.
+  std::vector<NamedTensor> batch = batch_in;
+  injector_.corrupt_batch(batch, spec_.model.vocab);
   models::Batch b;
   for (const NamedTensor& n : batch) {
     if (n.name == "input") b.input = n.tensor.to(device_);
     if (n.name == "target") b.target = n.tensor.to(device_);
   }
   if (!b.input.defined() || !b.target.defined()) throw Error("the batch lacks 'input' or 'target'");
+  if (d.validate_batch) {
+    std::string bad;
+    if (b.input.is_floating_point()) {
+      if (!at::isfinite(b.input).all().item<bool>()) bad = "non-finite features";
+    } else if (b.input.numel() > 0 &&
+               (b.input.min().item<std::int64_t>() < 0 || b.input.max().item<std::int64_t>() >= spec_.model.vocab)) {
+      bad = "token ids outside the vocabulary";
+    }
+    if (!bad.empty()) {
+      skip("invalid batch: " + bad);
+      return finish();
+    }
+  }
+
+  // Rollback snapshot, taken before any injected corruption of the state.
+  std::vector<NamedTensor> snapshot;
+  if (d.rollback) {
+    for (const NamedTensor& n : state()) snapshot.push_back({n.name, n.tensor.detach().clone()});
+  }
+  if (!injector_.empty()) {
+    std::vector<NamedTensor> live = state();
+    injector_.flip_state(live);
+  }
+
   optimizer_->zero_grad();
-  at::Tensor loss = model_->loss(b, models::CheckpointPlan{spec_.training.segments, {}});
-  loss.backward();
+  const std::size_t mismatches_before = verifier_ ? verifier_->mismatches().size() : 0;
+  at::Tensor loss;
   std::vector<NamedTensor> grads;
-  std::vector<at::Tensor> norms;
+  {
+    std::optional<ObserverScope> inject_scope, verify_scope;
+    if (!injector_.empty()) inject_scope.emplace(injector_);
+    if (verifier_) verify_scope.emplace(*verifier_);
+    models::CheckpointPlan plan{spec_.training.segments, {}};
+    plan.options.preserve_rng_state = d.preserve_rng_state;
+    {
+      AutocastState ac;
+      if (spec_.training.precision != "fp32") {
+        const c10::ScalarType dtype = spec_.training.precision == "fp16" ? at::kHalf : at::kBFloat16;
+        ac.entries.push_back({device_.type(), true, dtype});
+      }
+      std::optional<AutocastGuard> autocast;
+      if (ac.any_enabled()) autocast.emplace(ac);
+      loss = model_->loss(b, plan);
+    }
+    loss = loss.to(at::kFloat);
+    at::Tensor objective = injector_.on_loss(spec_.training.loss_weight != 1.0 ? loss * spec_.training.loss_weight : loss);
+    if (scaler_) objective = scaler_->scale(objective);
+    objective.backward();
+  }
   for (const auto& p : model_->named_parameters()) {
-    if (!p.value().grad().defined()) continue;
-    grads.push_back({"grad." + p.key(), p.value().grad()});
-    norms.push_back(p.value().grad().detach().to(at::kFloat).norm());
+    if (p.value().grad().defined()) grads.push_back({"grad." + p.key(), p.value().grad()});
   }
+  injector_.on_grads(grads);
   if (monitor) monitor->after_backward(loss, grads);
-  StepOutcome out;
   out.loss = loss.item<double>();
+
+  // Unscale (the norm and clipping see true gradients), then the norm before clipping.
+  bool finite_grads = true;
+  if (scaler_) finite_grads = scaler_->unscale(*optimizer_);
+  std::vector<at::Tensor> norms;
+  for (const NamedTensor& g : grads) norms.push_back(g.tensor.detach().to(at::kFloat).norm());
   out.grad_norm = norms.empty() ? 0.0 : at::stack(norms).norm().item<double>();
-  out.lr = spec_.training.lr;
-  if (spec_.training.clip_grad_norm > 0) {
-    torch::nn::utils::clip_grad_norm_(model_->parameters(), spec_.training.clip_grad_norm);
+  finite_grads = finite_grads && std::isfinite(out.grad_norm);
+
+  const std::size_t caught = verifier_ ? verifier_->mismatches().size() - mismatches_before : 0;
+  bool apply = true;
+  if (caught > 0) {
+    caught_mismatches_ += static_cast<std::int64_t>(caught);
+    apply = false;
+    skip("recompute not bitwise in " + verifier_->mismatches()[mismatches_before].segment);
   }
-  optimizer_->step();
-  return out;
+
+  // Clipping: never on a non-finite norm (scaling by max_norm/inf would turn Inf into 0 or NaN
+  // silently); that step is skipped -- or raises, with error_if_nonfinite.
+  const ClipSpec& clip = d.clip;
+  if (apply && clip.mode != "off") {
+    if (!finite_grads) {
+      if (clip.error_if_nonfinite) {
+        throw Error("step " + std::to_string(step) + ": the total gradient norm is non-finite (" + std::to_string(out.grad_norm) +
+                    "); clipping refuses it (defenses.clip.error_if_nonfinite)");
+      }
+    } else {
+      torch::NoGradGuard no_grad;
+      if (clip.mode == "global") {
+        torch::nn::utils::clip_grad_norm_(model_->parameters(), clip.max_norm);
+      } else if (clip.mode == "per_tensor") {
+        for (const NamedTensor& g : grads) {  // TensorFlow's clip_by_norm, per gradient
+          const double n = g.tensor.to(at::kFloat).norm().item<double>();
+          if (n > clip.max_norm) g.tensor.mul_(clip.max_norm / (n + 1e-6));
+        }
+      } else {  // adaptive: threshold from the median of recent applied norms
+        double threshold = clip.max_norm;
+        if (!recent_norms_.empty()) {
+          std::vector<double> sorted(recent_norms_.begin(), recent_norms_.end());
+          std::nth_element(sorted.begin(), sorted.begin() + static_cast<std::ptrdiff_t>(sorted.size() / 2), sorted.end());
+          threshold = std::max(clip.max_norm, clip.multiplier * sorted[sorted.size() / 2]);
+        }
+        if (out.grad_norm > threshold) {
+          for (const NamedTensor& g : grads) g.tensor.mul_(threshold / (out.grad_norm + 1e-6));
+        }
+      }
+    }
+  }
+
+  if (apply) {
+    if (scaler_) {
+      if (scaler_->step(*optimizer_)) skip("loss scaler: non-finite gradients, scale backed off");
+    } else if (!finite_grads && d.skip_nonfinite) {
+      skip("non-finite gradients");
+    } else {
+      optimizer_->step();
+    }
+  } else if (scaler_) {
+    scaler_->load_state(scaler_->state());  // drop the pending unscale; the scale stays as it was
+  }
+
+  // Rollback: a step that went non-finite (loss, gradients or parameters) restores the state it
+  // started from -- undoing corrupted weights as well as a bad update.
+  if (d.rollback) {
+    const bool bad = !std::isfinite(out.loss) || !finite_grads || !params_finite();
+    if (bad) {
+      const std::string why = !std::isfinite(out.loss) ? "non-finite loss" : !finite_grads ? "non-finite gradients" : "non-finite parameters";
+      // The scaler keeps what this step taught it (a backoff): restoring its old scale would
+      // overflow again and again.
+      std::vector<NamedTensor> scaler_now;
+      if (scaler_) {
+        for (const NamedTensor& n : scaler_->state()) scaler_now.push_back({n.name, n.tensor.clone()});
+      }
+      load_state(snapshot);
+      if (scaler_) scaler_->load_state(scaler_now);
+      ++rollbacks_;
+      out.rolled_back = true;
+      skip("rolled back: " + why);
+    }
+  }
+  if (!out.skipped) {
+    advance_schedule(out.loss);
+    if (clip.mode == "adaptive" && std::isfinite(out.grad_norm)) {
+      recent_norms_.push_back(out.grad_norm);
+      while (static_cast<std::int64_t>(recent_norms_.size()) > clip.window) recent_norms_.pop_front();
+    }
+  }
+  return finish();
 }
 
 void register_builtin_programs() {

@@ -11,7 +11,8 @@
 //   bool skipped = scaler.step(optimizer);   // also updates the scale
 //
 // Update rule (GradScaler's): a step with non-finite gradients is skipped, the scale multiplied
-// by backoff_factor and the growth counter reset; otherwise the counter grows, and when it reaches
+// by backoff_factor (never below min_scale; not while hysteresis tolerates the overflow) and the
+// growth counter reset; otherwise the counter grows, and when it reaches
 // growth_interval the scale is multiplied by growth_factor and the counter reset.
 
 #include <retrace/error.h>
@@ -33,6 +34,10 @@ struct LossScalerOptions {
   double growth_factor = 2.0;
   double backoff_factor = 0.5;
   std::int64_t growth_interval = 2000;
+  // DeepSpeed's extensions: overflows tolerated (step skipped, scale kept) before the scale backs
+  // off, restored when the scale next grows; and a floor the scale never backs off below.
+  std::int64_t hysteresis = 1;
+  double min_scale = 0.0;
 };
 
 // Not thread-safe. The scale lives in a float32 tensor on `device`, as GradScaler keeps it.
@@ -54,6 +59,8 @@ class LossScaler {
   std::int64_t skipped_steps() const { return skipped_; }
   std::int64_t backoffs() const { return backoffs_; }
   std::int64_t growths() const { return growths_; }
+  std::int64_t tolerated_overflows() const { return tolerated_; }  // skips hysteresis absorbed
+  std::int64_t hysteresis_left() const { return hysteresis_left_; }
 
   // Scale and growth tracker, for the recorder (Program::state()) and exact restore.
   std::vector<NamedTensor> state() const;
@@ -65,7 +72,8 @@ class LossScaler {
   at::Tensor growth_tracker_;  // int32 [1]
   at::Tensor found_inf_;       // float32 [1], valid after unscale()
   bool unscaled_ = false;
-  std::int64_t skipped_ = 0, backoffs_ = 0, growths_ = 0;
+  std::int64_t skipped_ = 0, backoffs_ = 0, growths_ = 0, tolerated_ = 0;
+  std::int64_t hysteresis_left_ = 1;
 };
 
 }  // namespace retrace

@@ -57,6 +57,8 @@ struct GptConfig {
   std::int64_t seq_len = 16;
   std::int64_t batch = 4;
   double dropout = 0.1;
+  double layernorm_eps = 1e-5;
+  bool layernorm_fp32 = false;  // compute every LayerNorm in fp32 whatever the autocast dtype
 };
 
 // Token + position embedding, pre-LayerNorm blocks (causal multi-head attention, GELU MLP,

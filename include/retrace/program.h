@@ -25,6 +25,12 @@ struct StepOutcome {
   double loss_scale = 1.0;
   double lr = 0.0;
   bool skipped = false;  // the optimizer step was skipped (e.g. non-finite grads)
+  // Why it was skipped ("non-finite gradients", "loss scaler overflow", "rolled back: ...").
+  std::string skip_reason;
+  bool rolled_back = false;  // the step's starting state was restored after a non-finite step
+  // Injections that fired in this step, one line each ("activation_overflow block0..block1 ..."):
+  // the recorder tags them in the trace so an injected fault is never taken for a real one.
+  std::vector<std::string> injected;
   bool finite() const;
 };
 

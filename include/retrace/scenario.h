@@ -1,11 +1,15 @@
 #pragma once
-// Scenario files: YAML describing a training run (model, data, training settings; the scenario
-// issue grows the schema to defenses, injections and expectations). The schema is
+// Scenario files: YAML describing a training run -- model, data, training settings, the defenses
+// switched on, the faults injected and what is expected of the run. The schema is
 // docs/scenarios.md. An unknown key, a wrong type, a non-finite number or a missing field is a
 // retrace::Error naming the file, line and key.
 
+#include <retrace/injectors.h>
+
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace retrace {
 
@@ -20,6 +24,7 @@ struct ModelSpec {
   std::int64_t in_features = 16;   // mlp
   std::int64_t out_features = 4;   // mlp
   double dropout = 0.1;
+  double layernorm_eps = 1e-5;      // tiny_gpt
 };
 
 struct DataSpec {
@@ -37,6 +42,68 @@ struct TrainingSpec {
   int segments = 0;                 // checkpointed segments; 0 = no checkpointing
   double clip_grad_norm = 0.0;      // 0 = off
   std::string device = "cpu";       // cpu | cuda
+  // fp32, or autocast to bf16 / fp16 for the forward (parameters and optimizer stay fp32).
+  std::string precision = "fp32";   // fp32 | bf16 | fp16
+  double loss_weight = 1.0;         // the loss back-propagated is loss * loss_weight
+};
+
+struct LossScalingSpec {
+  bool enabled = false;
+  double init_scale = 65536.0;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  std::int64_t growth_interval = 2000;
+  std::int64_t hysteresis = 1;  // overflows in a row before backing off (DeepSpeed's)
+  double min_scale = 0.0;       // the scale never backs off below this (0: no floor)
+};
+
+struct ClipSpec {
+  std::string mode = "off";        // off | global | per_tensor | adaptive
+  double max_norm = 1.0;           // global, per_tensor; adaptive: the floor of the threshold
+  bool error_if_nonfinite = false; // a non-finite norm throws instead of skipping the step
+  std::int64_t window = 20;        // adaptive: recent applied steps whose norms set the threshold
+  double multiplier = 2.0;         // adaptive: threshold = multiplier x median of the window
+};
+
+struct PlateauSpec {
+  bool enabled = false;
+  double factor = 0.5;
+  std::int64_t patience = 3;
+  double threshold = 1e-4;  // relative improvement that counts
+  double min_lr = 0.0;
+};
+
+struct DefenseSpec {
+  LossScalingSpec loss_scaling;
+  ClipSpec clip;
+  bool skip_nonfinite = false;       // skip the optimizer step when gradients are not finite
+  std::int64_t warmup_steps = 0;     // linear LR warmup over the first applied steps
+  PlateauSpec plateau;               // ReduceLROnPlateau on the step loss
+  bool layernorm_fp32 = false;       // LayerNorm computed in fp32 whatever the autocast dtype
+  double layernorm_min_eps = 0.0;    // eps guard: LayerNorm eps raised to at least this
+  bool rollback = false;             // a non-finite step restores the step's starting state
+  bool preserve_rng_state = true;    // checkpoint recomputes under the forward's RNG state
+  bool verify_recompute = false;     // a non-bitwise recompute skips the step (never applied)
+  bool validate_batch = false;       // a batch with NaN features or out-of-range ids is skipped
+};
+
+// What the run must show. Unset fields are not checked.
+struct ExpectSpec {
+  std::optional<bool> params_finite;        // every parameter finite at the end
+  std::optional<bool> loss_finite;          // every step's loss finite
+  std::optional<std::int64_t> max_skipped_steps;
+  std::optional<std::int64_t> min_skipped_steps;
+  std::optional<std::int64_t> min_scale_backoffs;
+  std::optional<std::int64_t> min_scale_growths;
+  std::optional<std::int64_t> min_rollbacks;
+  std::optional<double> final_loss_below;   // mean loss of the last 3 applied steps
+  std::optional<bool> recompute_bitwise;    // no non-bitwise recompute reached an applied step
+  std::optional<bool> replay_bitwise;       // the recorded run replays bit for bit
+  std::optional<bool> injections_fired;     // at least one injection fired
+  // A negative control: the fault must get through -- the run raises, ends with non-finite
+  // parameters, or fails one of the expectations above.
+  bool diverges = false;
+  bool any() const;
 };
 
 struct ScenarioSpec {
@@ -45,6 +112,9 @@ struct ScenarioSpec {
   ModelSpec model;
   DataSpec data;
   TrainingSpec training;
+  DefenseSpec defenses;
+  std::vector<InjectionSpec> injections;
+  ExpectSpec expect;
   std::string origin;  // file path or "<text>", for messages
 };
 

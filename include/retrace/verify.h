@@ -19,8 +19,9 @@
 
 namespace retrace {
 
-enum class VerifyPolicy { kOff, kWarn, kThrow };
-// "off" | "warn" | "throw"; throws retrace::Error for anything else.
+// kRecord keeps the mismatches for mismatches() and says nothing (the scenario harness decides).
+enum class VerifyPolicy { kOff, kWarn, kThrow, kRecord };
+// "off" | "warn" | "throw" | "record"; throws retrace::Error for anything else.
 VerifyPolicy parse_verify_policy(const std::string& text);
 const char* to_string(VerifyPolicy policy);
 

@@ -1,0 +1,124 @@
+#pragma once
+// Numerical fault injectors for training: each one forces a fault that real runs hit (fp16
+// overflow, a learning-rate spike, a zero-variance LayerNorm row, a flipped bit, ...) on a seeded
+// schedule, so that a scenario can check that the defense meant for it holds -- and, with the
+// defense switched off, that the fault really bites.
+//
+// An Injector is driven by the training loop (ScenarioProgram) through the hooks below, and is a
+// SegmentObserver for the faults that live inside checkpointed segments. Every decision is a pure
+// function of (injection seed, step, index): it never draws from LibTorch's generators, so an
+// injected run replays bit for bit and an injection never shifts the dropout masks of the run.
+// What fired is reported per step (fired()), and the recorder tags it in the trace, so an
+// injected fault is never mistaken for a real one.
+
+#include <retrace/observer.h>
+#include <retrace/program.h>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace retrace {
+
+enum class InjectionType {
+  kActivationOverflow,  // multiply a segment's outputs by `factor` (fp16 overflows past 65504)
+  kLrSpike,             // learning rate x factor for `duration` steps
+  kLayerNormInput,      // rows of a segment's outputs (the next LayerNorm's input): constant,
+                        // huge (|x| = factor) or NaN
+  kGradNonFinite,       // one gradient element set to NaN or Inf after backward
+  kLossSpike,           // loss x factor before backward
+  kBitFlip,             // flip `bits` bits of one element of a weight, an activation or an
+                        // optimizer state tensor (sign, exponent, mantissa or any bit)
+  kRngDesync,           // consume the CPU generator between a segment's forward and its
+                        // recompute (as a data loader or a stray dropout would)
+  kCorruptBatch,        // NaN features, or token ids outside the vocabulary
+};
+const char* to_string(InjectionType type);
+// Throws retrace::Error listing the known names.
+InjectionType parse_injection_type(const std::string& name);
+std::vector<std::string> injection_type_names();
+
+struct InjectionSpec {
+  InjectionType type = InjectionType::kActivationOverflow;
+  std::int64_t step = 1;       // first step it may fire on (1-based)
+  std::int64_t duration = 1;   // consecutive steps it may fire on
+  double probability = 1.0;    // chance to fire on each of those steps (seeded)
+  std::uint64_t seed = 0;
+  // Segment for segment faults ("" = the first segment). A name as checkpoint_sequential makes
+  // it ("block0..block1"), or a stage name inside one ("block1").
+  std::string segment;
+  double factor = 0;           // spike / overflow factor, or the huge magnitude; 0 = the default
+  // kLayerNormInput: constant | huge | nan. kGradNonFinite: nan | inf.
+  // kCorruptBatch: nan_features | token_out_of_range.
+  std::string mode;
+  // kBitFlip: weights | activations | optimizer.
+  std::string target;
+  std::string bit_class = "exponent";  // kBitFlip: sign | exponent | mantissa | any
+  int bits = 1;                        // kBitFlip: how many distinct bits of the element
+  double rows = 0.25;                  // kLayerNormInput: fraction of rows hit (at least one)
+
+  double effective_factor() const;  // factor, or the type's default when 0
+  bool operator==(const InjectionSpec& o) const;
+};
+
+// One injection that fired.
+struct InjectionEvent {
+  std::int64_t step = 0;
+  std::string type;    // to_string(InjectionType)
+  std::string where;   // segment, tensor name or "loss" / "lr" / "batch"
+  std::string detail;  // e.g. "x1e+06", "bit 30 (exponent) 0.0123 -> 4.2e+36"
+};
+
+class Injector : public SegmentObserver {
+ public:
+  explicit Injector(std::vector<InjectionSpec> specs);
+
+  bool empty() const { return specs_.empty(); }
+  const std::vector<InjectionSpec>& specs() const { return specs_; }
+
+  // Call once at the start of each step, before any other hook; clears fired().
+  void begin_step(std::int64_t step);
+  // LR multiplier for this step (kLrSpike), 1 when none fires.
+  double lr_factor();
+  // kCorruptBatch: corrupts `batch` in place (copies first; never the caller's storage).
+  void corrupt_batch(std::vector<NamedTensor>& batch, std::int64_t vocab);
+  // kBitFlip on weights or optimizer state: flips bits in place in one element of one of
+  // `tensors` (chosen by the seed among those whose name starts with "param." or "optim.").
+  void flip_state(const std::vector<NamedTensor>& state);
+  // kLossSpike: the loss to back-propagate.
+  at::Tensor on_loss(const at::Tensor& loss);
+  // kGradNonFinite: poisons one element of one gradient in place.
+  void on_grads(const std::vector<NamedTensor>& grads);
+
+  // Segment faults: kActivationOverflow, kLayerNormInput and activation bit flips replace the
+  // outputs of the targeted segment in forward and, identically, in its recompute; kRngDesync
+  // draws from the CPU generator after the targeted forward.
+  void on_forward(SegmentEvent& event) override;
+  void on_recompute(SegmentEvent& event) override;
+
+  // What fired since begin_step(), in order.
+  std::vector<InjectionEvent> fired() const;
+
+ private:
+  bool fires(std::size_t index) const;  // spec `index` fires on the current step
+  bool targets(const InjectionSpec& spec, const std::string& segment) const;
+  at::Tensor apply_segment_fault(std::size_t index, const at::Tensor& output, const std::string& segment, bool log);
+  void note(const InjectionSpec& spec, std::string where, std::string detail);
+
+  std::vector<InjectionSpec> specs_;
+  std::int64_t step_ = 0;
+  mutable std::mutex mutex_;  // fired_ and the per-invocation bookkeeping (backward runs on the
+                              // autograd engine's thread)
+  std::vector<InjectionEvent> fired_;
+  // Segment forwards injected this step (invocation, spec), whose recompute gets the same fault.
+  std::vector<std::pair<std::uint64_t, std::size_t>> hit_invocations_;
+  std::vector<char> segment_done_;  // per spec: its segment fault fired this step
+};
+
+// Flips bit `bit` (0 = least significant) of element `index` of `t` (any dtype, contiguous or
+// not) in place. Exposed for tests.
+void flip_bit(at::Tensor& t, std::int64_t index, int bit);
+
+}  // namespace retrace

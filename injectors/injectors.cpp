@@ -1,0 +1,360 @@
+#include <retrace/injectors.h>
+
+#include <retrace/error.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <iomanip>
+#include <limits>
+#include <random>
+#include <sstream>
+
+namespace retrace {
+
+namespace {
+
+struct TypeName {
+  InjectionType type;
+  const char* name;
+};
+constexpr TypeName kTypes[] = {
+    {InjectionType::kActivationOverflow, "activation_overflow"},
+    {InjectionType::kLrSpike, "lr_spike"},
+    {InjectionType::kLayerNormInput, "layernorm_input"},
+    {InjectionType::kGradNonFinite, "grad_nonfinite"},
+    {InjectionType::kLossSpike, "loss_spike"},
+    {InjectionType::kBitFlip, "bit_flip"},
+    {InjectionType::kRngDesync, "rng_desync"},
+    {InjectionType::kCorruptBatch, "corrupt_batch"},
+};
+
+// A generator private to (seed, step, spec index, purpose): injections never touch LibTorch's.
+std::mt19937_64 rng_for(std::uint64_t seed, std::int64_t step, std::size_t index, std::uint64_t purpose) {
+  std::seed_seq seq{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32),
+                    static_cast<std::uint32_t>(step), static_cast<std::uint32_t>(static_cast<std::uint64_t>(step) >> 32),
+                    static_cast<std::uint32_t>(index), static_cast<std::uint32_t>(purpose)};
+  return std::mt19937_64(seq);
+}
+
+std::string number(double v) {
+  std::ostringstream os;
+  os << std::setprecision(4) << v;
+  return os.str();
+}
+
+// Bit positions of a class for a float format: sign is the top bit, then exponent, then mantissa.
+std::vector<int> bits_of_class(at::ScalarType dtype, const std::string& cls) {
+  int width = 0, exponent = 0;
+  switch (dtype) {
+    case at::kFloat: width = 32; exponent = 8; break;
+    case at::kDouble: width = 64; exponent = 11; break;
+    case at::kHalf: width = 16; exponent = 5; break;
+    case at::kBFloat16: width = 16; exponent = 8; break;
+    default: width = static_cast<int>(c10::elementSize(dtype)) * 8; exponent = -1; break;
+  }
+  std::vector<int> out;
+  const int mantissa = exponent < 0 ? width : width - 1 - exponent;
+  for (int b = 0; b < width; ++b) {
+    const bool is_sign = exponent >= 0 && b == width - 1;
+    const bool is_exp = exponent >= 0 && b >= mantissa && b < width - 1;
+    if (cls == "any" || (cls == "sign" && is_sign) || (cls == "exponent" && is_exp) ||
+        (cls == "mantissa" && !is_sign && !is_exp)) {
+      out.push_back(b);
+    }
+  }
+  return out;
+}
+
+double element_value(const at::Tensor& t, std::int64_t index) {
+  return t.reshape({-1})[index].item<double>();
+}
+
+}  // namespace
+
+const char* to_string(InjectionType type) {
+  for (const auto& t : kTypes) {
+    if (t.type == type) return t.name;
+  }
+  return "?";
+}
+
+std::vector<std::string> injection_type_names() {
+  std::vector<std::string> out;
+  for (const auto& t : kTypes) out.emplace_back(t.name);
+  return out;
+}
+
+InjectionType parse_injection_type(const std::string& name) {
+  for (const auto& t : kTypes) {
+    if (name == t.name) return t.type;
+  }
+  std::string known;
+  for (const auto& n : injection_type_names()) known += (known.empty() ? "" : ", ") + n;
+  throw Error("unknown injection type '" + name + "'; known types: " + known);
+}
+
+double InjectionSpec::effective_factor() const {
+  if (factor != 0) return factor;
+  switch (type) {
+    case InjectionType::kActivationOverflow: return 1e6;
+    case InjectionType::kLrSpike: return 1000;
+    case InjectionType::kLayerNormInput: return 1e5;  // mode huge: |x| of the rows
+    case InjectionType::kLossSpike: return 1e4;
+    default: return 1;
+  }
+}
+
+bool InjectionSpec::operator==(const InjectionSpec& o) const {
+  return type == o.type && step == o.step && duration == o.duration && probability == o.probability &&
+         seed == o.seed && segment == o.segment && factor == o.factor && mode == o.mode && target == o.target &&
+         bit_class == o.bit_class && bits == o.bits && rows == o.rows;
+}
+
+void flip_bit(at::Tensor& t, std::int64_t index, int bit) {
+  TORCH_CHECK(index >= 0 && index < t.numel(), "flip_bit: element ", index, " of ", t.numel());
+  const int width = static_cast<int>(t.element_size()) * 8;
+  TORCH_CHECK(bit >= 0 && bit < width, "flip_bit: bit ", bit, " of a ", width, "-bit element");
+  at::NoGradGuard no_grad;
+  // Through a contiguous CPU copy, so any layout and device works; written back with copy_.
+  at::Tensor flat = t.reshape({-1}).narrow(0, index, 1);
+  at::Tensor host = flat.to(at::kCPU).contiguous().clone();
+  auto* bytes = static_cast<unsigned char*>(host.data_ptr());
+  bytes[bit / 8] ^= static_cast<unsigned char>(1u << (bit % 8));  // little-endian element
+  flat.copy_(host);
+}
+
+Injector::Injector(std::vector<InjectionSpec> specs) : specs_(std::move(specs)) {}
+
+void Injector::begin_step(std::int64_t step) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  step_ = step;
+  fired_.clear();
+  hit_invocations_.clear();
+  segment_done_.assign(specs_.size(), 0);
+}
+
+bool Injector::fires(std::size_t index) const {
+  const InjectionSpec& s = specs_[index];
+  if (step_ < s.step || step_ >= s.step + s.duration) return false;
+  if (s.probability >= 1.0) return true;
+  auto gen = rng_for(s.seed, step_, index, 1);
+  return std::uniform_real_distribution<double>(0.0, 1.0)(gen) < s.probability;
+}
+
+void Injector::note(const InjectionSpec& spec, std::string where, std::string detail) {
+  fired_.push_back({step_, to_string(spec.type), std::move(where), std::move(detail)});
+}
+
+std::vector<InjectionEvent> Injector::fired() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return fired_;
+}
+
+double Injector::lr_factor() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  double f = 1.0;
+  for (std::size_t i = 0; i < specs_.size(); ++i) {
+    if (specs_[i].type != InjectionType::kLrSpike || !fires(i)) continue;
+    f *= specs_[i].effective_factor();
+    note(specs_[i], "lr", "x" + number(specs_[i].effective_factor()));
+  }
+  return f;
+}
+
+void Injector::corrupt_batch(std::vector<NamedTensor>& batch, std::int64_t vocab) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (std::size_t i = 0; i < specs_.size(); ++i) {
+    const InjectionSpec& s = specs_[i];
+    if (s.type != InjectionType::kCorruptBatch || !fires(i)) continue;
+    for (NamedTensor& n : batch) {
+      if (n.name != "input") continue;
+      at::Tensor t = n.tensor.clone();
+      auto gen = rng_for(s.seed, step_, i, 2);
+      const std::int64_t rows = t.dim() > 0 ? t.size(0) : 1;
+      const std::int64_t row = static_cast<std::int64_t>(gen() % static_cast<std::uint64_t>(rows));
+      if (s.mode == "token_out_of_range") {
+        if (t.is_floating_point()) throw Error("injection corrupt_batch: mode token_out_of_range needs token ids; this model takes features (use nan_features)");
+        t.select(0, row).fill_(vocab + 7);
+        note(s, "batch", "row " + std::to_string(row) + " token id " + std::to_string(vocab + 7) + " (vocabulary " + std::to_string(vocab) + ")");
+      } else {
+        if (!t.is_floating_point()) throw Error("injection corrupt_batch: mode nan_features needs float features; this model takes token ids (use token_out_of_range)");
+        t.select(0, row).fill_(std::numeric_limits<double>::quiet_NaN());
+        note(s, "batch", "row " + std::to_string(row) + " features NaN");
+      }
+      n.tensor = t;
+    }
+  }
+}
+
+void Injector::flip_state(const std::vector<NamedTensor>& state) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (std::size_t i = 0; i < specs_.size(); ++i) {
+    const InjectionSpec& s = specs_[i];
+    if (s.type != InjectionType::kBitFlip || s.target == "activations" || !fires(i)) continue;
+    const std::string prefix = s.target == "optimizer" ? "optim." : "param.";
+    std::vector<const NamedTensor*> candidates;
+    for (const NamedTensor& n : state) {
+      if (n.name.rfind(prefix, 0) == 0 && n.tensor.is_floating_point() && n.tensor.numel() > 0) candidates.push_back(&n);
+    }
+    if (candidates.empty()) {
+      note(s, s.target, "no " + s.target + " tensor to flip yet (optimizer state exists after the first step)");
+      continue;
+    }
+    auto gen = rng_for(s.seed, step_, i, 3);
+    const NamedTensor& victim = *candidates[gen() % candidates.size()];
+    at::Tensor t = victim.tensor;
+    const std::int64_t element = static_cast<std::int64_t>(gen() % static_cast<std::uint64_t>(t.numel()));
+    std::vector<int> pool = bits_of_class(t.scalar_type(), s.bit_class);
+    std::shuffle(pool.begin(), pool.end(), gen);
+    const double before = element_value(t, element);
+    std::string bits;
+    for (int b = 0; b < std::min<int>(s.bits, static_cast<int>(pool.size())); ++b) {
+      flip_bit(t, element, pool[b]);
+      bits += (bits.empty() ? "" : ",") + std::to_string(pool[b]);
+    }
+    note(s, victim.name, "element " + std::to_string(element) + " bit " + bits + " (" + s.bit_class + ") " +
+                             number(before) + " -> " + number(element_value(t, element)));
+  }
+}
+
+at::Tensor Injector::on_loss(const at::Tensor& loss) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  at::Tensor out = loss;
+  for (std::size_t i = 0; i < specs_.size(); ++i) {
+    if (specs_[i].type != InjectionType::kLossSpike || !fires(i)) continue;
+    out = out * specs_[i].effective_factor();
+    note(specs_[i], "loss", "x" + number(specs_[i].effective_factor()));
+  }
+  return out;
+}
+
+void Injector::on_grads(const std::vector<NamedTensor>& grads) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (std::size_t i = 0; i < specs_.size(); ++i) {
+    const InjectionSpec& s = specs_[i];
+    if (s.type != InjectionType::kGradNonFinite || !fires(i) || grads.empty()) continue;
+    auto gen = rng_for(s.seed, step_, i, 4);
+    const NamedTensor& g = grads[gen() % grads.size()];
+    const std::int64_t element = static_cast<std::int64_t>(gen() % static_cast<std::uint64_t>(std::max<std::int64_t>(1, g.tensor.numel())));
+    const double v = s.mode == "inf" ? std::numeric_limits<double>::infinity() : std::numeric_limits<double>::quiet_NaN();
+    at::NoGradGuard no_grad;
+    g.tensor.reshape({-1}).narrow(0, element, 1).fill_(v);
+    note(s, g.name, "element " + std::to_string(element) + " = " + (s.mode == "inf" ? "inf" : "nan"));
+  }
+}
+
+bool Injector::targets(const InjectionSpec& spec, const std::string& segment) const {
+  if (spec.segment.empty() || spec.segment == segment) return true;
+  // A stage inside a range "block0..block3": same prefix, number within the range.
+  const auto dots = segment.find("..");
+  if (dots == std::string::npos) return false;
+  auto split = [](const std::string& s, std::string& prefix, long& n) {
+    std::size_t d = s.size();
+    while (d > 0 && std::isdigit(static_cast<unsigned char>(s[d - 1]))) --d;
+    if (d == s.size()) return false;
+    prefix = s.substr(0, d);
+    n = std::stol(s.substr(d));
+    return true;
+  };
+  std::string pa, pb, ps;
+  long a = 0, b = 0, x = 0;
+  if (!split(segment.substr(0, dots), pa, a) || !split(segment.substr(dots + 2), pb, b) || !split(spec.segment, ps, x)) {
+    return false;
+  }
+  return pa == pb && pa == ps && a <= x && x <= b;
+}
+
+at::Tensor Injector::apply_segment_fault(std::size_t index, const at::Tensor& output, const std::string& segment, bool log) {
+  const InjectionSpec& s = specs_[index];
+  at::NoGradGuard no_grad;
+  switch (s.type) {
+    case InjectionType::kActivationOverflow: {
+      const double f = s.effective_factor();
+      at::Tensor out = output * f;
+      if (log) note(s, segment, "outputs x" + number(f));
+      return out;
+    }
+    case InjectionType::kLayerNormInput: {
+      at::Tensor out = output.clone();
+      at::Tensor rows = out.reshape({-1, out.size(-1)});
+      const std::int64_t n = rows.size(0);
+      const std::int64_t hit = std::max<std::int64_t>(1, static_cast<std::int64_t>(std::floor(s.rows * static_cast<double>(n))));
+      auto gen = rng_for(s.seed, step_, index, 5);
+      std::vector<std::int64_t> order(static_cast<std::size_t>(n));
+      for (std::int64_t i = 0; i < n; ++i) order[static_cast<std::size_t>(i)] = i;
+      std::shuffle(order.begin(), order.end(), gen);
+      for (std::int64_t i = 0; i < hit; ++i) {
+        at::Tensor row = rows.select(0, order[static_cast<std::size_t>(i)]);
+        if (s.mode == "nan") {
+          row.fill_(std::numeric_limits<double>::quiet_NaN());
+        } else if (s.mode == "huge") {
+          // Alternating +-factor: mean 0, variance factor^2 (overflows an fp16 variance).
+          row.copy_(at::arange(row.numel(), row.options().dtype(at::kFloat)).remainder(2).mul(2).sub(1).mul(s.effective_factor()).to(row.scalar_type()));
+        } else {
+          row.fill_(row.mean().item<double>());  // constant: zero variance
+        }
+      }
+      if (log) note(s, segment, std::to_string(hit) + " of " + std::to_string(n) + " rows " + (s.mode.empty() ? "constant" : s.mode));
+      return out;
+    }
+    case InjectionType::kBitFlip: {
+      at::Tensor out = output.clone();
+      auto gen = rng_for(s.seed, step_, index, 6);
+      const std::int64_t element = static_cast<std::int64_t>(gen() % static_cast<std::uint64_t>(out.numel()));
+      std::vector<int> pool = bits_of_class(out.scalar_type(), s.bit_class);
+      std::shuffle(pool.begin(), pool.end(), gen);
+      const double before = element_value(out, element);
+      std::string bits;
+      for (int b = 0; b < std::min<int>(s.bits, static_cast<int>(pool.size())); ++b) {
+        flip_bit(out, element, pool[b]);
+        bits += (bits.empty() ? "" : ",") + std::to_string(pool[b]);
+      }
+      if (log) note(s, segment, "output element " + std::to_string(element) + " bit " + bits + " (" + s.bit_class + ") " + number(before) + " -> " + number(element_value(out, element)));
+      return out;
+    }
+    default:
+      return output;
+  }
+}
+
+void Injector::on_forward(SegmentEvent& event) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (std::size_t i = 0; i < specs_.size(); ++i) {
+    const InjectionSpec& s = specs_[i];
+    const bool segment_fault = s.type == InjectionType::kActivationOverflow || s.type == InjectionType::kLayerNormInput ||
+                               s.type == InjectionType::kRngDesync ||
+                               (s.type == InjectionType::kBitFlip && s.target == "activations");
+    if (!segment_fault || !targets(s, event.segment) || !fires(i)) continue;
+    // Once per step and spec: the first matching forward.
+    if (segment_done_[i]) continue;
+    segment_done_[i] = 1;
+    if (s.type == InjectionType::kRngDesync) {
+      // Consume the CPU generator after this forward: the recompute sees other random numbers
+      // unless the checkpoint restores the forward's generator state.
+      (void)at::rand({64}, at::TensorOptions().dtype(at::kFloat));
+      note(s, event.segment, "CPU generator advanced by 64 draws after the forward");
+      continue;
+    }
+    if (!event.outputs.empty() && event.outputs[0].defined()) {
+      event.outputs[0] = apply_segment_fault(i, event.outputs[0], event.segment, true);
+      hit_invocations_.emplace_back(event.invocation, i);
+    }
+  }
+}
+
+void Injector::on_recompute(SegmentEvent& event) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (std::size_t i = 0; i < specs_.size(); ++i) {
+    const std::pair<std::uint64_t, std::size_t> key{event.invocation, i};
+    if (std::find(hit_invocations_.begin(), hit_invocations_.end(), key) == hit_invocations_.end()) continue;
+    if (!event.outputs.empty() && event.outputs[0].defined()) {
+      event.outputs[0] = apply_segment_fault(i, event.outputs[0], event.segment, false);
+    }
+  }
+}
+
+}  // namespace retrace
