@@ -111,7 +111,7 @@ double InjectionSpec::effective_factor() const {
 bool InjectionSpec::operator==(const InjectionSpec& o) const {
   return type == o.type && step == o.step && duration == o.duration && probability == o.probability &&
          seed == o.seed && segment == o.segment && factor == o.factor && mode == o.mode && target == o.target &&
-         bit_class == o.bit_class && bits == o.bits && rows == o.rows;
+         bit_class == o.bit_class && bits == o.bits && bit == o.bit && rows == o.rows;
 }
 
 void flip_bit(at::Tensor& t, std::int64_t index, int bit) {
@@ -210,13 +210,14 @@ void Injector::flip_state(const std::vector<NamedTensor>& state) {
     const std::int64_t element = static_cast<std::int64_t>(gen() % static_cast<std::uint64_t>(t.numel()));
     std::vector<int> pool = bits_of_class(t.scalar_type(), s.bit_class);
     std::shuffle(pool.begin(), pool.end(), gen);
+    if (s.bit >= 0) pool = {std::min<int>(s.bit, static_cast<int>(t.element_size()) * 8 - 1)};
     const double before = element_value(t, element);
     std::string bits;
     for (int b = 0; b < std::min<int>(s.bits, static_cast<int>(pool.size())); ++b) {
       flip_bit(t, element, pool[b]);
       bits += (bits.empty() ? "" : ",") + std::to_string(pool[b]);
     }
-    note(s, victim.name, "element " + std::to_string(element) + " bit " + bits + " (" + s.bit_class + ") " +
+    note(s, victim.name, "element " + std::to_string(element) + " bit " + bits + " (" + (s.bit >= 0 ? std::string("chosen") : s.bit_class) + ") " +
                              number(before) + " -> " + number(element_value(t, element)));
   }
 }
@@ -275,7 +276,14 @@ at::Tensor Injector::apply_segment_fault(std::size_t index, const at::Tensor& ou
     case InjectionType::kActivationOverflow: {
       const double f = s.effective_factor();
       at::Tensor out = output * f;
-      if (log) note(s, segment, "outputs x" + number(f));
+      if (activation_dtype_ != out.scalar_type() && c10::isFloatingType(activation_dtype_)) {
+        out = out.to(activation_dtype_).to(output.scalar_type());
+      }
+      if (log) {
+        const std::int64_t inf = at::isinf(out).sum().item<std::int64_t>();
+        note(s, segment, "outputs x" + number(f) + " (" + std::to_string(inf) + " of " + std::to_string(out.numel()) +
+                             " overflow to Inf in " + c10::toString(activation_dtype_) + ")");
+      }
       return out;
     }
     case InjectionType::kLayerNormInput: {
@@ -307,13 +315,14 @@ at::Tensor Injector::apply_segment_fault(std::size_t index, const at::Tensor& ou
       const std::int64_t element = static_cast<std::int64_t>(gen() % static_cast<std::uint64_t>(out.numel()));
       std::vector<int> pool = bits_of_class(out.scalar_type(), s.bit_class);
       std::shuffle(pool.begin(), pool.end(), gen);
+      if (s.bit >= 0) pool = {std::min<int>(s.bit, static_cast<int>(out.element_size()) * 8 - 1)};
       const double before = element_value(out, element);
       std::string bits;
       for (int b = 0; b < std::min<int>(s.bits, static_cast<int>(pool.size())); ++b) {
         flip_bit(out, element, pool[b]);
         bits += (bits.empty() ? "" : ",") + std::to_string(pool[b]);
       }
-      if (log) note(s, segment, "output element " + std::to_string(element) + " bit " + bits + " (" + s.bit_class + ") " + number(before) + " -> " + number(element_value(out, element)));
+      if (log) note(s, segment, "output element " + std::to_string(element) + " bit " + bits + " (" + (s.bit >= 0 ? std::string("chosen") : s.bit_class) + ") " + number(before) + " -> " + number(element_value(out, element)));
       return out;
     }
     default:

@@ -571,7 +571,8 @@ RecorderStats Recorder::stats() const {
   return s;
 }
 
-std::vector<StepOutcome> record_run(Program& program, Recorder& recorder, std::int64_t steps, bool stop_on_nonfinite) {
+std::vector<StepOutcome> record_run(Program& program, Recorder& recorder, std::int64_t steps, bool stop_on_nonfinite,
+                                    const std::function<void(std::int64_t, const StepOutcome&)>& after_step) {
   std::vector<StepOutcome> outcomes;
   ObserverScope scope(recorder);
   // Fault point for crash-consistency tests: die by SIGKILL right after step N's begin record.
@@ -585,6 +586,7 @@ std::vector<StepOutcome> record_run(Program& program, Recorder& recorder, std::i
       const StepOutcome outcome = program.step(s, batch, &recorder);
       recorder.end_step(s, outcome, program.state());
       outcomes.push_back(outcome);
+      if (after_step) after_step(s, outcome);
       if (!outcome.finite() && stop_on_nonfinite) break;
     } catch (const std::exception& e) {
       try {

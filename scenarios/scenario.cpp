@@ -119,7 +119,8 @@ constexpr std::int64_t kBig = std::int64_t{1} << 40;
 
 void parse_defenses(const Parser& p, const YAML::Node& d, DefenseSpec& out) {
   p.keys(d, "defenses", {"loss_scaling", "clip", "skip_nonfinite", "warmup_steps", "plateau", "layernorm_fp32",
-                         "layernorm_min_eps", "rollback", "preserve_rng_state", "verify_recompute", "validate_batch"});
+                         "layernorm_min_eps", "rollback", "rollback_depth", "preserve_rng_state", "verify_recompute",
+                         "validate_batch"});
   if (const YAML::Node ls = d["loss_scaling"]; ls.IsDefined()) {
     LossScalingSpec& l = out.loss_scaling;
     bool on = false;
@@ -159,6 +160,7 @@ void parse_defenses(const Parser& p, const YAML::Node& d, DefenseSpec& out) {
   out.layernorm_fp32 = p.boolean(d, "layernorm_fp32", "defenses.layernorm_fp32", out.layernorm_fp32);
   out.layernorm_min_eps = p.number(d, "layernorm_min_eps", "defenses.layernorm_min_eps", out.layernorm_min_eps, 0.0, 1.0);
   out.rollback = p.boolean(d, "rollback", "defenses.rollback", out.rollback);
+  out.rollback_depth = p.integer(d, "rollback_depth", "defenses.rollback_depth", out.rollback_depth, 1, 1024);
   out.preserve_rng_state = p.boolean(d, "preserve_rng_state", "defenses.preserve_rng_state", out.preserve_rng_state);
   out.verify_recompute = p.boolean(d, "verify_recompute", "defenses.verify_recompute", out.verify_recompute);
   out.validate_batch = p.boolean(d, "validate_batch", "defenses.validate_batch", out.validate_batch);
@@ -166,7 +168,7 @@ void parse_defenses(const Parser& p, const YAML::Node& d, DefenseSpec& out) {
 
 InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::string& at, const ScenarioSpec& s) {
   p.keys(n, at, {"type", "step", "duration", "probability", "seed", "segment", "factor", "mode", "target",
-                 "bit_class", "bits", "rows"});
+                 "bit_class", "bits", "bit", "rows"});
   InjectionSpec in;
   const std::string type = p.choice(n, "type", at + ".type", "", injection_type_names(), /*required=*/true);
   in.type = parse_injection_type(type);
@@ -178,6 +180,7 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
   in.factor = p.number(n, "factor", at + ".factor", 0.0, -1e30, 1e30);
   in.rows = p.number(n, "rows", at + ".rows", in.rows, 0.0, 1.0);
   in.bits = static_cast<int>(p.integer(n, "bits", at + ".bits", in.bits, 1, 64));
+  in.bit = static_cast<int>(p.integer(n, "bit", at + ".bit", in.bit, 0, 63));
   in.bit_class = p.choice(n, "bit_class", at + ".bit_class", in.bit_class, {"sign", "exponent", "mantissa", "any"});
   const bool segment_fault = in.type == InjectionType::kActivationOverflow || in.type == InjectionType::kLayerNormInput ||
                              in.type == InjectionType::kRngDesync;
@@ -213,7 +216,7 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
 void parse_expect(const Parser& p, const YAML::Node& e, ExpectSpec& out) {
   p.keys(e, "expect", {"params_finite", "loss_finite", "max_skipped_steps", "min_skipped_steps", "min_scale_backoffs",
                        "min_scale_growths", "min_rollbacks", "final_loss_below", "recompute_bitwise", "replay_bitwise",
-                       "injections_fired", "diverges"});
+                       "injections_fired", "raises", "diverges"});
   auto opt_bool = [&](const char* key, std::optional<bool>& field) {
     if (e[key].IsDefined()) field = p.boolean(e, key, std::string("expect.") + key, false);
   };
@@ -231,6 +234,7 @@ void parse_expect(const Parser& p, const YAML::Node& e, ExpectSpec& out) {
   opt_bool("recompute_bitwise", out.recompute_bitwise);
   opt_bool("replay_bitwise", out.replay_bitwise);
   opt_bool("injections_fired", out.injections_fired);
+  opt_bool("raises", out.raises);
   out.diverges = p.boolean(e, "diverges", "expect.diverges", false);
 }
 
@@ -246,7 +250,7 @@ ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
   const YAML::Node model = root["model"];
   if (!model.IsDefined()) p.fail(root, "model", "is required (a mapping with at least 'type')");
   p.keys(model, "model", {"type", "layers", "d_model", "heads", "hidden", "vocab", "seq_len",
-                          "in_features", "out_features", "dropout", "layernorm_eps"});
+                          "in_features", "out_features", "dropout", "layernorm_eps", "init_gain"});
   ModelSpec& m = s.model;
   m.type = p.choice(model, "type", "model.type", "", {"tiny_gpt", "lstm", "mlp"}, /*required=*/true);
   m.layers = p.integer(model, "layers", "model.layers", m.layers, 1, 1024);
@@ -259,6 +263,7 @@ ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
   m.out_features = p.integer(model, "out_features", "model.out_features", m.out_features, 1, 1 << 20);
   m.dropout = p.number(model, "dropout", "model.dropout", m.dropout, 0.0, 0.999);
   m.layernorm_eps = p.number(model, "layernorm_eps", "model.layernorm_eps", m.layernorm_eps, 0.0, 1.0);
+  m.init_gain = p.number(model, "init_gain", "model.init_gain", m.init_gain, 1e-6, 1e6);
   if (m.type == "tiny_gpt" && m.d_model % m.heads != 0) {
     p.fail(model["heads"].IsDefined() ? model["heads"] : model, "model.heads",
            "d_model (" + std::to_string(m.d_model) + ") must be divisible by heads (" + std::to_string(m.heads) + ")");
@@ -346,6 +351,7 @@ std::string to_yaml(const ScenarioSpec& s) {
   out << YAML::Key << "out_features" << YAML::Value << s.model.out_features;
   out << YAML::Key << "dropout" << YAML::Value << s.model.dropout;
   out << YAML::Key << "layernorm_eps" << YAML::Value << s.model.layernorm_eps;
+  out << YAML::Key << "init_gain" << YAML::Value << s.model.init_gain;
   out << YAML::EndMap;
   out << YAML::Key << "data" << YAML::Value << YAML::BeginMap;
   out << YAML::Key << "batch" << YAML::Value << s.data.batch;
@@ -397,6 +403,7 @@ std::string to_yaml(const ScenarioSpec& s) {
   out << YAML::Key << "layernorm_fp32" << YAML::Value << d.layernorm_fp32;
   out << YAML::Key << "layernorm_min_eps" << YAML::Value << d.layernorm_min_eps;
   out << YAML::Key << "rollback" << YAML::Value << d.rollback;
+  out << YAML::Key << "rollback_depth" << YAML::Value << d.rollback_depth;
   out << YAML::Key << "preserve_rng_state" << YAML::Value << d.preserve_rng_state;
   out << YAML::Key << "verify_recompute" << YAML::Value << d.verify_recompute;
   out << YAML::Key << "validate_batch" << YAML::Value << d.validate_batch;
@@ -417,6 +424,7 @@ std::string to_yaml(const ScenarioSpec& s) {
       if (!in.target.empty()) out << YAML::Key << "target" << YAML::Value << in.target;
       out << YAML::Key << "bit_class" << YAML::Value << in.bit_class;
       out << YAML::Key << "bits" << YAML::Value << in.bits;
+      if (in.bit >= 0) out << YAML::Key << "bit" << YAML::Value << in.bit;
       out << YAML::Key << "rows" << YAML::Value << in.rows;
       out << YAML::EndMap;
     }
@@ -440,6 +448,7 @@ std::string to_yaml(const ScenarioSpec& s) {
     opt("recompute_bitwise", e.recompute_bitwise);
     opt("replay_bitwise", e.replay_bitwise);
     opt("injections_fired", e.injections_fired);
+    opt("raises", e.raises);
     if (e.diverges) out << YAML::Key << "diverges" << YAML::Value << true;
     out << YAML::EndMap;
   }
@@ -450,7 +459,7 @@ std::string to_yaml(const ScenarioSpec& s) {
 bool ExpectSpec::any() const {
   return params_finite || loss_finite || max_skipped_steps || min_skipped_steps || min_scale_backoffs ||
          min_scale_growths || min_rollbacks || final_loss_below || recompute_bitwise || replay_bitwise ||
-         injections_fired || diverges;
+         injections_fired || raises || diverges;
 }
 
 }  // namespace retrace

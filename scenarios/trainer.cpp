@@ -95,6 +95,12 @@ ScenarioProgram::ScenarioProgram(ScenarioSpec spec) : spec_(std::move(spec)), in
   }
   torch::manual_seed(spec_.training.seed);  // seeds CUDA generators too
   model_ = build_model(spec_);
+  if (spec_.model.init_gain != 1.0) {
+    torch::NoGradGuard no_grad;
+    for (const at::Tensor& p : model_->parameters()) {
+      if (p.dim() >= 2) p.mul_(spec_.model.init_gain);
+    }
+  }
   model_->to(device_);
   model_->train();
   const TrainingSpec& t = spec_.training;
@@ -119,6 +125,8 @@ ScenarioProgram::ScenarioProgram(ScenarioSpec spec) : spec_(std::move(spec)), in
     o.min_scale = ls.min_scale;
     scaler_ = std::make_unique<LossScaler>(o, device_);
   }
+  if (spec_.training.precision == "fp16") injector_.set_activation_dtype(at::kHalf);
+  if (spec_.training.precision == "bf16") injector_.set_activation_dtype(at::kBFloat16);
   if (spec_.defenses.verify_recompute) {
     VerifyOptions v;
     v.policy = VerifyPolicy::kRecord;
@@ -302,9 +310,11 @@ StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTens
   }
 
   // Rollback snapshot, taken before any injected corruption of the state.
-  std::vector<NamedTensor> snapshot;
   if (d.rollback) {
+    std::vector<NamedTensor> snapshot;
     for (const NamedTensor& n : state()) snapshot.push_back({n.name, n.tensor.detach().clone()});
+    snapshots_.push_back(std::move(snapshot));
+    while (static_cast<std::int64_t>(snapshots_.size()) > d.rollback_depth) snapshots_.pop_front();
   }
   if (!injector_.empty()) {
     std::vector<NamedTensor> live = state();
@@ -415,11 +425,20 @@ StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTens
       if (scaler_) {
         for (const NamedTensor& n : scaler_->state()) scaler_now.push_back({n.name, n.tensor.clone()});
       }
-      load_state(snapshot);
+      // The k-th non-finite step in a row goes back k snapshots: a corrupted update that only
+      // shows a step later is undone with it.
+      const std::int64_t k = ++failures_in_a_row_;
+      const std::size_t target = static_cast<std::size_t>(std::max<std::int64_t>(0, static_cast<std::int64_t>(snapshots_.size()) - k));
+      const std::int64_t back = static_cast<std::int64_t>(snapshots_.size() - target) - 1;
+      const std::vector<NamedTensor> restore = snapshots_[target];
+      snapshots_.erase(snapshots_.begin() + static_cast<std::ptrdiff_t>(target), snapshots_.end());
+      load_state(restore);
       if (scaler_) scaler_->load_state(scaler_now);
       ++rollbacks_;
       out.rolled_back = true;
-      skip("rolled back: " + why);
+      skip(why + "; restored the state from the start of step " + std::to_string(step - back));
+    } else {
+      failures_in_a_row_ = 0;
     }
   }
   if (!out.skipped) {

@@ -57,6 +57,8 @@ struct InjectionSpec {
   std::string target;
   std::string bit_class = "exponent";  // kBitFlip: sign | exponent | mantissa | any
   int bits = 1;                        // kBitFlip: how many distinct bits of the element
+  int bit = -1;                        // kBitFlip: this bit (0 = least significant), not a random
+                                       // one of bit_class
   double rows = 0.25;                  // kLayerNormInput: fraction of rows hit (at least one)
 
   double effective_factor() const;  // factor, or the type's default when 0
@@ -76,6 +78,10 @@ class Injector : public SegmentObserver {
   explicit Injector(std::vector<InjectionSpec> specs);
 
   bool empty() const { return specs_.empty(); }
+  // The dtype activations are kept in (fp16 for fp16 training). Under autocast the residual
+  // stream stays fp32, so kActivationOverflow rounds its scaled outputs through this dtype: a
+  // value past fp16's 65504 becomes Inf, as it does in a model whose activations are fp16.
+  void set_activation_dtype(at::ScalarType dtype) { activation_dtype_ = dtype; }
   const std::vector<InjectionSpec>& specs() const { return specs_; }
 
   // Call once at the start of each step, before any other hook; clears fired().
@@ -108,6 +114,7 @@ class Injector : public SegmentObserver {
   void note(const InjectionSpec& spec, std::string where, std::string detail);
 
   std::vector<InjectionSpec> specs_;
+  at::ScalarType activation_dtype_ = at::kFloat;
   std::int64_t step_ = 0;
   mutable std::mutex mutex_;  // fired_ and the per-invocation bookkeeping (backward runs on the
                               // autograd engine's thread)

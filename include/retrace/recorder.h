@@ -18,6 +18,7 @@
 #include <retrace/trace.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -87,7 +88,9 @@ class Recorder : public SegmentObserver, public StepMonitor {
 // `retrace record`. Stops early, after dumping the ring, at the first non-finite step when
 // stop_on_nonfinite. Returns the outcomes. An exception from a step is noted in the trace, the
 // ring dumped, the trace closed and the exception rethrown.
+// `after_step`, when set, is called after each step's end record.
 std::vector<StepOutcome> record_run(Program& program, Recorder& recorder, std::int64_t steps,
-                                    bool stop_on_nonfinite = true);
+                                    bool stop_on_nonfinite = true,
+                                    const std::function<void(std::int64_t, const StepOutcome&)>& after_step = {});
 
 }  // namespace retrace

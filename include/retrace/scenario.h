@@ -25,6 +25,8 @@ struct ModelSpec {
   std::int64_t out_features = 4;   // mlp
   double dropout = 0.1;
   double layernorm_eps = 1e-5;      // tiny_gpt
+  double init_gain = 1.0;           // every weight matrix scaled by this after initialization
+                                    // (> 1 makes an RNN's gradients explode)
 };
 
 struct DataSpec {
@@ -81,7 +83,11 @@ struct DefenseSpec {
   PlateauSpec plateau;               // ReduceLROnPlateau on the step loss
   bool layernorm_fp32 = false;       // LayerNorm computed in fp32 whatever the autocast dtype
   double layernorm_min_eps = 0.0;    // eps guard: LayerNorm eps raised to at least this
-  bool rollback = false;             // a non-finite step restores the step's starting state
+  // A non-finite step restores the state the step started from; consecutive non-finite steps
+  // walk further back through the last rollback_depth step-start snapshots (a bad update that
+  // only shows one step later is undone too).
+  bool rollback = false;
+  std::int64_t rollback_depth = 4;
   bool preserve_rng_state = true;    // checkpoint recomputes under the forward's RNG state
   bool verify_recompute = false;     // a non-bitwise recompute skips the step (never applied)
   bool validate_batch = false;       // a batch with NaN features or out-of-range ids is skipped
@@ -100,6 +106,9 @@ struct ExpectSpec {
   std::optional<bool> recompute_bitwise;    // no non-bitwise recompute reached an applied step
   std::optional<bool> replay_bitwise;       // the recorded run replays bit for bit
   std::optional<bool> injections_fired;     // at least one injection fired
+  // The run must stop with an error (a defense that refuses to go on, like clipping's
+  // error_if_nonfinite); a run that raises then counts as held, not broke.
+  std::optional<bool> raises;
   // A negative control: the fault must get through -- the run raises, ends with non-finite
   // parameters, or fails one of the expectations above.
   bool diverges = false;

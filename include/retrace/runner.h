@@ -1,0 +1,88 @@
+#pragma once
+// Runs a scenario -- train, inject, defend -- and checks its expectations; the built-in suite of
+// fault x defense scenarios, each with its negative control. `retrace run` (tools/run.cpp) runs
+// these in child processes so that one crash cannot take down the suite.
+
+#include <retrace/scenario.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace retrace {
+
+struct ExpectationCheck {
+  std::string name;      // "params_finite", "max_skipped_steps", ...
+  std::string expected;  // "true", "<= 1", "< 3.5"
+  std::string observed;  // "false", "3", "4.12"
+  bool passed = false;
+};
+
+struct ScenarioResult {
+  std::string name;
+  std::string origin;   // file path or builtin:NAME
+  std::string fault;    // injection types, "none" without
+  std::string defense;  // the defenses switched on, "none" without
+
+  // What happened.
+  bool raised = false;       // an exception left the run
+  std::string error;         // its message
+  std::int64_t steps_run = 0;
+  std::int64_t skipped_steps = 0;
+  std::int64_t scale_backoffs = 0, scale_growths = 0, tolerated_overflows = 0;
+  std::int64_t rollbacks = 0;
+  std::int64_t recompute_mismatches = 0;         // segments whose recompute was not bitwise
+  std::int64_t silent_recompute_mismatches = 0;  // ... in steps whose gradients were applied
+  std::int64_t caught_recompute_mismatches = 0;  // ... caught by defenses.verify_recompute
+  bool params_finite = true;
+  bool all_losses_finite = true;
+  double final_loss = 0;                         // mean of the last 3 applied steps (NaN: none)
+  std::vector<double> losses, scales, lrs;       // per step
+  std::vector<std::string> injected;             // "step N: ..." per fired injection
+  std::vector<std::string> skip_reasons;         // "step N: ..." per skipped step
+  bool replayed = false, replay_bitwise = false;
+  std::string replay_report;                     // the first divergence when not bitwise
+  double seconds = 0;
+
+  // Verdict.
+  std::vector<ExpectationCheck> checks;
+  bool broke = false;              // the fault got through: raised, non-finite params or a failed check
+  bool expected_to_break = false;  // expect.diverges (a negative control)
+  bool passed = false;             // broke == expected_to_break, and a held run passed every check
+
+  std::string outcome() const { return broke ? "broke" : "held"; }
+  // The result as JSON text (one object), and back (for results coming from a child process).
+  std::string to_json() const;
+  static ScenarioResult from_json(const std::string& text);
+};
+
+struct RunOptions {
+  // Where the recorded trace goes when expect.replay_bitwise asks for a replay ("" = a temporary
+  // file, removed afterwards).
+  std::string trace_path;
+};
+
+// Runs `spec` in this process. Never throws for what the scenario does (an exception from
+// training is the result's `raised`); throws retrace::Error only for a broken environment (the
+// trace file cannot be created).
+ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options = {});
+
+// "fault" and "defense" labels of a scenario, as the outcome matrix shows them.
+std::string fault_label(const ScenarioSpec& spec);
+std::string defense_label(const ScenarioSpec& spec);
+
+// The built-in suite (scenarios/suite/*.yaml, compiled in): names and texts, in file-name order.
+struct BuiltinScenario {
+  std::string name;  // file name without .yaml
+  std::string text;
+};
+const std::vector<BuiltinScenario>& builtin_suite();
+// "builtin:NAME" or a path -> the parsed scenario (retrace::Error for an unknown name).
+ScenarioSpec load_scenario(const std::string& path_or_builtin);
+
+// The outcome matrix: one row per result (fault, defense, outcome, expected, verdict), as text.
+std::string outcome_matrix(const std::vector<ScenarioResult>& results);
+// JUnit XML (one testsuite, a testcase per scenario, failures with their checks).
+std::string junit_xml(const std::vector<ScenarioResult>& results, double seconds);
+
+}  // namespace retrace

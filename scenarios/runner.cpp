@@ -1,0 +1,415 @@
+#include <retrace/runner.h>
+
+#include <retrace/error.h>
+#include <retrace/recorder.h>
+#include <retrace/replayer.h>
+#include <retrace/trace.h>
+#include <retrace/trainer.h>
+#include <retrace/verify.h>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <iomanip>
+#include <limits>
+#include <sstream>
+#include <unistd.h>
+
+namespace retrace {
+
+namespace {
+
+std::string fmt(double v) {
+  std::ostringstream os;
+  os << std::setprecision(6) << v;
+  return os.str();
+}
+
+nlohmann::json num(double v) {
+  if (std::isfinite(v)) return v;
+  return std::isnan(v) ? "nan" : (v > 0 ? "inf" : "-inf");
+}
+
+double from_num(const nlohmann::json& j) {
+  if (j.is_number()) return j.get<double>();
+  const std::string s = j.get<std::string>();
+  if (s == "inf") return std::numeric_limits<double>::infinity();
+  if (s == "-inf") return -std::numeric_limits<double>::infinity();
+  return std::numeric_limits<double>::quiet_NaN();
+}
+
+void check(ScenarioResult& r, const char* name, std::string expected, std::string observed, bool passed) {
+  r.checks.push_back({name, std::move(expected), std::move(observed), passed});
+}
+
+void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
+  const ExpectSpec& e = spec.expect;
+  auto b = [](bool v) { return std::string(v ? "true" : "false"); };
+  if (e.params_finite) check(r, "params_finite", b(*e.params_finite), b(r.params_finite), r.params_finite == *e.params_finite);
+  if (e.loss_finite) check(r, "loss_finite", b(*e.loss_finite), b(r.all_losses_finite), r.all_losses_finite == *e.loss_finite);
+  if (e.max_skipped_steps) {
+    check(r, "max_skipped_steps", "<= " + std::to_string(*e.max_skipped_steps), std::to_string(r.skipped_steps),
+          r.skipped_steps <= *e.max_skipped_steps);
+  }
+  if (e.min_skipped_steps) {
+    check(r, "min_skipped_steps", ">= " + std::to_string(*e.min_skipped_steps), std::to_string(r.skipped_steps),
+          r.skipped_steps >= *e.min_skipped_steps);
+  }
+  if (e.min_scale_backoffs) {
+    check(r, "min_scale_backoffs", ">= " + std::to_string(*e.min_scale_backoffs), std::to_string(r.scale_backoffs),
+          r.scale_backoffs >= *e.min_scale_backoffs);
+  }
+  if (e.min_scale_growths) {
+    check(r, "min_scale_growths", ">= " + std::to_string(*e.min_scale_growths), std::to_string(r.scale_growths),
+          r.scale_growths >= *e.min_scale_growths);
+  }
+  if (e.min_rollbacks) {
+    check(r, "min_rollbacks", ">= " + std::to_string(*e.min_rollbacks), std::to_string(r.rollbacks), r.rollbacks >= *e.min_rollbacks);
+  }
+  if (e.final_loss_below) {
+    check(r, "final_loss_below", "< " + fmt(*e.final_loss_below), fmt(r.final_loss),
+          std::isfinite(r.final_loss) && r.final_loss < *e.final_loss_below);
+  }
+  if (e.recompute_bitwise) {
+    const bool bitwise = r.silent_recompute_mismatches == 0;
+    check(r, "recompute_bitwise", b(*e.recompute_bitwise),
+          b(bitwise) + " (" + std::to_string(r.silent_recompute_mismatches) + " applied, " +
+              std::to_string(r.caught_recompute_mismatches) + " caught)",
+          bitwise == *e.recompute_bitwise);
+  }
+  if (e.replay_bitwise) {
+    check(r, "replay_bitwise", b(*e.replay_bitwise), r.replayed ? b(r.replay_bitwise) : "not replayed",
+          r.replayed && r.replay_bitwise == *e.replay_bitwise);
+  }
+  if (e.injections_fired) {
+    check(r, "injections_fired", b(*e.injections_fired), std::to_string(r.injected.size()) + " fired",
+          r.injected.empty() != *e.injections_fired);
+  }
+  if (e.raises) {
+    check(r, "raises", b(*e.raises), r.raised ? "raised: " + r.error : "did not raise", r.raised == *e.raises);
+  }
+  bool all = true;
+  for (const ExpectationCheck& c : r.checks) all = all && c.passed;
+  const bool raise_expected = e.raises.value_or(false);
+  r.expected_to_break = e.diverges;
+  r.broke = (r.raised && !raise_expected) || !r.params_finite || !all;
+  r.passed = e.diverges ? r.broke : ((!r.raised || raise_expected) && all);
+}
+
+std::string temp_trace_path(const std::string& name) {
+  std::string clean;
+  for (char c : name) clean += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+  return (std::filesystem::temp_directory_path() /
+          ("retrace_run_" + std::to_string(::getpid()) + "_" + clean + ".trace")).string();
+}
+
+}  // namespace
+
+std::string fault_label(const ScenarioSpec& spec) {
+  if (spec.injections.empty()) return "none";
+  std::string out;
+  for (const InjectionSpec& in : spec.injections) {
+    std::string one = to_string(in.type);
+    if (!in.mode.empty()) one += ":" + in.mode;
+    if (in.type == InjectionType::kBitFlip) one += ":" + in.target + "/" + in.bit_class;
+    if (out.find(one) == std::string::npos) out += (out.empty() ? "" : "+") + one;
+  }
+  return out;
+}
+
+std::string defense_label(const ScenarioSpec& spec) {
+  const DefenseSpec& d = spec.defenses;
+  std::vector<std::string> parts;
+  if (d.loss_scaling.enabled) {
+    std::string s = "loss_scaling";
+    if (d.loss_scaling.hysteresis > 1) s += "(hysteresis " + std::to_string(d.loss_scaling.hysteresis) + ")";
+    parts.push_back(s);
+  }
+  if (d.clip.mode != "off") parts.push_back("clip:" + d.clip.mode + " " + fmt(d.clip.max_norm));
+  if (d.skip_nonfinite) parts.push_back("skip_nonfinite");
+  if (d.warmup_steps > 0) parts.push_back("warmup " + std::to_string(d.warmup_steps));
+  if (d.plateau.enabled) parts.push_back("plateau");
+  if (d.layernorm_fp32) parts.push_back("fp32_layernorm");
+  if (d.layernorm_min_eps > 0) parts.push_back("eps_guard " + fmt(d.layernorm_min_eps));
+  if (d.rollback) parts.push_back("rollback");
+  bool rng_fault = false;
+  for (const InjectionSpec& in : spec.injections) rng_fault = rng_fault || in.type == InjectionType::kRngDesync;
+  if (!d.preserve_rng_state) parts.push_back("rng_not_preserved");
+  else if (rng_fault) parts.push_back("preserve_rng_state");
+  if (d.verify_recompute) parts.push_back("verify_recompute");
+  if (d.validate_batch) parts.push_back("validate_batch");
+  if (parts.empty()) return "none";
+  std::string out;
+  for (const auto& p : parts) out += (out.empty() ? "" : "+") + p;
+  return out;
+}
+
+ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  ScenarioResult r;
+  r.name = spec.name.empty() ? spec.origin : spec.name;
+  r.origin = spec.origin;
+  r.fault = fault_label(spec);
+  r.defense = defense_label(spec);
+
+  const bool replay = spec.expect.replay_bitwise.has_value();
+  const std::string trace_path = options.trace_path.empty() ? temp_trace_path(r.name) : options.trace_path;
+  // Counts every segment whose recompute is not bitwise; steps that were skipped never applied
+  // theirs, so only mismatches in applied steps are "silent".
+  VerifyOptions vo;
+  vo.policy = VerifyPolicy::kRecord;
+  RecomputeVerifier verifier(vo);
+  std::size_t seen_mismatches = 0;
+  std::vector<double> applied_losses;
+
+  std::unique_ptr<ScenarioProgram> program;
+  try {
+    program = std::make_unique<ScenarioProgram>(spec);
+    auto after_step = [&](std::int64_t step, const StepOutcome& o) {
+      ++r.steps_run;
+      r.losses.push_back(o.loss);
+      r.scales.push_back(o.loss_scale);
+      r.lrs.push_back(o.lr);
+      if (!std::isfinite(o.loss)) r.all_losses_finite = false;
+      if (o.skipped) {
+        ++r.skipped_steps;
+        r.skip_reasons.push_back("step " + std::to_string(step) + ": " + o.skip_reason);
+      } else {
+        applied_losses.push_back(o.loss);
+      }
+      for (const std::string& i : o.injected) r.injected.push_back("step " + std::to_string(step) + ": " + i);
+      const std::size_t now = verifier.mismatches().size();
+      r.recompute_mismatches += static_cast<std::int64_t>(now - seen_mismatches);
+      if (!o.skipped) r.silent_recompute_mismatches += static_cast<std::int64_t>(now - seen_mismatches);
+      seen_mismatches = now;
+      verifier.reset();
+      seen_mismatches = verifier.mismatches().size();
+    };
+    ObserverScope verify_scope(verifier);
+    if (replay) {
+      Recorder recorder(trace_path, *program);
+      record_run(*program, recorder, spec.training.steps, /*stop_on_nonfinite=*/false, after_step);
+      recorder.close();
+    } else {
+      for (std::int64_t s = 1; s <= spec.training.steps; ++s) {
+        const auto batch = program->batch(s);
+        after_step(s, program->step(s, batch, nullptr));
+      }
+    }
+  } catch (const std::exception& e) {
+    r.raised = true;
+    r.error = e.what();
+    const auto nl = r.error.find('\n');  // c10::Error appends a C++ backtrace; keep the message
+    if (nl != std::string::npos) r.error = r.error.substr(0, nl);
+  }
+  if (program) {
+    for (const at::Tensor& p : program->model().parameters()) {
+      if (!at::isfinite(p).all().item<bool>()) r.params_finite = false;
+    }
+    if (const LossScaler* s = program->scaler()) {
+      r.scale_backoffs = s->backoffs();
+      r.scale_growths = s->growths();
+      r.tolerated_overflows = s->tolerated_overflows();
+    }
+    r.rollbacks = program->rollbacks();
+    r.caught_recompute_mismatches = program->caught_recompute_mismatches();
+  }
+  const std::size_t tail = std::min<std::size_t>(3, applied_losses.size());
+  r.final_loss = std::numeric_limits<double>::quiet_NaN();
+  if (tail > 0) {
+    double sum = 0;
+    for (std::size_t i = applied_losses.size() - tail; i < applied_losses.size(); ++i) sum += applied_losses[i];
+    r.final_loss = sum / static_cast<double>(tail);
+  }
+
+  if (replay && !r.raised) {
+    try {
+      const TraceReader trace(trace_path);
+      std::unique_ptr<Program> again = program_from_trace(trace);
+      ReplayOptions ro;
+      ro.provenance = false;
+      const ReplayResult rr = Replayer(trace, *again).run(ro);
+      r.replayed = true;
+      r.replay_bitwise = rr.reproduced;
+      if (rr.first_divergence) r.replay_report = rr.first_divergence->message();
+    } catch (const std::exception& e) {
+      r.replay_report = std::string("replay failed: ") + e.what();
+    }
+  }
+  if (replay && options.trace_path.empty()) {
+    std::error_code ec;
+    std::filesystem::remove(trace_path, ec);
+    std::filesystem::remove(trace_path + ".incomplete", ec);
+  }
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  evaluate(spec, r);
+  return r;
+}
+
+std::string ScenarioResult::to_json() const {
+  nlohmann::json j;
+  j["name"] = name;
+  j["origin"] = origin;
+  j["fault"] = fault;
+  j["defense"] = defense;
+  j["outcome"] = outcome();
+  j["expected"] = expected_to_break ? "broke" : "held";
+  j["passed"] = passed;
+  j["raised"] = raised;
+  j["error"] = error;
+  j["steps_run"] = steps_run;
+  j["skipped_steps"] = skipped_steps;
+  j["scale_backoffs"] = scale_backoffs;
+  j["scale_growths"] = scale_growths;
+  j["tolerated_overflows"] = tolerated_overflows;
+  j["rollbacks"] = rollbacks;
+  j["recompute_mismatches"] = recompute_mismatches;
+  j["silent_recompute_mismatches"] = silent_recompute_mismatches;
+  j["caught_recompute_mismatches"] = caught_recompute_mismatches;
+  j["params_finite"] = params_finite;
+  j["all_losses_finite"] = all_losses_finite;
+  j["final_loss"] = num(final_loss);
+  for (double v : losses) j["losses"].push_back(num(v));
+  for (double v : scales) j["scales"].push_back(num(v));
+  for (double v : lrs) j["lrs"].push_back(num(v));
+  j["injected"] = injected;
+  j["skip_reasons"] = skip_reasons;
+  j["replayed"] = replayed;
+  j["replay_bitwise"] = replay_bitwise;
+  j["replay_report"] = replay_report;
+  j["seconds"] = seconds;
+  j["checks"] = nlohmann::json::array();
+  for (const ExpectationCheck& c : checks) {
+    j["checks"].push_back({{"name", c.name}, {"expected", c.expected}, {"observed", c.observed}, {"passed", c.passed}});
+  }
+  return j.dump();
+}
+
+ScenarioResult ScenarioResult::from_json(const std::string& text) {
+  const nlohmann::json j = nlohmann::json::parse(text);
+  ScenarioResult r;
+  r.name = j.at("name");
+  r.origin = j.at("origin");
+  r.fault = j.at("fault");
+  r.defense = j.at("defense");
+  r.expected_to_break = j.at("expected") == "broke";
+  r.broke = j.at("outcome") == "broke";
+  r.passed = j.at("passed");
+  r.raised = j.at("raised");
+  r.error = j.at("error");
+  r.steps_run = j.at("steps_run");
+  r.skipped_steps = j.at("skipped_steps");
+  r.scale_backoffs = j.at("scale_backoffs");
+  r.scale_growths = j.at("scale_growths");
+  r.tolerated_overflows = j.at("tolerated_overflows");
+  r.rollbacks = j.at("rollbacks");
+  r.recompute_mismatches = j.at("recompute_mismatches");
+  r.silent_recompute_mismatches = j.at("silent_recompute_mismatches");
+  r.caught_recompute_mismatches = j.at("caught_recompute_mismatches");
+  r.params_finite = j.at("params_finite");
+  r.all_losses_finite = j.at("all_losses_finite");
+  r.final_loss = from_num(j.at("final_loss"));
+  if (j.contains("losses")) for (const auto& v : j["losses"]) r.losses.push_back(from_num(v));
+  if (j.contains("scales")) for (const auto& v : j["scales"]) r.scales.push_back(from_num(v));
+  if (j.contains("lrs")) for (const auto& v : j["lrs"]) r.lrs.push_back(from_num(v));
+  r.injected = j.at("injected").get<std::vector<std::string>>();
+  r.skip_reasons = j.at("skip_reasons").get<std::vector<std::string>>();
+  r.replayed = j.at("replayed");
+  r.replay_bitwise = j.at("replay_bitwise");
+  r.replay_report = j.at("replay_report");
+  r.seconds = j.at("seconds");
+  for (const auto& c : j.at("checks")) r.checks.push_back({c.at("name"), c.at("expected"), c.at("observed"), c.at("passed")});
+  return r;
+}
+
+ScenarioSpec load_scenario(const std::string& path_or_builtin) {
+  const std::string prefix = "builtin:";
+  if (path_or_builtin.rfind(prefix, 0) == 0) {
+    const std::string name = path_or_builtin.substr(prefix.size());
+    for (const BuiltinScenario& b : builtin_suite()) {
+      if (b.name == name) return parse_scenario_text(b.text, "builtin:" + name);
+    }
+    std::string known;
+    for (const BuiltinScenario& b : builtin_suite()) known += (known.empty() ? "" : ", ") + b.name;
+    throw Error("no built-in scenario '" + name + "'; built-in scenarios: " + known);
+  }
+  return parse_scenario_file(path_or_builtin);
+}
+
+std::string outcome_matrix(const std::vector<ScenarioResult>& results) {
+  std::size_t wn = 8, wf = 5, wd = 7;
+  for (const ScenarioResult& r : results) {
+    wn = std::max(wn, r.name.size());
+    wf = std::max(wf, r.fault.size());
+    wd = std::max(wd, r.defense.size());
+  }
+  std::ostringstream os;
+  auto row = [&](const std::string& n, const std::string& f, const std::string& d, const std::string& o,
+                 const std::string& e, const std::string& v) {
+    os << std::left << std::setw(static_cast<int>(wn)) << n << "  " << std::setw(static_cast<int>(wf)) << f << "  "
+       << std::setw(static_cast<int>(wd)) << d << "  " << std::setw(7) << o << "  " << std::setw(8) << e << "  " << v << "\n";
+  };
+  row("scenario", "fault", "defense", "outcome", "expected", "verdict");
+  for (const ScenarioResult& r : results) {
+    std::string verdict = r.passed ? "ok" : "FAILED";
+    if (!r.passed) {
+      if (r.raised && !r.expected_to_break) verdict += " (raised: " + r.error + ")";
+      for (const ExpectationCheck& c : r.checks) {
+        if (!c.passed && !r.expected_to_break) verdict += " (" + c.name + ": expected " + c.expected + ", got " + c.observed + ")";
+      }
+      if (r.expected_to_break) verdict += " (negative control held: the fault did not bite)";
+    }
+    row(r.name, r.fault, r.defense, r.outcome(), r.expected_to_break ? "broke" : "held", verdict);
+  }
+  return os.str();
+}
+
+namespace {
+std::string xml_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20 && c != '\n' && c != '\t') out += ' ';
+        else out += c;
+    }
+  }
+  return out;
+}
+}  // namespace
+
+std::string junit_xml(const std::vector<ScenarioResult>& results, double seconds) {
+  std::size_t failures = 0;
+  for (const ScenarioResult& r : results) failures += r.passed ? 0 : 1;
+  std::ostringstream os;
+  os << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
+  os << "<testsuites tests=\"" << results.size() << "\" failures=\"" << failures << "\" time=\"" << seconds << "\">\n";
+  os << "  <testsuite name=\"retrace.scenarios\" tests=\"" << results.size() << "\" failures=\"" << failures
+     << "\" time=\"" << seconds << "\">\n";
+  for (const ScenarioResult& r : results) {
+    os << "    <testcase classname=\"retrace.scenarios\" name=\"" << xml_escape(r.name) << "\" time=\"" << r.seconds << "\">\n";
+    if (!r.passed) {
+      std::string msg = r.expected_to_break ? "negative control held: the fault did not bite" : "expectation failed";
+      if (r.raised && !r.expected_to_break) msg = "raised: " + r.error;
+      os << "      <failure message=\"" << xml_escape(msg) << "\">";
+      for (const ExpectationCheck& c : r.checks) {
+        os << xml_escape(c.name + ": expected " + c.expected + ", observed " + c.observed + (c.passed ? "" : "  <-- failed")) << "\n";
+      }
+      os << "</failure>\n";
+    }
+    os << "      <system-out>" << xml_escape("fault: " + r.fault + "; defense: " + r.defense + "; outcome: " + r.outcome()) << "</system-out>\n";
+    os << "    </testcase>\n";
+  }
+  os << "  </testsuite>\n</testsuites>\n";
+  return os.str();
+}
+
+}  // namespace retrace

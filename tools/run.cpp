@@ -1,0 +1,267 @@
+// `retrace run [PATHS...]`: runs scenarios, each in its own child process so that one crash
+// cannot take down the suite, in parallel; prints the outcome matrix, writes JUnit and JSON.
+#include "commands.h"
+
+#include <retrace/error.h>
+#include <retrace/runner.h>
+
+#include <boost/program_options.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <fcntl.h>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <spawn.h>
+#include <sstream>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+
+extern char** environ;
+
+namespace retrace::cli {
+
+namespace po = boost::program_options;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Job {
+  std::string source;  // path or builtin:NAME
+  ScenarioSpec spec;
+  std::string result_path, log_path;
+  pid_t pid = -1;
+  std::chrono::steady_clock::time_point started;
+};
+
+// Paths -> scenario sources: files as given, folders' *.yaml in name order, builtin:NAME.
+std::vector<std::string> expand(const std::vector<std::string>& paths) {
+  std::vector<std::string> out;
+  if (paths.empty()) {
+    for (const BuiltinScenario& b : builtin_suite()) out.push_back("builtin:" + b.name);
+    return out;
+  }
+  for (const std::string& p : paths) {
+    if (p.rfind("builtin:", 0) == 0) {
+      out.push_back(p);
+      continue;
+    }
+    std::error_code ec;
+    if (fs::is_directory(p, ec)) {
+      std::vector<std::string> files;
+      for (const auto& e : fs::directory_iterator(p)) {
+        if (e.path().extension() == ".yaml" || e.path().extension() == ".yml") files.push_back(e.path().string());
+      }
+      std::sort(files.begin(), files.end());
+      if (files.empty()) throw Error(p + ": the folder holds no .yaml scenario files");
+      out.insert(out.end(), files.begin(), files.end());
+    } else {
+      out.push_back(p);
+    }
+  }
+  return out;
+}
+
+std::string last_line(const std::string& path) {
+  std::ifstream in(path);
+  std::string line, last;
+  while (std::getline(in, line)) {
+    if (!line.empty()) last = line;
+  }
+  return last;
+}
+
+ScenarioResult crashed(const Job& job, int status) {
+  ScenarioResult r;
+  r.name = job.spec.name.empty() ? job.source : job.spec.name;
+  r.origin = job.source;
+  r.fault = fault_label(job.spec);
+  r.defense = defense_label(job.spec);
+  r.raised = true;
+  if (WIFSIGNALED(status)) {
+    r.error = "the scenario's process died by signal " + std::to_string(WTERMSIG(status)) + " (" + strsignal(WTERMSIG(status)) + ")";
+  } else {
+    r.error = "the scenario's process exited with code " + std::to_string(WEXITSTATUS(status)) + " and no result";
+  }
+  const std::string tail = last_line(job.log_path);
+  if (!tail.empty()) r.error += ": " + tail;
+  r.params_finite = false;
+  r.expected_to_break = job.spec.expect.diverges;
+  r.broke = true;
+  r.passed = r.expected_to_break;
+  return r;
+}
+
+int run_child(const std::string& source, const std::string& result_path, int threads) {
+  if (threads > 0) torch::set_num_threads(threads);
+  const ScenarioSpec spec = load_scenario(source);
+  const ScenarioResult r = run_scenario(spec);
+  std::ofstream out(result_path);
+  if (!(out << r.to_json() << "\n")) throw Error("cannot write the result file '" + result_path + "'");
+  return 0;
+}
+
+}  // namespace
+
+int run_run(const std::vector<std::string>& args) {
+  std::vector<std::string> paths;
+  std::string junit_path, json_path, child, result_path;
+  int jobs = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  int threads = 0;
+  po::options_description opts(
+      "retrace run [PATHS...] [options]\n\n"
+      "Runs scenarios -- training with injected faults and defenses -- and checks what each\n"
+      "expects; every scenario runs in its own process. PATHS are scenario files, folders of\n"
+      "them, or builtin:NAME; with none, the built-in suite runs. Prints the outcome matrix\n"
+      "(fault x defense -> held / broke, and whether that was expected).\n"
+      "Exit code 0 every expectation met, 1 some failed, 2 bad input.\n\n"
+      "options");
+  opts.add_options()("help,h", "show this help")(
+      "jobs,j", po::value<int>(&jobs), "scenarios run in parallel (default: the number of cores)")(
+      "junit", po::value<std::string>(&junit_path), "write a JUnit XML report to FILE")(
+      "json", po::value<std::string>(&json_path), "write every result as JSON to FILE ('-' for stdout)")(
+      "list", "list the scenarios (with their fault and defense) instead of running them");
+  po::options_description hidden;
+  hidden.add_options()("paths", po::value<std::vector<std::string>>(&paths))(
+      "child", po::value<std::string>(&child))("result", po::value<std::string>(&result_path))(
+      "threads", po::value<int>(&threads));
+  po::options_description all;
+  all.add(opts).add(hidden);
+  po::positional_options_description pos;
+  pos.add("paths", -1);
+  po::variables_map vm;
+  po::store(po::command_line_parser(args).options(all).positional(pos).run(), vm);
+  if (vm.count("help")) {
+    std::cout << opts;
+    return 0;
+  }
+  po::notify(vm);
+  if (!child.empty()) return run_child(child, result_path, threads);
+  if (jobs < 1) throw Error("--jobs must be at least 1, got " + std::to_string(jobs));
+
+  // Parse everything first: a bad file fails the command before anything runs.
+  std::vector<Job> pending;
+  for (const std::string& source : expand(paths)) {
+    Job job;
+    job.source = source;
+    job.spec = load_scenario(source);
+    pending.push_back(std::move(job));
+  }
+  if (vm.count("list")) {
+    for (const Job& j : pending) {
+      std::cout << j.source << "  fault: " << fault_label(j.spec) << "  defense: " << defense_label(j.spec)
+                << (j.spec.expect.diverges ? "  (negative control)" : "") << "\n";
+    }
+    return 0;
+  }
+
+  const fs::path work = fs::temp_directory_path() / ("retrace_run_" + std::to_string(::getpid()));
+  fs::create_directories(work);
+  const int per_child_threads =
+      std::max(1, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())) / std::min<int>(jobs, static_cast<int>(pending.size())));
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<ScenarioResult> results(pending.size());
+  std::map<pid_t, std::size_t> running;
+  std::size_t next = 0, done = 0;
+  std::string self = "/proc/self/exe";
+
+  auto start = [&](std::size_t i) {
+    Job& job = pending[i];
+    job.result_path = (work / (std::to_string(i) + ".json")).string();
+    job.log_path = (work / (std::to_string(i) + ".log")).string();
+    std::vector<std::string> argv_s = {"retrace", "run", "--child", job.source, "--result", job.result_path,
+                                       "--threads", std::to_string(per_child_threads)};
+    std::vector<char*> argv;
+    for (auto& s : argv_s) argv.push_back(s.data());
+    argv.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 1, job.log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+    pid_t pid = -1;
+    const int rc = posix_spawn(&pid, self.c_str(), &actions, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    if (rc != 0) throw Error(std::string("cannot start a scenario process: ") + std::strerror(rc));
+    job.pid = pid;
+    job.started = std::chrono::steady_clock::now();
+    running[pid] = i;
+  };
+
+  while (done < pending.size()) {
+    while (next < pending.size() && static_cast<int>(running.size()) < jobs) start(next++);
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, 0);
+    if (pid < 0) {
+      if (errno == EINTR) continue;
+      throw Error(std::string("waiting for scenario processes failed: ") + std::strerror(errno));
+    }
+    auto it = running.find(pid);
+    if (it == running.end()) continue;
+    const std::size_t i = it->second;
+    running.erase(it);
+    const Job& job = pending[i];
+    ScenarioResult r;
+    std::ifstream in(job.result_path);
+    std::stringstream text;
+    text << in.rdbuf();
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0 && !text.str().empty()) {
+      r = ScenarioResult::from_json(text.str());
+    } else {
+      r = crashed(job, status);
+      r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - job.started).count();
+    }
+    ++done;
+    std::cout << (r.passed ? "ok     " : "FAILED ") << r.name << "  (" << r.fault << " x " << r.defense << ": " << r.outcome()
+              << ", expected " << (r.expected_to_break ? "broke" : "held") << ", " << std::fixed << std::setprecision(1)
+              << r.seconds << " s)" << std::defaultfloat << "\n";
+    if (!r.passed) {
+      if (r.raised) std::cout << "         raised: " << r.error << "\n";
+      for (const ExpectationCheck& c : r.checks) {
+        std::cout << "         " << (c.passed ? "  " : "! ") << c.name << ": expected " << c.expected << ", observed " << c.observed << "\n";
+      }
+      if (!r.replay_report.empty()) std::cout << "         replay: " << r.replay_report << "\n";
+    }
+    std::cout.flush();
+    results[i] = std::move(r);
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // File by file: libtorch.so exports its own std::filesystem::remove_all, which crashes here.
+  for (const Job& job : pending) {
+    ::unlink(job.result_path.c_str());
+    ::unlink(job.log_path.c_str());
+  }
+  ::rmdir(work.c_str());
+
+  std::size_t failed = 0;
+  for (const ScenarioResult& r : results) failed += r.passed ? 0 : 1;
+  std::cout << "\n" << outcome_matrix(results) << "\n"
+            << results.size() << " scenarios, " << results.size() - failed << " as expected, " << failed << " not, in "
+            << std::fixed << std::setprecision(1) << seconds << " s\n";
+  if (!junit_path.empty()) {
+    std::ofstream f(junit_path);
+    if (!(f << junit_xml(results, seconds))) throw Error("cannot write --junit file '" + junit_path + "'");
+  }
+  if (!json_path.empty()) {
+    nlohmann::json all_results = nlohmann::json::array();
+    for (const ScenarioResult& r : results) all_results.push_back(nlohmann::json::parse(r.to_json()));
+    const std::string out = nlohmann::json{{"scenarios", all_results}, {"failed", failed}, {"seconds", seconds}}.dump(2) + "\n";
+    if (json_path == "-") {
+      std::cout << out;
+    } else {
+      std::ofstream f(json_path);
+      if (!(f << out)) throw Error("cannot write --json file '" + json_path + "'");
+    }
+  }
+  return failed == 0 ? 0 : 1;
+}
+
+}  // namespace retrace::cli
