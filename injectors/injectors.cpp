@@ -69,9 +69,21 @@ std::vector<int> bits_of_class(at::ScalarType dtype, const std::string& cls) {
   return out;
 }
 
-double element_value(const at::Tensor& t, std::int64_t index) {
-  return t.reshape({-1})[index].item<double>();
+// A 0-dim view of element `index` (row-major order) of `t`, aliasing its storage whatever its
+// strides (reshape would copy a non-contiguous tensor, and a write would be lost).
+at::Tensor element_view(const at::Tensor& t, std::int64_t index) {
+  at::Tensor e = t;
+  std::int64_t rest = index;
+  std::vector<std::int64_t> coords(static_cast<std::size_t>(t.dim()));
+  for (std::int64_t d = t.dim() - 1; d >= 0; --d) {
+    coords[static_cast<std::size_t>(d)] = rest % t.size(d);
+    rest /= t.size(d);
+  }
+  for (std::int64_t c : coords) e = e.select(0, c);
+  return e;
 }
+
+double element_value(const at::Tensor& t, std::int64_t index) { return element_view(t, index).item<double>(); }
 
 }  // namespace
 
@@ -120,11 +132,11 @@ void flip_bit(at::Tensor& t, std::int64_t index, int bit) {
   TORCH_CHECK(bit >= 0 && bit < width, "flip_bit: bit ", bit, " of a ", width, "-bit element");
   at::NoGradGuard no_grad;
   // Through a contiguous CPU copy, so any layout and device works; written back with copy_.
-  at::Tensor flat = t.reshape({-1}).narrow(0, index, 1);
-  at::Tensor host = flat.to(at::kCPU).contiguous().clone();
+  at::Tensor element = element_view(t, index);
+  at::Tensor host = element.to(at::kCPU).clone();
   auto* bytes = static_cast<unsigned char*>(host.data_ptr());
   bytes[bit / 8] ^= static_cast<unsigned char>(1u << (bit % 8));  // little-endian element
-  flat.copy_(host);
+  element.copy_(host);
 }
 
 Injector::Injector(std::vector<InjectionSpec> specs) : specs_(std::move(specs)) {}
@@ -243,7 +255,7 @@ void Injector::on_grads(const std::vector<NamedTensor>& grads) {
     const std::int64_t element = static_cast<std::int64_t>(gen() % static_cast<std::uint64_t>(std::max<std::int64_t>(1, g.tensor.numel())));
     const double v = s.mode == "inf" ? std::numeric_limits<double>::infinity() : std::numeric_limits<double>::quiet_NaN();
     at::NoGradGuard no_grad;
-    g.tensor.reshape({-1}).narrow(0, element, 1).fill_(v);
+    element_view(g.tensor, element).fill_(v);
     note(s, g.name, "element " + std::to_string(element) + " = " + (s.mode == "inf" ? "inf" : "nan"));
   }
 }

@@ -82,7 +82,7 @@ void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
           bitwise == *e.recompute_bitwise);
   }
   if (e.replay_bitwise) {
-    check(r, "replay_bitwise", b(*e.replay_bitwise), r.replayed ? b(r.replay_bitwise) : "not replayed",
+    check(r, "replay_bitwise", b(*e.replay_bitwise), r.replayed ? b(r.replay_bitwise) : "not replayed (" + r.replay_report + ")",
           r.replayed && r.replay_bitwise == *e.replay_bitwise);
   }
   if (e.injections_fired) {
@@ -150,6 +150,7 @@ std::string defense_label(const ScenarioSpec& spec) {
 
 ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
+  register_builtin_programs();  // the replay rebuilds the program from the trace by name
   ScenarioResult r;
   r.name = spec.name.empty() ? spec.origin : spec.name;
   r.origin = spec.origin;

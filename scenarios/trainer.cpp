@@ -313,7 +313,7 @@ StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTens
   if (d.rollback) {
     std::vector<NamedTensor> snapshot;
     for (const NamedTensor& n : state()) snapshot.push_back({n.name, n.tensor.detach().clone()});
-    snapshots_.push_back(std::move(snapshot));
+    snapshots_.push_back({step, std::move(snapshot)});
     while (static_cast<std::int64_t>(snapshots_.size()) > d.rollback_depth) snapshots_.pop_front();
   }
   if (!injector_.empty()) {
@@ -429,14 +429,13 @@ StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTens
       // shows a step later is undone with it.
       const std::int64_t k = ++failures_in_a_row_;
       const std::size_t target = static_cast<std::size_t>(std::max<std::int64_t>(0, static_cast<std::int64_t>(snapshots_.size()) - k));
-      const std::int64_t back = static_cast<std::int64_t>(snapshots_.size() - target) - 1;
-      const std::vector<NamedTensor> restore = snapshots_[target];
+      const Snapshot restore = snapshots_[target];
       snapshots_.erase(snapshots_.begin() + static_cast<std::ptrdiff_t>(target), snapshots_.end());
-      load_state(restore);
+      load_state(restore.state);
       if (scaler_) scaler_->load_state(scaler_now);
       ++rollbacks_;
       out.rolled_back = true;
-      skip(why + "; restored the state from the start of step " + std::to_string(step - back));
+      skip(why + "; restored the state from the start of step " + std::to_string(restore.step));
     } else {
       failures_in_a_row_ = 0;
     }

@@ -74,7 +74,11 @@ class ScenarioProgram : public Program {
   std::deque<double> recent_norms_;
   // defenses.rollback: the last rollback_depth step-start snapshots, and how many steps in a row
   // have gone non-finite (each one walks a snapshot further back).
-  std::deque<std::vector<NamedTensor>> snapshots_;
+  struct Snapshot {
+    std::int64_t step;
+    std::vector<NamedTensor> state;
+  };
+  std::deque<Snapshot> snapshots_;
   std::int64_t failures_in_a_row_ = 0;
   std::int64_t rollbacks_ = 0;
   std::int64_t caught_mismatches_ = 0;

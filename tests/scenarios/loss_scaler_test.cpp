@@ -6,6 +6,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -57,6 +58,80 @@ TEST(LossScaler, ScaleTrajectoryFollowsGradScalersRule) {
   EXPECT_EQ(scaler.backoffs(), 4);
   EXPECT_EQ(scaler.growths(), growths);
   EXPECT_GT(growths, 0);  // it regrows after backing off
+}
+
+// DeepSpeed's DynamicLossScaler rule (delayed_shift = hysteresis, consecutive_hysteresis off, and
+// min_scale), written out independently: an overflow while more than one hysteresis is left only
+// spends one; otherwise it backs off (never below min_scale); a growth restores the hysteresis.
+struct DeepSpeedRule {
+  double scale;
+  std::int64_t hysteresis, left, tracker = 0;
+  double min_scale;
+  void update(bool overflow, double growth, double backoff, std::int64_t interval) {
+    if (overflow) {
+      if (left > 1) {
+        --left;
+      } else {
+        scale = std::max(scale * backoff, min_scale);
+      }
+      tracker = 0;
+    } else if (++tracker == interval) {
+      scale *= growth;
+      tracker = 0;
+      left = hysteresis;
+    }
+  }
+};
+
+TEST(LossScaler, HysteresisAndMinimumScaleFollowDeepSpeedsRule) {
+  torch::manual_seed(0);
+  torch::nn::Linear linear(4, 1);
+  torch::optim::SGD optimizer(linear->parameters(), torch::optim::SGDOptions(0.01));
+  LossScalerOptions options;
+  options.init_scale = 64;
+  options.growth_interval = 2;
+  options.hysteresis = 2;
+  options.min_scale = 8;
+  LossScaler scaler(options);
+  DeepSpeedRule reference{options.init_scale, options.hysteresis, options.hysteresis, 0, options.min_scale};
+  // Runs of overflows long enough to exhaust the hysteresis and to hit the floor, then regrowth.
+  const std::vector<int> overflow = {1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 1, 0, 0, 1, 1, 0};
+  std::int64_t backoffs = 0, tolerated = 0;
+  for (std::size_t s = 0; s < overflow.size(); ++s) {
+    SCOPED_TRACE("step " + std::to_string(s));
+    optimizer.zero_grad();
+    scaler.scale(linear(torch::ones({2, 4})).sum()).backward();
+    if (overflow[s]) linear->weight.grad()[0][0] = std::numeric_limits<float>::quiet_NaN();
+    const double before = reference.scale;
+    const std::int64_t left_before = reference.left;
+    EXPECT_EQ(scaler.step(optimizer), overflow[s] == 1);
+    reference.update(overflow[s], options.growth_factor, options.backoff_factor, options.growth_interval);
+    EXPECT_EQ(scaler.current_scale(), reference.scale);
+    EXPECT_EQ(scaler.hysteresis_left(), reference.left);
+    backoffs += reference.scale < before;
+    tolerated += overflow[s] && left_before > 1;
+  }
+  EXPECT_EQ(scaler.backoffs(), backoffs);
+  EXPECT_EQ(scaler.tolerated_overflows(), tolerated);
+  EXPECT_GT(tolerated, 1);
+  EXPECT_EQ(reference.min_scale, 8);
+  EXPECT_GE(scaler.current_scale(), options.min_scale);
+}
+
+TEST(LossScaler, HysteresisRoundTripsThroughState) {
+  LossScalerOptions options;
+  options.hysteresis = 3;
+  LossScaler a(options);
+  torch::nn::Linear linear(2, 1);
+  torch::optim::SGD optimizer(linear->parameters(), torch::optim::SGDOptions(0.01));
+  a.scale(linear(torch::ones({1, 2})).sum()).backward();
+  linear->weight.grad()[0][0] = std::numeric_limits<float>::infinity();
+  a.step(optimizer);
+  EXPECT_EQ(a.hysteresis_left(), 2);
+  LossScaler b(options);
+  b.load_state(a.state());
+  EXPECT_EQ(b.hysteresis_left(), 2);
+  EXPECT_EQ(b.current_scale(), a.current_scale());
 }
 
 TEST(LossScaler, SkippedStepLeavesParametersAndOptimizerStateBitwiseUntouched) {
