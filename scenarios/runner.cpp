@@ -157,7 +157,9 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
   r.fault = fault_label(spec);
   r.defense = defense_label(spec);
 
-  const bool replay = spec.expect.replay_bitwise.has_value();
+  const std::int64_t last = options.last_step > 0 ? options.last_step : spec.training.steps;
+  const bool replay = spec.expect.replay_bitwise.has_value() && options.replay && options.first_step == 1 &&
+                      options.start_state == nullptr;
   const std::string trace_path = options.trace_path.empty() ? temp_trace_path(r.name) : options.trace_path;
   // Counts every segment whose recompute is not bitwise; steps that were skipped never applied
   // theirs, so only mismatches in applied steps are "silent".
@@ -170,12 +172,22 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
   std::unique_ptr<ScenarioProgram> program;
   try {
     program = std::make_unique<ScenarioProgram>(spec);
+    if (options.start_state) {
+      std::vector<NamedTensor> state;
+      for (const NamedTensor& n : *options.start_state) {
+        if (options.restart_schedule && n.name.rfind("schedule.", 0) == 0) continue;
+        state.push_back(n);
+      }
+      program->load_state(state);
+    }
+    if (options.start_rng) options.start_rng->restore();
     auto after_step = [&](std::int64_t step, const StepOutcome& o) {
       ++r.steps_run;
       r.losses.push_back(o.loss);
       r.scales.push_back(o.loss_scale);
       r.lrs.push_back(o.lr);
       if (!std::isfinite(o.loss)) r.all_losses_finite = false;
+      if (!o.skipped && !o.finite()) ++r.applied_nonfinite_steps;
       if (o.skipped) {
         ++r.skipped_steps;
         r.skip_reasons.push_back("step " + std::to_string(step) + ": " + o.skip_reason);
@@ -196,7 +208,7 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
       record_run(*program, recorder, spec.training.steps, /*stop_on_nonfinite=*/false, after_step);
       recorder.close();
     } else {
-      for (std::int64_t s = 1; s <= spec.training.steps; ++s) {
+      for (std::int64_t s = options.first_step; s <= last; ++s) {
         const auto batch = program->batch(s);
         after_step(s, program->step(s, batch, nullptr));
       }
@@ -264,6 +276,7 @@ std::string ScenarioResult::to_json() const {
   j["error"] = error;
   j["steps_run"] = steps_run;
   j["skipped_steps"] = skipped_steps;
+  j["applied_nonfinite_steps"] = applied_nonfinite_steps;
   j["scale_backoffs"] = scale_backoffs;
   j["scale_growths"] = scale_growths;
   j["tolerated_overflows"] = tolerated_overflows;
@@ -304,6 +317,7 @@ ScenarioResult ScenarioResult::from_json(const std::string& text) {
   r.error = j.at("error");
   r.steps_run = j.at("steps_run");
   r.skipped_steps = j.at("skipped_steps");
+  r.applied_nonfinite_steps = j.value("applied_nonfinite_steps", std::int64_t{0});
   r.scale_backoffs = j.at("scale_backoffs");
   r.scale_growths = j.at("scale_growths");
   r.tolerated_overflows = j.at("tolerated_overflows");

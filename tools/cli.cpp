@@ -54,6 +54,7 @@ struct Command {
 
 const Command kCommands[] = {
     {"run", "run scenarios (fault x defense x expectation); no path: the built-in suite", cli::run_run},
+    {"diagnose", "re-run a failing run under stability variants and rank what fixes it", cli::run_diagnose},
     {"record", "record a training run into a trace", cli::run_record},
     {"replay", "re-execute recorded steps bit for bit; name the first divergence and non-finite op", cli::run_replay},
     {"inspect", "list a trace's steps, segments, tensors and environment; export tensors", cli::run_inspect},

@@ -22,6 +22,7 @@ int run_record(const std::vector<std::string>& args);
 int run_replay(const std::vector<std::string>& args);
 int run_inspect(const std::vector<std::string>& args);
 int run_run(const std::vector<std::string>& args);
+int run_diagnose(const std::vector<std::string>& args);
 
 // The program `record` uses when no scenario file is given (set by retrace::main's overload).
 const std::string& default_program();

@@ -3,6 +3,8 @@
 // fault x defense scenarios, each with its negative control. `retrace run` (tools/run.cpp) runs
 // these in child processes so that one crash cannot take down the suite.
 
+#include <retrace/program.h>
+#include <retrace/rng.h>
 #include <retrace/scenario.h>
 
 #include <cstdint>
@@ -29,6 +31,7 @@ struct ScenarioResult {
   std::string error;         // its message
   std::int64_t steps_run = 0;
   std::int64_t skipped_steps = 0;
+  std::int64_t applied_nonfinite_steps = 0;  // steps not skipped with a non-finite loss or norm
   std::int64_t scale_backoffs = 0, scale_growths = 0, tolerated_overflows = 0;
   std::int64_t rollbacks = 0;
   std::int64_t recompute_mismatches = 0;         // segments whose recompute was not bitwise
@@ -60,6 +63,13 @@ struct RunOptions {
   // Where the recorded trace goes when expect.replay_bitwise asks for a replay ("" = a temporary
   // file, removed afterwards).
   std::string trace_path;
+  bool replay = true;  // honour expect.replay_bitwise (only for runs from step 1)
+  // A window of the run instead of all of it (retrace diagnose): steps first_step..last_step
+  // (0 = training.steps), starting from `start_state` and `start_rng` when set.
+  std::int64_t first_step = 1, last_step = 0;
+  const std::vector<NamedTensor>* start_state = nullptr;
+  const RngState* start_rng = nullptr;
+  bool restart_schedule = false;  // drop the snapshot's schedule state (warmup starts over)
 };
 
 // Runs `spec` in this process. Never throws for what the scenario does (an exception from

@@ -1,6 +1,7 @@
 // Injectors fire on their seeded schedule, deterministically, and bite; defenses hold what they
 // promise bitwise (a skipped step changes nothing, the schedule does not advance); clipping never
 // silently turns an Inf into 0 or NaN; the scenario schema rejects bad input with file:line:key.
+#include <retrace/diagnose.h>
 #include <retrace/error.h>
 #include <retrace/gtest.h>
 #include <retrace/injectors.h>
@@ -10,6 +11,7 @@
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -259,6 +261,52 @@ TEST(Schema, BadDefensesInjectionsAndExpectationsNameFileLineAndKey) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("x.yaml:3: key 'injections[0].type': activation_overflow hits a checkpointed segment, but training.segments is 0"), std::string::npos) << e.what();
   }
+}
+
+}  // namespace
+}  // namespace retrace
+
+namespace retrace {
+namespace {
+
+std::vector<std::string> fixing(const Diagnosis& d) {
+  std::vector<std::string> out;
+  for (const VariantResult& v : d.variants) {
+    if (v.fixes) out.push_back(v.name);
+  }
+  return out;
+}
+
+bool has(const std::vector<std::string>& v, const std::string& x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+
+TEST(Diagnose, NamesTheFixForFp16OverflowLrSpikeAndRngDesync) {
+  const Diagnosis overflow = diagnose_scenario(load_scenario("builtin:fp16-overflow-loss-scaling-off"));
+  EXPECT_EQ(overflow.failing_step, 4);
+  EXPECT_EQ(overflow.classification.kind, "persistent");
+  EXPECT_FALSE(overflow.baseline.fixes);  // the failure comes back from the snapshot
+  const auto f1 = fixing(overflow);
+  EXPECT_TRUE(has(f1, "loss scaling")) << overflow.report();
+  EXPECT_TRUE(has(f1, "fp32")) << overflow.report();
+  EXPECT_FALSE(has(f1, "clip 1.0")) << overflow.report();  // clipping cannot fix an Inf forward
+  EXPECT_TRUE(overflow.variants.front().fixes);              // ranked: fixing variants first
+
+  const Diagnosis spike = diagnose_scenario(load_scenario("builtin:lr-spike-clipping-off"));
+  EXPECT_EQ(spike.failing_step, -1);  // no step goes non-finite; the final loss is the failure
+  EXPECT_EQ(spike.classification.kind, "none");
+  const auto f2 = fixing(spike);
+  EXPECT_TRUE(has(f2, "clip 1.0")) << spike.report();
+  EXPECT_TRUE(has(f2, "lr / 10 + warmup")) << spike.report();
+  EXPECT_FALSE(has(f2, "loss scaling")) << spike.report();
+
+  const Diagnosis desync = diagnose_scenario(load_scenario("builtin:rng-desync-not-preserved"));
+  EXPECT_NE(desync.failure.find("non-bitwise recompute"), std::string::npos) << desync.failure;
+  EXPECT_EQ(fixing(desync), std::vector<std::string>{"checkpointing off"}) << desync.report();
+}
+
+TEST(Diagnose, NothingToDiagnoseInAHealthyRun) {
+  const Diagnosis d = diagnose_scenario(load_scenario("builtin:bf16-clean"));
+  EXPECT_TRUE(d.variants.empty());
+  EXPECT_NE(d.failure.find("none"), std::string::npos);
 }
 
 }  // namespace

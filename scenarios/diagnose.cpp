@@ -1,0 +1,385 @@
+#include <retrace/diagnose.h>
+
+#include <retrace/digest.h>
+#include <retrace/error.h>
+#include <retrace/replayer.h>
+#include <retrace/trace.h>
+#include <retrace/trainer.h>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <iomanip>
+#include <limits>
+#include <sstream>
+
+namespace retrace {
+
+namespace {
+
+struct Window {
+  std::int64_t start = 1;
+  std::vector<NamedTensor> state;
+  RngState rng;
+};
+
+std::vector<NamedTensor> clone_state(const std::vector<NamedTensor>& state) {
+  std::vector<NamedTensor> out;
+  for (const NamedTensor& n : state) out.push_back({n.name, n.tensor.detach().clone()});
+  return out;
+}
+
+std::string fmt(double v, int precision = 4) {
+  std::ostringstream os;
+  os << std::setprecision(precision) << v;
+  return os.str();
+}
+
+bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+// What still fails in a run, or "" when it held. The scenario's expectations about the outcome
+// count; those about a defense's mechanics (skips, backoffs, rollbacks, replay) do not, since a
+// variant may avoid the failure by other means.
+std::string judge(const ScenarioResult& r, const ExpectSpec& e) {
+  if (r.raised) return "raised: " + r.error;
+  if (!r.params_finite) return "non-finite parameters";
+  if (r.applied_nonfinite_steps > 0) return std::to_string(r.applied_nonfinite_steps) + " non-finite step(s) applied";
+  if (r.silent_recompute_mismatches > 0) {
+    return std::to_string(r.silent_recompute_mismatches) + " non-bitwise recompute(s) reached applied gradients";
+  }
+  if (e.final_loss_below && !(std::isfinite(r.final_loss) && r.final_loss < *e.final_loss_below)) {
+    return "final loss " + fmt(r.final_loss) + ", expected below " + fmt(*e.final_loss_below);
+  }
+  return "";
+}
+
+// An injected fault that lives in a checkpointed segment's outputs cannot fire once checkpointing
+// is off; "checkpointing off" then avoids the injection, not the failure mode. (An RNG desync
+// needs a recompute to exist at all, so without checkpointing it is truly gone.)
+bool hits_segments(const ScenarioSpec& s) {
+  for (const InjectionSpec& in : s.injections) {
+    if (in.type == InjectionType::kActivationOverflow || in.type == InjectionType::kLayerNormInput ||
+        (in.type == InjectionType::kBitFlip && in.target == "activations")) {
+      return true;
+    }
+  }
+  return false;
+}
+
+struct Variant {
+  std::string name, change;
+  ScenarioSpec spec;
+  bool restart_schedule = false;
+  std::string caveat;
+};
+
+std::vector<Variant> make_variants(const ScenarioSpec& base) {
+  std::vector<Variant> out;
+  auto add = [&](std::string name, std::string change, auto edit, bool restart = false, std::string caveat = "") {
+    Variant v{std::move(name), std::move(change), base, restart, std::move(caveat)};
+    edit(v.spec);
+    out.push_back(std::move(v));
+  };
+  const TrainingSpec& t = base.training;
+  const DefenseSpec& d = base.defenses;
+  if (t.segments > 0) {
+    add("checkpointing off", "training.segments: 0", [](ScenarioSpec& s) { s.training.segments = 0; }, false,
+        hits_segments(base) ? "the injected fault targets a checkpointed segment and cannot fire without one" : "");
+  }
+  for (double clip : {1.0, 0.5}) {
+    if (d.clip.mode == "global" && d.clip.max_norm == clip) continue;
+    const std::string label = clip == 1.0 ? "1.0" : "0.5";
+    add("clip " + label, "defenses.clip: global, max_norm " + label, [clip](ScenarioSpec& s) {
+      s.defenses.clip.mode = "global";
+      s.defenses.clip.max_norm = clip;
+      s.training.clip_grad_norm = 0;
+    });
+  }
+  add("lr / 10 + warmup", "training.lr: " + fmt(t.lr / 10) + ", defenses.warmup_steps: 5", [](ScenarioSpec& s) {
+    s.training.lr /= 10;
+    s.defenses.warmup_steps = 5;
+  }, /*restart=*/true);
+  if (t.precision != "fp32") {
+    add("fp32", "training.precision: fp32 (was " + t.precision + ")", [](ScenarioSpec& s) { s.training.precision = "fp32"; });
+  }
+  if (!d.loss_scaling.enabled) {
+    add("loss scaling", "defenses.loss_scaling: true", [](ScenarioSpec& s) { s.defenses.loss_scaling.enabled = true; });
+  }
+  if (!d.skip_nonfinite) {
+    add("skip non-finite", "defenses.skip_nonfinite: true", [](ScenarioSpec& s) { s.defenses.skip_nonfinite = true; });
+  }
+  if (t.segments > 0 && t.segments < base.model.layers) {
+    add("more segments", "training.segments: " + std::to_string(t.segments + 1), [](ScenarioSpec& s) { ++s.training.segments; });
+  }
+  if (t.segments > 1) {
+    add("fewer segments", "training.segments: " + std::to_string(t.segments - 1), [](ScenarioSpec& s) { --s.training.segments; });
+  }
+  if (base.data.batch > 1) {
+    add("half batch", "data.batch: " + std::to_string(base.data.batch / 2), [](ScenarioSpec& s) { s.data.batch /= 2; });
+  }
+  return out;
+}
+
+VariantResult run_variant(const Variant& v, const Window& w, std::int64_t last, const ExpectSpec& expect) {
+  ScenarioSpec spec = v.spec;
+  spec.expect = ExpectSpec{};
+  RunOptions o;
+  o.replay = false;
+  o.first_step = w.start;
+  o.last_step = last;
+  o.start_state = &w.state;
+  o.start_rng = &w.rng;
+  o.restart_schedule = v.restart_schedule;
+  // The verifier counts silent recompute mismatches only when asked to check them.
+  spec.expect.recompute_bitwise = true;
+  const ScenarioResult r = run_scenario(spec, o);
+  VariantResult out;
+  out.name = v.name;
+  out.change = v.change;
+  out.caveat = v.caveat;
+  const std::string failed = judge(r, expect);
+  out.fixes = failed.empty();
+  out.outcome = failed.empty() ? "held" : failed;
+  out.seconds_per_step = r.steps_run > 0 ? r.seconds / static_cast<double>(r.steps_run) : 0;
+  out.skipped_steps = r.skipped_steps;
+  out.final_loss = r.final_loss;
+  return out;
+}
+
+// Re-executes `step` twice from the window's state (which must start at `step`) and compares the
+// two runs with each other and with what the run did the first time.
+Classification classify(const ScenarioSpec& spec, const Window& w, double original_loss, double original_norm) {
+  Classification c;
+  c.step = w.start;
+  struct Run {
+    double loss, norm;
+    std::vector<Digest> state;
+  };
+  auto once = [&]() {
+    ScenarioProgram p(spec);
+    p.load_state(w.state);
+    w.rng.restore();
+    const StepOutcome o = p.step(w.start, p.batch(w.start), nullptr);
+    Run r{o.loss, o.grad_norm, {}};
+    for (const NamedTensor& n : p.state()) r.state.push_back(digest(n.tensor));
+    return r;
+  };
+  try {
+    const Run a = once(), b = once();
+    const bool same = same_bits(a.loss, b.loss) && same_bits(a.norm, b.norm) && a.state == b.state;
+    const bool fails = !std::isfinite(a.loss) || !std::isfinite(a.norm);
+    if (!same) {
+      c.kind = "nondeterministic";
+      c.detail = "two re-executions from the same state and RNG differ (loss " + fmt(a.loss, 9) + " vs " + fmt(b.loss, 9) +
+                 "): look for nondeterministic kernels, uninitialised memory or a race";
+    } else if (fails) {
+      const bool as_before = same_bits(a.loss, original_loss) && same_bits(a.norm, original_norm);
+      c.kind = "persistent";
+      c.detail = std::string("re-executing the step from its state fails again") +
+                 (as_before ? ", bit for bit as the run did" : " (with other bits than the run)") +
+                 ": the cause is in the state, the data or the code, and a restart on other hardware will not help";
+    } else {
+      c.kind = "transient";
+      c.detail = "re-executing the step from its state does not fail (loss " + fmt(a.loss) +
+                 "): the fault came from outside the state -- hardware, a stray write -- and a rollback and retry is enough";
+    }
+  } catch (const std::exception& e) {
+    c.kind = "persistent";
+    c.detail = std::string("re-executing the step raises again: ") + e.what();
+  }
+  return c;
+}
+
+void rank(Diagnosis& d) {
+  const double base = d.baseline.seconds_per_step > 0 ? d.baseline.seconds_per_step : 1;
+  d.baseline.cost = 1.0;
+  for (VariantResult& v : d.variants) v.cost = v.seconds_per_step / base;
+  std::stable_sort(d.variants.begin(), d.variants.end(), [](const VariantResult& a, const VariantResult& b) {
+    if (a.fixes != b.fixes) return a.fixes;
+    if (a.fixes && a.caveat.empty() != b.caveat.empty()) return a.caveat.empty();
+    return a.fixes ? a.cost < b.cost : false;
+  });
+}
+
+Diagnosis diagnose_window(const ScenarioSpec& spec, Window w, const DiagnoseOptions& options, Diagnosis d) {
+  const std::int64_t last =
+      options.steps > 0 ? std::min(spec.training.steps, w.start + options.steps - 1) : spec.training.steps;
+  d.from_step = w.start;
+  d.to_step = std::max(w.start, last);
+  d.baseline = run_variant(Variant{"as recorded", "none", spec, false, ""}, w, d.to_step, spec.expect);
+  if (d.baseline.fixes) {
+    d.failure += " -- but it does not come back when steps " + std::to_string(d.from_step) + ".." +
+                 std::to_string(d.to_step) + " are re-run from the state before them";
+  }
+  for (const Variant& v : make_variants(spec)) d.variants.push_back(run_variant(v, w, d.to_step, spec.expect));
+  rank(d);
+  return d;
+}
+
+}  // namespace
+
+Diagnosis diagnose_scenario(const ScenarioSpec& spec, const DiagnoseOptions& options) {
+  register_builtin_programs();
+  Diagnosis d;
+  d.source = spec.origin;
+  // The run as it is, keeping the last few step-start states, up to its first non-finite step.
+  std::deque<Window> recent;
+  double loss = 0, norm = 0;
+  {
+    ScenarioProgram p(spec);
+    for (std::int64_t s = 1; s <= spec.training.steps; ++s) {
+      recent.push_back({s, clone_state(p.state()), RngState::capture_all()});
+      while (static_cast<std::int64_t>(recent.size()) > options.lookback + 1) recent.pop_front();
+      try {
+        const StepOutcome o = p.step(s, p.batch(s), nullptr);
+        if (!o.finite()) {
+          d.failing_step = s;
+          loss = o.loss;
+          norm = o.grad_norm;
+          d.failure = std::string("step ") + std::to_string(s) + ": non-finite " +
+                      (std::isfinite(o.loss) ? "gradient norm" : "loss") + (o.skipped ? " (the step was skipped)" : "");
+          break;
+        }
+      } catch (const std::exception& e) {
+        d.failing_step = s;
+        loss = norm = std::numeric_limits<double>::quiet_NaN();
+        d.failure = "step " + std::to_string(s) + " raised: " + e.what();
+        break;
+      }
+    }
+  }
+  Window start;
+  if (d.failing_step > 0) {
+    start = recent.front();
+    d.classification = classify(spec, recent.back(), loss, norm);
+  } else {
+    ScenarioProgram p(spec);
+    start = {1, clone_state(p.state()), RngState::capture_all()};
+    // No non-finite step: judge the whole run as the scenario expects it.
+    const VariantResult r = run_variant(Variant{"as is", "none", spec, false, ""}, start, spec.training.steps, spec.expect);
+    d.failure = r.fixes ? "" : r.outcome;
+    if (d.failure.empty()) {
+      d.failure = "none: the run meets its expectations";
+      d.from_step = 1;
+      d.to_step = spec.training.steps;
+      d.baseline = r;
+      return d;
+    }
+  }
+  return diagnose_window(spec, std::move(start), options, std::move(d));
+}
+
+Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options) {
+  register_builtin_programs();
+  const TraceReader trace(path);
+  const nlohmann::json& h = trace.header();
+  const std::string program = h.value("/program/name"_json_pointer, std::string());
+  if (program != "retrace.scenario") {
+    throw Error(path + ": diagnose re-runs variants of a built-in scenario program ('retrace.scenario'); this trace was "
+                "recorded by '" + program + "'. Record with 'retrace record SCENARIO.yaml' or diagnose the scenario file");
+  }
+  const ScenarioSpec spec = parse_scenario_text(h["program"]["config"].get<std::string>(), path + " (program config)");
+  Diagnosis d;
+  d.source = path;
+  double loss = 0, norm = 0;
+  auto num = [](const nlohmann::json& j) -> double {
+    if (j.is_number()) return j.get<double>();
+    const std::string s = j.is_string() ? j.get<std::string>() : "nan";
+    if (s == "inf") return std::numeric_limits<double>::infinity();
+    if (s == "-inf") return -std::numeric_limits<double>::infinity();
+    return std::numeric_limits<double>::quiet_NaN();
+  };
+  for (std::size_t i = 0; i < trace.records().size(); ++i) {
+    if (trace.records()[i].type != RecordType::kStepEnd) continue;
+    const Record rec = trace.read(i);
+    if (rec.meta.value("finite", true)) continue;
+    d.failing_step = rec.meta.at("step").get<std::int64_t>();
+    loss = num(rec.meta.at("loss"));
+    norm = num(rec.meta.at("grad_norm"));
+    d.failure = "step " + std::to_string(d.failing_step) + ": non-finite " + (std::isfinite(loss) ? "gradient norm" : "loss") +
+                " (recorded)";
+    break;
+  }
+  if (d.failing_step < 0) {
+    d.failure = "none: the trace has no non-finite step";
+    return d;
+  }
+  // The state before the window, by replaying the trace up to it (bit for bit, or we say so).
+  auto state_before = [&](std::int64_t step) {
+    std::unique_ptr<Program> p = program_from_trace(trace);
+    if (step > 1) {
+      ReplayOptions ro;
+      ro.step = step - 1;
+      ro.provenance = false;
+      const ReplayResult rr = Replayer(trace, *p).run(ro);
+      if (!rr.reproduced) {
+        d.failure += "; note: the replay up to step " + std::to_string(step - 1) + " diverged (" +
+                     (rr.first_divergence ? rr.first_divergence->message() : std::string("?")) + ")";
+      }
+    }
+    return Window{step, clone_state(p->state()), RngState::capture_all()};
+  };
+  const Window at_failure = state_before(d.failing_step);
+  d.classification = classify(spec, at_failure, loss, norm);
+  const std::int64_t start = std::max<std::int64_t>(1, d.failing_step - options.lookback);
+  return diagnose_window(spec, start == d.failing_step ? at_failure : state_before(start), options, std::move(d));
+}
+
+std::string Diagnosis::report() const {
+  std::ostringstream os;
+  os << "diagnosis of " << source << "\n";
+  os << "failure: " << failure << "\n";
+  if (classification.kind != "none") {
+    os << "step " << classification.step << " is " << classification.kind << ": " << classification.detail << "\n";
+  }
+  if (variants.empty()) return os.str();
+  os << "re-ran steps " << from_step << ".." << to_step << " from the state before step " << from_step
+     << " under each variant (cost: time per step relative to the run as it was):\n\n";
+  std::size_t w = 18;
+  for (const VariantResult& v : variants) w = std::max(w, v.name.size());
+  auto line = [&](const std::string& rank, const VariantResult& v) {
+    os << std::left << std::setw(4) << rank << std::setw(static_cast<int>(w) + 2) << v.name << std::setw(7)
+       << (v.fixes ? "fixes" : "no") << std::right << std::setw(6) << std::fixed << std::setprecision(2) << v.cost << "x  "
+       << std::defaultfloat << std::left << v.outcome << (v.caveat.empty() ? "" : " (caveat: " + v.caveat + ")") << "\n";
+  };
+  os << std::left << std::setw(4) << "#" << std::setw(static_cast<int>(w) + 2) << "variant" << std::setw(7) << "result"
+     << std::right << std::setw(7) << "cost" << "  " << std::left << "outcome\n";
+  line("-", baseline);
+  int n = 0;
+  for (const VariantResult& v : variants) line(v.fixes ? std::to_string(++n) : "", v);
+  if (n == 0) os << "\nno variant avoids the failure from step " << from_step << "; try --lookback with a larger value.\n";
+  return os.str();
+}
+
+std::string Diagnosis::to_json() const {
+  auto variant = [](const VariantResult& v) {
+    nlohmann::json j = {{"name", v.name},           {"change", v.change},   {"fixes", v.fixes},
+                        {"outcome", v.outcome},     {"cost", v.cost},       {"seconds_per_step", v.seconds_per_step},
+                        {"skipped_steps", v.skipped_steps}};
+    j["final_loss"] = std::isfinite(v.final_loss) ? nlohmann::json(v.final_loss) : nlohmann::json(nullptr);
+    if (!v.caveat.empty()) j["caveat"] = v.caveat;
+    return j;
+  };
+  nlohmann::json j;
+  j["source"] = source;
+  j["failing_step"] = failing_step >= 0 ? nlohmann::json(failing_step) : nlohmann::json(nullptr);
+  j["failure"] = failure;
+  j["from_step"] = from_step;
+  j["to_step"] = to_step;
+  j["classification"] = {{"kind", classification.kind}, {"step", classification.step}, {"detail", classification.detail}};
+  j["baseline"] = variant(baseline);
+  j["variants"] = nlohmann::json::array();
+  for (const VariantResult& v : variants) j["variants"].push_back(variant(v));
+  nlohmann::json fixing = nlohmann::json::array();
+  for (const VariantResult& v : variants) {
+    if (v.fixes) fixing.push_back(v.name);
+  }
+  j["fixing_variants"] = fixing;
+  return j.dump(2);
+}
+
+}  // namespace retrace
