@@ -263,6 +263,88 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
   return r;
 }
 
+ScenarioResult bench_scenario(const ScenarioSpec& spec, int repeats) {
+  ScenarioResult r = run_scenario(spec);
+  ScenarioSpec clean = spec;
+  clean.injections.clear();
+  clean.expect = ExpectSpec{};
+  ScenarioSpec bare = clean;
+  bare.defenses = DefenseSpec{};
+  bare.training.clip_grad_norm = 0;
+  auto per_step = [](const ScenarioResult& x) { return x.steps_run > 0 ? x.seconds / static_cast<double>(x.steps_run) : 0.0; };
+  // Alternating the two configurations, so that warm-up and drift land on both alike.
+  std::vector<double> with_t, without_t;
+  ScenarioResult fault_free;
+  for (int i = 0; i < std::max(1, repeats); ++i) {
+    ScenarioResult x = run_scenario(clean);
+    with_t.push_back(per_step(x));
+    if (i == 0) fault_free = x;
+    without_t.push_back(per_step(run_scenario(bare)));
+  }
+  std::sort(with_t.begin(), with_t.end());
+  std::sort(without_t.begin(), without_t.end());
+  const double with_defenses = with_t[with_t.size() / 2];
+  const double without = without_t[without_t.size() / 2];
+  r.bench.measured = true;
+  r.bench.fault_free_final_loss = fault_free.final_loss;
+  r.bench.final_loss_delta = r.final_loss - fault_free.final_loss;
+  r.bench.overhead = without > 0 ? with_defenses / without : 0;
+  std::int64_t first = -1;
+  for (const InjectionSpec& in : spec.injections) first = first < 0 ? in.step : std::min(first, in.step);
+  r.bench.injected = first > 0;
+  if (first > 0) {
+    // Disturbed: a skipped step, a non-finite loss, or one more than 10% off the fault-free run's.
+    auto disturbed = [&](std::size_t i) {
+      const double a = r.losses[i], b = fault_free.losses[i];
+      const std::string tag = "step " + std::to_string(i + 1) + ":";
+      const bool skipped = std::any_of(r.skip_reasons.begin(), r.skip_reasons.end(),
+                                       [&](const std::string& why) { return why.rfind(tag, 0) == 0; });
+      return skipped || !std::isfinite(a) || std::abs(a - b) > 0.1 * std::abs(b);
+    };
+    const std::size_t n = std::min(r.losses.size(), fault_free.losses.size());
+    std::size_t hit = n;
+    for (std::size_t i = static_cast<std::size_t>(first - 1); i < n && hit == n; ++i) {
+      if (disturbed(i)) hit = i;
+    }
+    r.bench.steps_to_recover = hit == n ? 0 : -1;
+    for (std::size_t i = hit + 1; i < n; ++i) {
+      if (!disturbed(i)) {
+        r.bench.steps_to_recover = static_cast<std::int64_t>(i - hit);
+        break;
+      }
+    }
+  }
+  return r;
+}
+
+std::string stability_table(const std::vector<ScenarioResult>& results) {
+  std::size_t wn = 8, wf = 5, wd = 7;
+  for (const ScenarioResult& r : results) {
+    wn = std::max(wn, r.name.size());
+    wf = std::max(wf, r.fault.size());
+    wd = std::max(wd, r.defense.size());
+  }
+  std::ostringstream os;
+  os << std::left << std::setw(static_cast<int>(wn)) << "scenario" << "  " << std::setw(static_cast<int>(wf)) << "fault"
+     << "  " << std::setw(static_cast<int>(wd)) << "defense" << "  " << std::setw(7) << "outcome" << std::right
+     << std::setw(8) << "skipped" << std::setw(10) << "recovery" << std::setw(12) << "loss delta" << std::setw(10)
+     << "overhead" << "\n";
+  for (const ScenarioResult& r : results) {
+    os << std::left << std::setw(static_cast<int>(wn)) << r.name << "  " << std::setw(static_cast<int>(wf)) << r.fault << "  "
+       << std::setw(static_cast<int>(wd)) << r.defense << "  " << std::setw(7) << r.outcome() << std::right << std::setw(8)
+       << r.skipped_steps;
+    if (!r.bench.measured) {
+      os << "  (not measured)\n";
+      continue;
+    }
+    const std::string recovery = !r.bench.injected ? "-" : r.bench.steps_to_recover < 0 ? "never" : std::to_string(r.bench.steps_to_recover) + " st";
+    const std::string delta = r.bench.injected ? fmt(r.bench.final_loss_delta) : "-";
+    os << std::setw(10) << recovery << std::setw(12) << delta << std::setw(9) << std::fixed
+       << std::setprecision(2) << r.bench.overhead << "x" << std::defaultfloat << "\n";
+  }
+  return os.str();
+}
+
 std::string ScenarioResult::to_json() const {
   nlohmann::json j;
   j["name"] = name;
@@ -296,6 +378,13 @@ std::string ScenarioResult::to_json() const {
   j["replay_bitwise"] = replay_bitwise;
   j["replay_report"] = replay_report;
   j["seconds"] = seconds;
+  if (bench.measured) {
+    j["bench"] = {{"injected", bench.injected},
+                  {"fault_free_final_loss", num(bench.fault_free_final_loss)},
+                  {"final_loss_delta", num(bench.final_loss_delta)},
+                  {"steps_to_recover", bench.steps_to_recover},
+                  {"overhead", bench.overhead}};
+  }
   j["checks"] = nlohmann::json::array();
   for (const ExpectationCheck& c : checks) {
     j["checks"].push_back({{"name", c.name}, {"expected", c.expected}, {"observed", c.observed}, {"passed", c.passed}});
@@ -337,6 +426,15 @@ ScenarioResult ScenarioResult::from_json(const std::string& text) {
   r.replay_bitwise = j.at("replay_bitwise");
   r.replay_report = j.at("replay_report");
   r.seconds = j.at("seconds");
+  if (j.contains("bench")) {
+    const auto& b = j["bench"];
+    r.bench.measured = true;
+    r.bench.injected = b.value("injected", true);
+    r.bench.fault_free_final_loss = from_num(b.at("fault_free_final_loss"));
+    r.bench.final_loss_delta = from_num(b.at("final_loss_delta"));
+    r.bench.steps_to_recover = b.at("steps_to_recover");
+    r.bench.overhead = b.at("overhead");
+  }
   for (const auto& c : j.at("checks")) r.checks.push_back({c.at("name"), c.at("expected"), c.at("observed"), c.at("passed")});
   return r;
 }

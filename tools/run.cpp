@@ -101,10 +101,10 @@ ScenarioResult crashed(const Job& job, int status) {
   return r;
 }
 
-int run_child(const std::string& source, const std::string& result_path, int threads) {
+int run_child(const std::string& source, const std::string& result_path, int threads, bool bench) {
   if (threads > 0) torch::set_num_threads(threads);
   const ScenarioSpec spec = load_scenario(source);
-  const ScenarioResult r = run_scenario(spec);
+  const ScenarioResult r = bench ? bench_scenario(spec) : run_scenario(spec);
   std::ofstream out(result_path);
   if (!(out << r.to_json() << "\n")) throw Error("cannot write the result file '" + result_path + "'");
   return 0;
@@ -129,7 +129,9 @@ int run_run(const std::vector<std::string>& args) {
       "jobs,j", po::value<int>(&jobs), "scenarios run in parallel (default: the number of cores)")(
       "junit", po::value<std::string>(&junit_path), "write a JUnit XML report to FILE")(
       "json", po::value<std::string>(&json_path), "write every result as JSON to FILE ('-' for stdout)")(
-      "list", "list the scenarios (with their fault and defense) instead of running them");
+      "list", "list the scenarios (with their fault and defense) instead of running them")(
+      "bench", "also measure stability figures per scenario: skipped steps, steps to recover, final-loss "
+               "delta against the fault-free run, defenses' overhead per step (run one at a time: -j 1)");
   po::options_description hidden;
   hidden.add_options()("paths", po::value<std::vector<std::string>>(&paths))(
       "child", po::value<std::string>(&child))("result", po::value<std::string>(&result_path))(
@@ -145,7 +147,9 @@ int run_run(const std::vector<std::string>& args) {
     return 0;
   }
   po::notify(vm);
-  if (!child.empty()) return run_child(child, result_path, threads);
+  const bool bench = vm.count("bench") > 0;
+  if (!child.empty()) return run_child(child, result_path, threads, bench);
+  if (bench && !vm.count("jobs")) jobs = 1;  // timings from scenarios sharing the cores mean little
   if (jobs < 1) throw Error("--jobs must be at least 1, got " + std::to_string(jobs));
 
   // Parse everything first: a bad file fails the command before anything runs.
@@ -180,6 +184,7 @@ int run_run(const std::vector<std::string>& args) {
     job.log_path = (work / (std::to_string(i) + ".log")).string();
     std::vector<std::string> argv_s = {"retrace", "run", "--child", job.source, "--result", job.result_path,
                                        "--threads", std::to_string(per_child_threads)};
+    if (bench) argv_s.push_back("--bench");
     std::vector<char*> argv;
     for (auto& s : argv_s) argv.push_back(s.data());
     argv.push_back(nullptr);
@@ -243,7 +248,12 @@ int run_run(const std::vector<std::string>& args) {
 
   std::size_t failed = 0;
   for (const ScenarioResult& r : results) failed += r.passed ? 0 : 1;
-  std::cout << "\n" << outcome_matrix(results) << "\n"
+  std::cout << "\n" << outcome_matrix(results) << "\n";
+  if (bench) std::cout << "stability (recovery: steps from the first disturbed step -- skipped, non-finite, or a loss >10% off the\n"
+                          "fault-free run's -- to the first undisturbed one;\n"
+                          "loss delta: final loss minus the fault-free run's; overhead: time per step with the defenses / without):\n"
+                       << stability_table(results) << "\n";
+  std::cout
             << results.size() << " scenarios, " << results.size() - failed << " as expected, " << failed << " not, in "
             << std::fixed << std::setprecision(1) << seconds << " s\n";
   if (!junit_path.empty()) {

@@ -47,6 +47,20 @@ struct ScenarioResult {
   std::string replay_report;                     // the first divergence when not bitwise
   double seconds = 0;
 
+  // Stability figures (retrace run --bench): against the same run without its injections.
+  struct Bench {
+    bool measured = false;
+    bool injected = false;             // the scenario injects (else its "fault" is its config and
+                                       // there is no fault-free run to compare with)
+    double fault_free_final_loss = 0;
+    double final_loss_delta = 0;       // final_loss - fault_free_final_loss
+    // From the first disturbed step at or after the first injection (skipped, non-finite, or a
+    // loss more than 10% off the fault-free run's) to the first undisturbed one; 0 when no step
+    // was disturbed, -1 when the run never got back.
+    std::int64_t steps_to_recover = -1;
+    double overhead = 0;               // time per step with the defenses / without, fault-free
+  } bench;
+
   // Verdict.
   std::vector<ExpectationCheck> checks;
   bool broke = false;              // the fault got through: raised, non-finite params or a failed check
@@ -76,6 +90,14 @@ struct RunOptions {
 // training is the result's `raised`); throws retrace::Error only for a broken environment (the
 // trace file cannot be created).
 ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options = {});
+
+// run_scenario plus the stability figures: the run without its injections (defenses on, for the
+// loss delta and recovery) and without injections or defenses (for the defenses' overhead,
+// median of `repeats` runs each).
+ScenarioResult bench_scenario(const ScenarioSpec& spec, int repeats = 5);
+// The stability table: one row per scenario with skipped steps, steps to recover, final-loss
+// delta and overhead.
+std::string stability_table(const std::vector<ScenarioResult>& results);
 
 // "fault" and "defense" labels of a scenario, as the outcome matrix shows them.
 std::string fault_label(const ScenarioSpec& spec);
