@@ -40,6 +40,16 @@ std::mt19937_64 rng_for(std::uint64_t seed, std::int64_t step, std::size_t index
   return std::mt19937_64(seq);
 }
 
+// Portable draws from mt19937_64 (whose output sequence the standard fixes): the library's
+// distributions and std::shuffle differ between standard libraries, and an injection must pick
+// the same element on every toolchain for a trace to replay anywhere.
+double uniform01(std::mt19937_64& gen) { return static_cast<double>(gen() >> 11) * 0x1.0p-53; }
+std::uint64_t below(std::mt19937_64& gen, std::uint64_t n) { return n == 0 ? 0 : gen() % n; }
+template <typename T>
+void shuffle(std::vector<T>& v, std::mt19937_64& gen) {  // Fisher-Yates
+  for (std::size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[below(gen, i)]);
+}
+
 std::string number(double v) {
   std::ostringstream os;
   os << std::setprecision(4) << v;
@@ -154,7 +164,7 @@ bool Injector::fires(std::size_t index) const {
   if (step_ < s.step || step_ >= s.step + s.duration) return false;
   if (s.probability >= 1.0) return true;
   auto gen = rng_for(s.seed, step_, index, 1);
-  return std::uniform_real_distribution<double>(0.0, 1.0)(gen) < s.probability;
+  return uniform01(gen) < s.probability;
 }
 
 void Injector::note(const InjectionSpec& spec, std::string where, std::string detail) {
@@ -187,7 +197,7 @@ void Injector::corrupt_batch(std::vector<NamedTensor>& batch, std::int64_t vocab
       at::Tensor t = n.tensor.clone();
       auto gen = rng_for(s.seed, step_, i, 2);
       const std::int64_t rows = t.dim() > 0 ? t.size(0) : 1;
-      const std::int64_t row = static_cast<std::int64_t>(gen() % static_cast<std::uint64_t>(rows));
+      const std::int64_t row = static_cast<std::int64_t>(below(gen, static_cast<std::uint64_t>(rows)));
       if (s.mode == "token_out_of_range") {
         if (t.is_floating_point()) throw Error("injection corrupt_batch: mode token_out_of_range needs token ids; this model takes features (use nan_features)");
         t.select(0, row).fill_(vocab + 7);
@@ -212,17 +222,15 @@ void Injector::flip_state(const std::vector<NamedTensor>& state) {
     for (const NamedTensor& n : state) {
       if (n.name.rfind(prefix, 0) == 0 && n.tensor.is_floating_point() && n.tensor.numel() > 0) candidates.push_back(&n);
     }
-    if (candidates.empty()) {
-      note(s, s.target, "no " + s.target + " tensor to flip yet (optimizer state exists after the first step)");
-      continue;
-    }
+    if (candidates.empty()) continue;  // no optimizer state yet (Adam's exists after the first step): nothing fires
     auto gen = rng_for(s.seed, step_, i, 3);
     const NamedTensor& victim = *candidates[gen() % candidates.size()];
     at::Tensor t = victim.tensor;
-    const std::int64_t element = static_cast<std::int64_t>(gen() % static_cast<std::uint64_t>(t.numel()));
+    const std::int64_t element = static_cast<std::int64_t>(below(gen, static_cast<std::uint64_t>(t.numel())));
     std::vector<int> pool = bits_of_class(t.scalar_type(), s.bit_class);
-    std::shuffle(pool.begin(), pool.end(), gen);
-    if (s.bit >= 0) pool = {std::min<int>(s.bit, static_cast<int>(t.element_size()) * 8 - 1)};
+    shuffle(pool, gen);
+    if (s.bit >= 0) pool = {s.bit};
+    if (s.bit >= static_cast<int>(t.element_size()) * 8) continue;  // past this element's width: nothing fires
     const double before = element_value(t, element);
     std::string bits;
     for (int b = 0; b < std::min<int>(s.bits, static_cast<int>(pool.size())); ++b) {
@@ -252,7 +260,7 @@ void Injector::on_grads(const std::vector<NamedTensor>& grads) {
     if (s.type != InjectionType::kGradNonFinite || !fires(i) || grads.empty()) continue;
     auto gen = rng_for(s.seed, step_, i, 4);
     const NamedTensor& g = grads[gen() % grads.size()];
-    const std::int64_t element = static_cast<std::int64_t>(gen() % static_cast<std::uint64_t>(std::max<std::int64_t>(1, g.tensor.numel())));
+    const std::int64_t element = static_cast<std::int64_t>(below(gen, static_cast<std::uint64_t>(std::max<std::int64_t>(1, g.tensor.numel()))));
     const double v = s.mode == "inf" ? std::numeric_limits<double>::infinity() : std::numeric_limits<double>::quiet_NaN();
     at::NoGradGuard no_grad;
     element_view(g.tensor, element).fill_(v);
@@ -306,7 +314,7 @@ at::Tensor Injector::apply_segment_fault(std::size_t index, const at::Tensor& ou
       auto gen = rng_for(s.seed, step_, index, 5);
       std::vector<std::int64_t> order(static_cast<std::size_t>(n));
       for (std::int64_t i = 0; i < n; ++i) order[static_cast<std::size_t>(i)] = i;
-      std::shuffle(order.begin(), order.end(), gen);
+      shuffle(order, gen);
       for (std::int64_t i = 0; i < hit; ++i) {
         at::Tensor row = rows.select(0, order[static_cast<std::size_t>(i)]);
         if (s.mode == "nan") {
@@ -324,10 +332,11 @@ at::Tensor Injector::apply_segment_fault(std::size_t index, const at::Tensor& ou
     case InjectionType::kBitFlip: {
       at::Tensor out = output.clone();
       auto gen = rng_for(s.seed, step_, index, 6);
-      const std::int64_t element = static_cast<std::int64_t>(gen() % static_cast<std::uint64_t>(out.numel()));
+      const std::int64_t element = static_cast<std::int64_t>(below(gen, static_cast<std::uint64_t>(out.numel())));
       std::vector<int> pool = bits_of_class(out.scalar_type(), s.bit_class);
-      std::shuffle(pool.begin(), pool.end(), gen);
-      if (s.bit >= 0) pool = {std::min<int>(s.bit, static_cast<int>(out.element_size()) * 8 - 1)};
+      shuffle(pool, gen);
+      if (s.bit >= 0) pool = {s.bit};
+      if (s.bit >= static_cast<int>(out.element_size()) * 8) return output;  // past the width: nothing fires
       const double before = element_value(out, element);
       std::string bits;
       for (int b = 0; b < std::min<int>(s.bits, static_cast<int>(pool.size())); ++b) {

@@ -82,7 +82,7 @@ void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
           bitwise == *e.recompute_bitwise);
   }
   if (e.replay_bitwise) {
-    check(r, "replay_bitwise", b(*e.replay_bitwise), r.replayed ? b(r.replay_bitwise) : "not replayed (" + r.replay_report + ")",
+    check(r, "replay_bitwise", b(*e.replay_bitwise), r.replayed ? b(r.replay_bitwise) : "not replayed (" + (r.raised ? std::string("the run raised") : r.replay_report) + ")",
           r.replayed && r.replay_bitwise == *e.replay_bitwise);
   }
   if (e.injections_fired) {
@@ -97,7 +97,7 @@ void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
   const bool raise_expected = e.raises.value_or(false);
   r.expected_to_break = e.diverges;
   r.broke = (r.raised && !raise_expected) || !r.params_finite || !all;
-  r.passed = e.diverges ? r.broke : ((!r.raised || raise_expected) && all);
+  r.passed = e.diverges ? r.broke : !r.broke;
 }
 
 std::string temp_trace_path(const std::string& name) {
@@ -186,7 +186,7 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
       r.losses.push_back(o.loss);
       r.scales.push_back(o.loss_scale);
       r.lrs.push_back(o.lr);
-      if (!std::isfinite(o.loss)) r.all_losses_finite = false;
+      if (!o.skipped && !std::isfinite(o.loss)) r.all_losses_finite = false;
       if (!o.skipped && !o.finite()) ++r.applied_nonfinite_steps;
       if (o.skipped) {
         ++r.skipped_steps;

@@ -4,6 +4,8 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <fstream>
 #include <functional>
@@ -135,6 +137,12 @@ void parse_defenses(const Parser& p, const YAML::Node& d, DefenseSpec& out) {
       l.growth_interval = p.integer(ls, "growth_interval", "defenses.loss_scaling.growth_interval", l.growth_interval, 1, 1 << 30);
       l.hysteresis = p.integer(ls, "hysteresis", "defenses.loss_scaling.hysteresis", l.hysteresis, 1, 1 << 20);
       l.min_scale = p.number(ls, "min_scale", "defenses.loss_scaling.min_scale", l.min_scale, 0.0, 1e30);
+      if (!(l.growth_factor > 1)) p.fail(ls["growth_factor"], "defenses.loss_scaling.growth_factor", "must be greater than 1");
+      if (!(l.backoff_factor < 1)) p.fail(ls["backoff_factor"], "defenses.loss_scaling.backoff_factor", "must be less than 1");
+      if (l.min_scale > l.init_scale) {
+        p.fail(ls["min_scale"], "defenses.loss_scaling.min_scale",
+               "is " + std::to_string(l.min_scale) + ", above init_scale " + std::to_string(l.init_scale) + "; lower it or raise init_scale");
+      }
     }
   }
   if (const YAML::Node c = d["clip"]; c.IsDefined()) {
@@ -172,6 +180,21 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
   InjectionSpec in;
   const std::string type = p.choice(n, "type", at + ".type", "", injection_type_names(), /*required=*/true);
   in.type = parse_injection_type(type);
+  // Keys that only some types use: anywhere else they would be silently ignored.
+  const std::vector<std::pair<const char*, std::vector<InjectionType>>> only = {
+      {"segment", {InjectionType::kActivationOverflow, InjectionType::kLayerNormInput, InjectionType::kRngDesync, InjectionType::kBitFlip}},
+      {"factor", {InjectionType::kActivationOverflow, InjectionType::kLrSpike, InjectionType::kLayerNormInput, InjectionType::kLossSpike}},
+      {"mode", {InjectionType::kLayerNormInput, InjectionType::kGradNonFinite, InjectionType::kCorruptBatch}},
+      {"target", {InjectionType::kBitFlip}},
+      {"bit_class", {InjectionType::kBitFlip}},
+      {"bits", {InjectionType::kBitFlip}},
+      {"bit", {InjectionType::kBitFlip}},
+      {"rows", {InjectionType::kLayerNormInput}}};
+  for (const auto& [key, types] : only) {
+    if (n[key].IsDefined() && std::find(types.begin(), types.end(), in.type) == types.end()) {
+      p.fail(n[key], at + "." + key, std::string("is not used by injection type ") + type + "; remove it");
+    }
+  }
   in.step = p.integer(n, "step", at + ".step", in.step, 1, 1 << 30);
   in.duration = p.integer(n, "duration", at + ".duration", in.duration, 1, 1 << 30);
   in.probability = p.number(n, "probability", at + ".probability", in.probability, 0.0, 1.0);
@@ -204,8 +227,26 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
       in.target = p.choice(n, "target", at + ".target", "weights", {"weights", "activations", "optimizer"});
       break;
     default:
-      if (n["mode"].IsDefined()) p.fail(n["mode"], at + ".mode", "is not used by injection type " + type);
       break;
+  }
+  if (n["bit"].IsDefined() && n["bits"].IsDefined()) p.fail(n["bits"], at + ".bits", "cannot be combined with 'bit' (which flips exactly that one bit)");
+  if (!in.segment.empty()) {
+    // A stage of this model ("block1") or a checkpoint_sequential range of them ("block0..block1").
+    const std::string prefix = s.model.type == "tiny_gpt" ? "block" : s.model.type == "lstm" ? "lstm" : "layer";
+    auto stage = [&](const std::string& name) {
+      if (name.rfind(prefix, 0) != 0 || name.size() == prefix.size()) return false;
+      for (std::size_t i = prefix.size(); i < name.size(); ++i) {
+        if (!std::isdigit(static_cast<unsigned char>(name[i]))) return false;
+      }
+      return std::stoll(name.substr(prefix.size())) < s.model.layers;
+    };
+    const auto dots = in.segment.find("..");
+    const bool ok = dots == std::string::npos ? stage(in.segment)
+                                              : stage(in.segment.substr(0, dots)) && stage(in.segment.substr(dots + 2));
+    if (!ok) {
+      p.fail(n["segment"], at + ".segment",
+             "'" + in.segment + "' is not a stage of this model; use " + prefix + "0 .. " + prefix + std::to_string(s.model.layers - 1));
+    }
   }
   if ((segment_fault || in.target == "activations") && s.training.segments == 0) {
     p.fail(n["type"], at + ".type", type + " hits a checkpointed segment, but training.segments is 0; set training.segments >= 1");
@@ -418,14 +459,24 @@ std::string to_yaml(const ScenarioSpec& s) {
       out << YAML::Key << "duration" << YAML::Value << in.duration;
       out << YAML::Key << "probability" << YAML::Value << in.probability;
       out << YAML::Key << "seed" << YAML::Value << in.seed;
+      // Only the keys the type uses (the parser rejects the others).
+      const bool bitflip = in.type == InjectionType::kBitFlip;
       if (!in.segment.empty()) out << YAML::Key << "segment" << YAML::Value << in.segment;
-      out << YAML::Key << "factor" << YAML::Value << in.factor;
+      if (in.type == InjectionType::kActivationOverflow || in.type == InjectionType::kLrSpike ||
+          in.type == InjectionType::kLayerNormInput || in.type == InjectionType::kLossSpike) {
+        out << YAML::Key << "factor" << YAML::Value << in.factor;
+      }
       if (!in.mode.empty()) out << YAML::Key << "mode" << YAML::Value << in.mode;
-      if (!in.target.empty()) out << YAML::Key << "target" << YAML::Value << in.target;
-      out << YAML::Key << "bit_class" << YAML::Value << in.bit_class;
-      out << YAML::Key << "bits" << YAML::Value << in.bits;
-      if (in.bit >= 0) out << YAML::Key << "bit" << YAML::Value << in.bit;
-      out << YAML::Key << "rows" << YAML::Value << in.rows;
+      if (bitflip) {
+        out << YAML::Key << "target" << YAML::Value << in.target;
+        out << YAML::Key << "bit_class" << YAML::Value << in.bit_class;
+        if (in.bit >= 0) {
+          out << YAML::Key << "bit" << YAML::Value << in.bit;
+        } else {
+          out << YAML::Key << "bits" << YAML::Value << in.bits;
+        }
+      }
+      if (in.type == InjectionType::kLayerNormInput) out << YAML::Key << "rows" << YAML::Value << in.rows;
       out << YAML::EndMap;
     }
     out << YAML::EndSeq;

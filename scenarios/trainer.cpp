@@ -234,10 +234,10 @@ std::vector<NamedTensor> ScenarioProgram::batch(std::int64_t step) {
 double ScenarioProgram::scheduled_lr() const {
   const DefenseSpec& d = spec_.defenses;
   double lr = spec_.training.lr * plateau_factor_;
+  if (d.plateau.enabled) lr = std::max(lr, std::min(d.plateau.min_lr, spec_.training.lr));  // the floor of the cuts
   if (d.warmup_steps > 0 && applied_steps_ < d.warmup_steps) {
     lr *= static_cast<double>(applied_steps_ + 1) / static_cast<double>(d.warmup_steps);
   }
-  if (d.plateau.enabled) lr = std::max(lr, std::min(d.plateau.min_lr, spec_.training.lr));
   return lr;
 }
 
@@ -309,8 +309,9 @@ StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTens
     }
   }
 
-  // Rollback snapshot, taken before any injected corruption of the state.
-  if (d.rollback) {
+  // Rollback snapshot, taken before any injected corruption of the state -- but not while a run
+  // of failures is being rolled back: the state is then a restored copy of an older snapshot.
+  if (d.rollback && failures_in_a_row_ == 0) {
     std::vector<NamedTensor> snapshot;
     for (const NamedTensor& n : state()) snapshot.push_back({n.name, n.tensor.detach().clone()});
     snapshots_.push_back({step, std::move(snapshot)});
@@ -362,19 +363,22 @@ StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTens
   finite_grads = finite_grads && std::isfinite(out.grad_norm);
 
   const std::size_t caught = verifier_ ? verifier_->mismatches().size() - mismatches_before : 0;
+  const std::string caught_segment = caught > 0 ? verifier_->mismatches()[mismatches_before].segment : "";
+  if (verifier_) verifier_->reset();  // per step: its list would otherwise grow for the whole run
   bool apply = true;
   if (caught > 0) {
     caught_mismatches_ += static_cast<std::int64_t>(caught);
     apply = false;
-    skip("recompute not bitwise in " + verifier_->mismatches()[mismatches_before].segment);
+    skip("recompute not bitwise in " + caught_segment);
   }
 
   // Clipping: never on a non-finite norm (scaling by max_norm/inf would turn Inf into 0 or NaN
-  // silently); that step is skipped -- or raises, with error_if_nonfinite.
+  // silently). Clipping alone then leaves the gradients as they are: the step is skipped only by
+  // the loss scaler or skip_nonfinite, and raises with error_if_nonfinite (without a scaler).
   const ClipSpec& clip = d.clip;
   if (apply && clip.mode != "off") {
     if (!finite_grads) {
-      if (clip.error_if_nonfinite) {
+      if (clip.error_if_nonfinite && !scaler_) {  // with a scaler, an overflow is its to skip
         throw Error("step " + std::to_string(step) + ": the total gradient norm is non-finite (" + std::to_string(out.grad_norm) +
                     "); clipping refuses it (defenses.clip.error_if_nonfinite)");
       }
@@ -403,7 +407,11 @@ StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTens
 
   if (apply) {
     if (scaler_) {
-      if (scaler_->step(*optimizer_)) skip("loss scaler: non-finite gradients, scale backed off");
+      const std::int64_t tolerated = scaler_->tolerated_overflows();
+      if (scaler_->step(*optimizer_)) {
+        skip(scaler_->tolerated_overflows() > tolerated ? "loss scaler: non-finite gradients, scale kept (hysteresis)"
+                                                        : "loss scaler: non-finite gradients, scale backed off");
+      }
     } else if (!finite_grads && d.skip_nonfinite) {
       skip("non-finite gradients");
     } else {
@@ -414,23 +422,31 @@ StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTens
   }
 
   // Rollback: a step that went non-finite (loss, gradients or parameters) restores the state it
-  // started from -- undoing corrupted weights as well as a bad update.
+  // started from -- undoing corrupted weights as well as a bad update. A step another defense
+  // already skipped changed nothing, so only non-finite parameters call for a rollback then.
   if (d.rollback) {
-    const bool bad = !std::isfinite(out.loss) || !finite_grads || !params_finite();
+    const bool handled = out.skipped;
+    const bool finite_params = params_finite();
+    const bool bad = handled ? !finite_params : (!std::isfinite(out.loss) || !finite_grads || !finite_params);
     if (bad) {
-      const std::string why = !std::isfinite(out.loss) ? "non-finite loss" : !finite_grads ? "non-finite gradients" : "non-finite parameters";
+      const std::string why = !finite_params ? "non-finite parameters" : !std::isfinite(out.loss) ? "non-finite loss" : "non-finite gradients";
       // The scaler keeps what this step taught it (a backoff): restoring its old scale would
       // overflow again and again.
       std::vector<NamedTensor> scaler_now;
       if (scaler_) {
         for (const NamedTensor& n : scaler_->state()) scaler_now.push_back({n.name, n.tensor.clone()});
       }
-      // The k-th non-finite step in a row goes back k snapshots: a corrupted update that only
-      // shows a step later is undone with it.
+      // The k-th failure in a row goes back to the start of the step k-1 steps before the first
+      // failure of the run: a corrupted update that only shows a step later is undone with it.
       const std::int64_t k = ++failures_in_a_row_;
-      const std::size_t target = static_cast<std::size_t>(std::max<std::int64_t>(0, static_cast<std::int64_t>(snapshots_.size()) - k));
+      if (k == 1) first_failure_ = step;
+      const std::int64_t want = first_failure_ - (k - 1);
+      std::size_t target = 0;  // the newest snapshot at or before `want`, else the oldest kept
+      for (std::size_t i = 0; i < snapshots_.size(); ++i) {
+        if (snapshots_[i].step <= want) target = i;
+      }
       const Snapshot restore = snapshots_[target];
-      snapshots_.erase(snapshots_.begin() + static_cast<std::ptrdiff_t>(target), snapshots_.end());
+      snapshots_.erase(snapshots_.begin() + static_cast<std::ptrdiff_t>(target) + 1, snapshots_.end());
       load_state(restore.state);
       if (scaler_) scaler_->load_state(scaler_now);
       ++rollbacks_;

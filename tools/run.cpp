@@ -129,13 +129,14 @@ int run_run(const std::vector<std::string>& args) {
       "jobs,j", po::value<int>(&jobs), "scenarios run in parallel (default: the number of cores)")(
       "junit", po::value<std::string>(&junit_path), "write a JUnit XML report to FILE")(
       "json", po::value<std::string>(&json_path), "write every result as JSON to FILE ('-' for stdout)")(
+      "threads", po::value<int>(&threads), "LibTorch intra-op threads per scenario (default: cores / jobs; "
+                                            "oversubscribing the cores slows spinning OpenMP threads badly)")(
       "list", "list the scenarios (with their fault and defense) instead of running them")(
       "bench", "also measure stability figures per scenario: skipped steps, steps to recover, final-loss "
                "delta against the fault-free run, defenses' overhead per step (run one at a time: -j 1)");
   po::options_description hidden;
   hidden.add_options()("paths", po::value<std::vector<std::string>>(&paths))(
-      "child", po::value<std::string>(&child))("result", po::value<std::string>(&result_path))(
-      "threads", po::value<int>(&threads));
+      "child", po::value<std::string>(&child))("result", po::value<std::string>(&result_path));
   po::options_description all;
   all.add(opts).add(hidden);
   po::positional_options_description pos;
@@ -170,8 +171,11 @@ int run_run(const std::vector<std::string>& args) {
 
   const fs::path work = fs::temp_directory_path() / ("retrace_run_" + std::to_string(::getpid()));
   fs::create_directories(work);
+  if (vm.count("threads") && threads < 1) throw Error("--threads must be at least 1, got " + std::to_string(threads));
   const int per_child_threads =
-      std::max(1, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())) / std::min<int>(jobs, static_cast<int>(pending.size())));
+      threads > 0 ? threads
+                  : std::max(1, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())) /
+                                    std::min<int>(jobs, static_cast<int>(pending.size())));
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<ScenarioResult> results(pending.size());
   std::map<pid_t, std::size_t> running;
@@ -201,6 +205,8 @@ int run_run(const std::vector<std::string>& args) {
     running[pid] = i;
   };
 
+  // With --json -, stdout carries only the JSON; progress and the matrix go to stderr.
+  std::ostream& say = json_path == "-" ? std::cerr : std::cout;
   while (done < pending.size()) {
     while (next < pending.size() && static_cast<int>(running.size()) < jobs) start(next++);
     int status = 0;
@@ -225,17 +231,17 @@ int run_run(const std::vector<std::string>& args) {
       r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - job.started).count();
     }
     ++done;
-    std::cout << (r.passed ? "ok     " : "FAILED ") << r.name << "  (" << r.fault << " x " << r.defense << ": " << r.outcome()
+    say << (r.passed ? "ok     " : "FAILED ") << r.name << "  (" << r.fault << " x " << r.defense << ": " << r.outcome()
               << ", expected " << (r.expected_to_break ? "broke" : "held") << ", " << std::fixed << std::setprecision(1)
               << r.seconds << " s)" << std::defaultfloat << "\n";
     if (!r.passed) {
-      if (r.raised) std::cout << "         raised: " << r.error << "\n";
+      if (r.raised) say << "         raised: " << r.error << "\n";
       for (const ExpectationCheck& c : r.checks) {
-        std::cout << "         " << (c.passed ? "  " : "! ") << c.name << ": expected " << c.expected << ", observed " << c.observed << "\n";
+        say << "         " << (c.passed ? "  " : "! ") << c.name << ": expected " << c.expected << ", observed " << c.observed << "\n";
       }
-      if (!r.replay_report.empty()) std::cout << "         replay: " << r.replay_report << "\n";
+      if (!r.replay_report.empty()) say << "         replay: " << r.replay_report << "\n";
     }
-    std::cout.flush();
+    say.flush();
     results[i] = std::move(r);
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -248,12 +254,12 @@ int run_run(const std::vector<std::string>& args) {
 
   std::size_t failed = 0;
   for (const ScenarioResult& r : results) failed += r.passed ? 0 : 1;
-  std::cout << "\n" << outcome_matrix(results) << "\n";
-  if (bench) std::cout << "stability (recovery: steps from the first disturbed step -- skipped, non-finite, or a loss >10% off the\n"
+  say << "\n" << outcome_matrix(results) << "\n";
+  if (bench) say << "stability (recovery: steps from the first disturbed step -- skipped, non-finite, or a loss >10% off the\n"
                           "fault-free run's -- to the first undisturbed one;\n"
                           "loss delta: final loss minus the fault-free run's; overhead: time per step with the defenses / without):\n"
                        << stability_table(results) << "\n";
-  std::cout
+  say
             << results.size() << " scenarios, " << results.size() - failed << " as expected, " << failed << " not, in "
             << std::fixed << std::setprecision(1) << seconds << " s\n";
   if (!junit_path.empty()) {

@@ -7,7 +7,8 @@
 // An Injector is driven by the training loop (ScenarioProgram) through the hooks below, and is a
 // SegmentObserver for the faults that live inside checkpointed segments. Every decision is a pure
 // function of (injection seed, step, index): it never draws from LibTorch's generators, so an
-// injected run replays bit for bit and an injection never shifts the dropout masks of the run.
+// injected run replays bit for bit and an injection never shifts the dropout masks of the run
+// (rng_desync excepted: consuming the CPU generator is what it does).
 // What fired is reported per step (fired()), and the recorder tags it in the trace, so an
 // injected fault is never mistaken for a real one.
 

@@ -25,7 +25,8 @@ struct StepOutcome {
   double loss_scale = 1.0;
   double lr = 0.0;
   bool skipped = false;  // the optimizer step was skipped (e.g. non-finite grads)
-  // Why it was skipped ("non-finite gradients", "loss scaler overflow", "rolled back: ...").
+  // Why it was skipped, e.g. "non-finite gradients", "loss scaler: non-finite gradients, scale
+  // backed off", "invalid batch: ...", "non-finite loss; restored the state from the start of step 3".
   std::string skip_reason;
   bool rolled_back = false;  // the step's starting state was restored after a non-finite step
   // Injections that fired in this step, one line each ("activation_overflow block0..block1 ..."):

@@ -38,7 +38,7 @@ struct ScenarioResult {
   std::int64_t silent_recompute_mismatches = 0;  // ... in steps whose gradients were applied
   std::int64_t caught_recompute_mismatches = 0;  // ... caught by defenses.verify_recompute
   bool params_finite = true;
-  bool all_losses_finite = true;
+  bool all_losses_finite = true;                 // over applied (not skipped) steps
   double final_loss = 0;                         // mean of the last 3 applied steps (NaN: none)
   std::vector<double> losses, scales, lrs;       // per step
   std::vector<std::string> injected;             // "step N: ..." per fired injection

@@ -96,7 +96,7 @@ struct DefenseSpec {
 // What the run must show. Unset fields are not checked.
 struct ExpectSpec {
   std::optional<bool> params_finite;        // every parameter finite at the end
-  std::optional<bool> loss_finite;          // every step's loss finite
+  std::optional<bool> loss_finite;          // every applied (not skipped) step's loss finite
   std::optional<std::int64_t> max_skipped_steps;
   std::optional<std::int64_t> min_skipped_steps;
   std::optional<std::int64_t> min_scale_backoffs;

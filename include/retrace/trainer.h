@@ -80,6 +80,7 @@ class ScenarioProgram : public Program {
   };
   std::deque<Snapshot> snapshots_;
   std::int64_t failures_in_a_row_ = 0;
+  std::int64_t first_failure_ = 0;  // the step that started the current run of failures
   std::int64_t rollbacks_ = 0;
   std::int64_t caught_mismatches_ = 0;
 };

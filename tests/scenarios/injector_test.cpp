@@ -311,3 +311,32 @@ TEST(Diagnose, NothingToDiagnoseInAHealthyRun) {
 
 }  // namespace
 }  // namespace retrace
+
+namespace retrace {
+namespace {
+
+TEST(Defenses, PlateauCutsTheLrAfterPatienceAndRoundTripsThroughState) {
+  // LR 0 and no dropout: the loss never improves, so after `patience` flat steps the factor halves.
+  ScenarioSpec spec = parse_scenario_text(R"(
+model: {type: mlp, layers: 2, hidden: 8, dropout: 0}
+data: {batch: 4}
+training: {steps: 8, optimizer: sgd, lr: 0.0, segments: 0}
+defenses: {plateau: {factor: 0.5, patience: 2}}
+)", "plateau.yaml");
+  ScenarioProgram zero(spec);
+  for (std::int64_t s = 1; s <= 8; ++s) zero.step(s, zero.batch(1), nullptr);  // the same loss every step
+  // The base LR is 0, so read the plateau factor through the state.
+  double factor = 0;
+  for (const NamedTensor& n : zero.state()) {
+    if (n.name == "schedule.plateau") factor = n.tensor[0].item<double>();
+  }
+  EXPECT_EQ(factor, 0.25);  // steps 1: best; 2, 3: flat; 4: cut; 5, 6: flat; 7: cut
+  ScenarioProgram restored(spec);
+  restored.load_state(zero.state());
+  for (const NamedTensor& n : restored.state()) {
+    if (n.name == "schedule.plateau") EXPECT_EQ(n.tensor[0].item<double>(), 0.25);
+  }
+}
+
+}  // namespace
+}  // namespace retrace
