@@ -376,14 +376,29 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
       result.notes.push_back(note.str());
     }
 
-    const bool nonfinite = !outcome.finite() || !all_finite(state_after);
+    if (!outcome.injected.empty()) {
+      std::string tags;
+      for (const std::string& i : outcome.injected) tags += (tags.empty() ? "" : "; ") + i;
+      result.notes.push_back("step " + std::to_string(s) + " carries injected faults (not real ones): " + tags);
+    }
+    const bool params_ok = all_finite(state_after);
+    const bool nonfinite = !outcome.finite() || !params_ok;
+    // A non-finite step that a defense skipped (parameters still finite) does not end the run:
+    // the replay goes on checking the steps after it.
+    const bool handled = nonfinite && outcome.skipped && params_ok;
     if (nonfinite && options.provenance && !result.first_nonfinite) {
+      const std::vector<NamedTensor> after = handled ? clone_all(state_after) : std::vector<NamedTensor>{};
+      const RngState rng_after = handled ? RngState::capture_all() : RngState{};
       program_.load_state(state_before);
       RngState::deserialize(rng.data(), rng.size()).restore();
       result.first_nonfinite = find_first_nonfinite(program_, s, batch);
       if (result.first_nonfinite) result.first_nonfinite->step = s;
+      if (handled) {  // back to where the step left off
+        program_.load_state(after);
+        rng_after.restore();
+      }
     }
-    if (result.first_divergence || nonfinite) {
+    if (result.first_divergence || (nonfinite && !handled)) {
       result.to_step = s;
       break;
     }

@@ -135,6 +135,28 @@ TEST(Diagnose, TraceFailureIsPersistentAndWithoutItsCauseTransient) {
   fs::remove(cured);
 }
 
+// A non-finite step that a defense skipped does not end the replay: it goes on verifying every
+// later step, and says which faults were injected.
+TEST(Replay, ContinuesPastAStepADefenseSkipped) {
+  ScenarioSpec spec = load_scenario("builtin:grad-nan-skip");
+  spec.expect = ExpectSpec{};
+  register_builtin_programs();
+  ScenarioProgram program(spec);
+  const std::string path = temp_path("handled");
+  {
+    Recorder recorder(path, program);
+    record_run(program, recorder, spec.training.steps, /*stop_on_nonfinite=*/false);
+    recorder.close();
+  }
+  const ReplayResult r = replay(path);
+  EXPECT_TRUE(r.reproduced);
+  EXPECT_EQ(r.to_step, spec.training.steps);  // not 3, the skipped step
+  bool tagged = false;
+  for (const std::string& n : r.notes) tagged = tagged || n.find("step 3 carries injected faults (not real ones): grad_nonfinite") == 0;
+  EXPECT_TRUE(tagged);
+  fs::remove(path);
+}
+
 class ModesAndModels : public ::testing::TestWithParam<std::tuple<const char*, RecordMode>> {};
 
 TEST_P(ModesAndModels, RecordThenReplayIsBitwise) {
