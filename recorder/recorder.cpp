@@ -587,7 +587,7 @@ std::vector<StepOutcome> record_run(Program& program, Recorder& recorder, std::i
       recorder.end_step(s, outcome, program.state());
       outcomes.push_back(outcome);
       if (after_step) after_step(s, outcome);
-      if (!outcome.finite() && stop_on_nonfinite) break;
+      if (!outcome.finite() && !outcome.skipped && stop_on_nonfinite) break;  // a skipped one was handled
     } catch (const std::exception& e) {
       try {
         recorder.note_exception(e.what());

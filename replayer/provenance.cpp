@@ -97,7 +97,11 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
   // Allocation and view ops expose memory that some later kernel fills: their outputs hold
   // whatever bytes were there. The op that fills them is the one to check.
   const std::string_view name = fn.name();
-  if (name.rfind("aten::empty", 0) == 0 || name == "aten::resize_" || name == "aten::set_") return;
+  // Allocations hand back uninitialised memory, which may hold a NaN left by an earlier tensor.
+  if (name.rfind("aten::empty", 0) == 0 || name.rfind("aten::new_empty", 0) == 0 || name == "aten::resize_" ||
+      name == "aten::set_") {
+    return;
+  }
   std::vector<at::Tensor> outputs;
   for (const c10::IValue& v : fn.outputs()) {
     if (v.isTensor()) outputs.push_back(v.toTensor());

@@ -101,6 +101,10 @@ int run_inspect(const std::vector<std::string>& args) {
       if (m.contains("full")) std::cout << (m["full"].get<bool>() ? " full" : " digest");
       if (m.value("ring", false)) std::cout << " (flight ring)";
       if (m.contains("loss")) std::cout << " loss " << m["loss"].dump() << " grad_norm " << m["grad_norm"].dump();
+      if (m.value("skipped", false)) std::cout << " SKIPPED (" << m.value("skip_reason", std::string("?")) << ")";
+      if (m.contains("injected")) {
+        for (const auto& i : m["injected"]) std::cout << " [injected: " << i.get<std::string>() << "]";
+      }
       if (m.contains("event")) std::cout << " " << m["event"].get<std::string>() << ": " << m.value("reason", m.value("what", ""));
       std::uint64_t raw = 0, stored = 0;
       for (const auto& t : r["tensors"]) {

@@ -70,9 +70,12 @@ int run_record(const std::vector<std::string>& args) {
   bool finite = true;
   for (std::size_t i = 0; i < outcomes.size(); ++i) {
     const StepOutcome& o = outcomes[i];
+    // A non-finite step that a defense skipped is handled, not a failure of the run.
+    const bool handled = !o.finite() && o.skipped;
     std::cout << "step " << std::setw(4) << i + 1 << "  loss " << std::setprecision(6) << o.loss << "  grad norm "
-              << o.grad_norm << (o.finite() ? "" : "  NON-FINITE") << "\n";
-    finite = finite && o.finite();
+              << o.grad_norm << (o.finite() ? "" : handled ? "  non-finite, skipped: " + o.skip_reason : "  NON-FINITE") << "\n";
+    for (const std::string& inj : o.injected) std::cout << "           injected: " << inj << "\n";
+    finite = finite && (o.finite() || handled);
   }
   std::cout << "recorded " << outcomes.size() << " steps to " << output << " (" << mode << " mode, "
             << stats.records << " records, " << stats.bytes / 1024 << " KiB";

@@ -86,7 +86,7 @@ class Recorder : public SegmentObserver, public StepMonitor {
 
 // Runs `steps` steps of `program` (1..steps), recording them; the building block of
 // `retrace record`. Stops early, after dumping the ring, at the first non-finite step when
-// stop_on_nonfinite. Returns the outcomes. An exception from a step is noted in the trace, the
+// stop_on_nonfinite -- unless a defense skipped that step (it was handled; the run goes on). Returns the outcomes. An exception from a step is noted in the trace, the
 // ring dumped, the trace closed and the exception rethrown.
 // `after_step`, when set, is called after each step's end record.
 std::vector<StepOutcome> record_run(Program& program, Recorder& recorder, std::int64_t steps,
