@@ -115,7 +115,7 @@ std::string fault_label(const ScenarioSpec& spec) {
   for (const InjectionSpec& in : spec.injections) {
     std::string one = to_string(in.type);
     if (!in.mode.empty()) one += ":" + in.mode;
-    if (in.type == InjectionType::kBitFlip) one += ":" + in.target + "/" + in.bit_class;
+    if (in.type == InjectionType::kBitFlip) one += ":" + in.target + "/" + (in.bit >= 0 ? "bit" + std::to_string(in.bit) : in.bit_class);
     if (out.find(one) == std::string::npos) out += (out.empty() ? "" : "+") + one;
   }
   return out;
@@ -471,6 +471,7 @@ std::string outcome_matrix(const std::vector<ScenarioResult>& results) {
     std::string verdict = r.passed ? "ok" : "FAILED";
     if (!r.passed) {
       if (r.raised && !r.expected_to_break) verdict += " (raised: " + r.error + ")";
+      if (!r.params_finite && !r.expected_to_break && !r.raised) verdict += " (non-finite parameters at the end)";
       for (const ExpectationCheck& c : r.checks) {
         if (!c.passed && !r.expected_to_break) verdict += " (" + c.name + ": expected " + c.expected + ", got " + c.observed + ")";
       }
@@ -512,6 +513,7 @@ std::string junit_xml(const std::vector<ScenarioResult>& results, double seconds
     if (!r.passed) {
       std::string msg = r.expected_to_break ? "negative control held: the fault did not bite" : "expectation failed";
       if (r.raised && !r.expected_to_break) msg = "raised: " + r.error;
+      else if (!r.params_finite && !r.expected_to_break) msg = "non-finite parameters at the end";
       os << "      <failure message=\"" << xml_escape(msg) << "\">";
       for (const ExpectationCheck& c : r.checks) {
         os << xml_escape(c.name + ": expected " + c.expected + ", observed " + c.observed + (c.passed ? "" : "  <-- failed")) << "\n";

@@ -230,19 +230,34 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
       break;
   }
   if (n["bit"].IsDefined() && n["bits"].IsDefined()) p.fail(n["bits"], at + ".bits", "cannot be combined with 'bit' (which flips exactly that one bit)");
+  if (n["bit"].IsDefined() && n["bit_class"].IsDefined()) p.fail(n["bit_class"], at + ".bit_class", "cannot be combined with 'bit' (which names the bit itself)");
+  if (in.type == InjectionType::kBitFlip && in.target != "activations" && n["segment"].IsDefined()) {
+    p.fail(n["segment"], at + ".segment", "is only for target activations; a " + in.target + " flip picks its tensor by seed");
+  }
+  if (in.type == InjectionType::kLayerNormInput && in.mode != "huge" && n["factor"].IsDefined()) {
+    p.fail(n["factor"], at + ".factor", "is only used by mode huge (the rows' magnitude); remove it");
+  }
   if (!in.segment.empty()) {
     // A stage of this model ("block1") or a checkpoint_sequential range of them ("block0..block1").
     const std::string prefix = s.model.type == "tiny_gpt" ? "block" : s.model.type == "lstm" ? "lstm" : "layer";
-    auto stage = [&](const std::string& name) {
-      if (name.rfind(prefix, 0) != 0 || name.size() == prefix.size()) return false;
-      for (std::size_t i = prefix.size(); i < name.size(); ++i) {
-        if (!std::isdigit(static_cast<unsigned char>(name[i]))) return false;
+    // The stage's index, or -1: digits without a leading zero, below model.layers.
+    auto stage = [&](const std::string& name) -> long long {
+      const std::string digits = name.rfind(prefix, 0) == 0 ? name.substr(prefix.size()) : "";
+      if (digits.empty() || digits.size() > 9 || (digits.size() > 1 && digits[0] == '0')) return -1;
+      for (char c : digits) {
+        if (!std::isdigit(static_cast<unsigned char>(c))) return -1;
       }
-      return std::stoll(name.substr(prefix.size())) < s.model.layers;
+      const long long i = std::stoll(digits);
+      return i < s.model.layers ? i : -1;
     };
     const auto dots = in.segment.find("..");
-    const bool ok = dots == std::string::npos ? stage(in.segment)
-                                              : stage(in.segment.substr(0, dots)) && stage(in.segment.substr(dots + 2));
+    bool ok = false;
+    if (dots == std::string::npos) {
+      ok = stage(in.segment) >= 0;
+    } else {
+      const long long a = stage(in.segment.substr(0, dots)), b = stage(in.segment.substr(dots + 2));
+      ok = a >= 0 && b > a;
+    }
     if (!ok) {
       p.fail(n["segment"], at + ".segment",
              "'" + in.segment + "' is not a stage of this model; use " + prefix + "0 .. " + prefix + std::to_string(s.model.layers - 1));
@@ -463,16 +478,16 @@ std::string to_yaml(const ScenarioSpec& s) {
       const bool bitflip = in.type == InjectionType::kBitFlip;
       if (!in.segment.empty()) out << YAML::Key << "segment" << YAML::Value << in.segment;
       if (in.type == InjectionType::kActivationOverflow || in.type == InjectionType::kLrSpike ||
-          in.type == InjectionType::kLayerNormInput || in.type == InjectionType::kLossSpike) {
+          (in.type == InjectionType::kLayerNormInput && in.mode == "huge") || in.type == InjectionType::kLossSpike) {
         out << YAML::Key << "factor" << YAML::Value << in.factor;
       }
       if (!in.mode.empty()) out << YAML::Key << "mode" << YAML::Value << in.mode;
       if (bitflip) {
         out << YAML::Key << "target" << YAML::Value << in.target;
-        out << YAML::Key << "bit_class" << YAML::Value << in.bit_class;
         if (in.bit >= 0) {
           out << YAML::Key << "bit" << YAML::Value << in.bit;
         } else {
+          out << YAML::Key << "bit_class" << YAML::Value << in.bit_class;
           out << YAML::Key << "bits" << YAML::Value << in.bits;
         }
       }

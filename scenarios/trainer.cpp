@@ -408,9 +408,11 @@ StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTens
   if (apply) {
     if (scaler_) {
       const std::int64_t tolerated = scaler_->tolerated_overflows();
+      const std::int64_t backoffs = scaler_->backoffs();
       if (scaler_->step(*optimizer_)) {
         skip(scaler_->tolerated_overflows() > tolerated ? "loss scaler: non-finite gradients, scale kept (hysteresis)"
-                                                        : "loss scaler: non-finite gradients, scale backed off");
+             : scaler_->backoffs() > backoffs           ? "loss scaler: non-finite gradients, scale backed off"
+                                                        : "loss scaler: non-finite gradients, scale at its floor (min_scale)");
       }
     } else if (!finite_grads && d.skip_nonfinite) {
       skip("non-finite gradients");

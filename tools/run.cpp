@@ -152,6 +152,7 @@ int run_run(const std::vector<std::string>& args) {
   if (!child.empty()) return run_child(child, result_path, threads, bench);
   if (bench && !vm.count("jobs")) jobs = 1;  // timings from scenarios sharing the cores mean little
   if (jobs < 1) throw Error("--jobs must be at least 1, got " + std::to_string(jobs));
+  if (vm.count("threads") && threads < 1) throw Error("--threads must be at least 1, got " + std::to_string(threads));
 
   // Parse everything first: a bad file fails the command before anything runs.
   std::vector<Job> pending;
@@ -171,7 +172,6 @@ int run_run(const std::vector<std::string>& args) {
 
   const fs::path work = fs::temp_directory_path() / ("retrace_run_" + std::to_string(::getpid()));
   fs::create_directories(work);
-  if (vm.count("threads") && threads < 1) throw Error("--threads must be at least 1, got " + std::to_string(threads));
   const int per_child_threads =
       threads > 0 ? threads
                   : std::max(1, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())) /
@@ -236,6 +236,7 @@ int run_run(const std::vector<std::string>& args) {
               << r.seconds << " s)" << std::defaultfloat << "\n";
     if (!r.passed) {
       if (r.raised) say << "         raised: " << r.error << "\n";
+      if (!r.params_finite && !r.raised && !r.expected_to_break) say << "         ! the parameters ended non-finite\n";
       for (const ExpectationCheck& c : r.checks) {
         say << "         " << (c.passed ? "  " : "! ") << c.name << ": expected " << c.expected << ", observed " << c.observed << "\n";
       }
