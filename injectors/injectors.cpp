@@ -133,7 +133,7 @@ double InjectionSpec::effective_factor() const {
 bool InjectionSpec::operator==(const InjectionSpec& o) const {
   return type == o.type && step == o.step && duration == o.duration && probability == o.probability &&
          seed == o.seed && segment == o.segment && factor == o.factor && mode == o.mode && target == o.target &&
-         bit_class == o.bit_class && bits == o.bits && bit == o.bit && rows == o.rows;
+         bit_class == o.bit_class && bits == o.bits && bit == o.bit && rows == o.rows && phase == o.phase;
 }
 
 void flip_bit(at::Tensor& t, std::int64_t index, int bit) {
@@ -370,8 +370,12 @@ void Injector::on_forward(SegmentEvent& event) {
       continue;
     }
     if (!event.outputs.empty() && event.outputs[0].defined()) {
-      event.outputs[0] = apply_segment_fault(i, event.outputs[0], event.segment, true);
-      hit_invocations_.emplace_back(event.invocation, i);
+      if (s.phase == "recompute") {
+        note(s, event.segment, "armed for the recompute of this forward");
+      } else {
+        event.outputs[0] = apply_segment_fault(i, event.outputs[0], event.segment, true);
+      }
+      if (s.phase != "forward") hit_invocations_.emplace_back(event.invocation, i);
     }
   }
 }
@@ -382,7 +386,7 @@ void Injector::on_recompute(SegmentEvent& event) {
     const std::pair<std::uint64_t, std::size_t> key{event.invocation, i};
     if (std::find(hit_invocations_.begin(), hit_invocations_.end(), key) == hit_invocations_.end()) continue;
     if (!event.outputs.empty() && event.outputs[0].defined()) {
-      event.outputs[0] = apply_segment_fault(i, event.outputs[0], event.segment, false);
+      event.outputs[0] = apply_segment_fault(i, event.outputs[0], event.segment, specs_[i].phase == "recompute");
     }
   }
 }

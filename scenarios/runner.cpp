@@ -116,6 +116,7 @@ std::string fault_label(const ScenarioSpec& spec) {
     std::string one = to_string(in.type);
     if (!in.mode.empty()) one += ":" + in.mode;
     if (in.type == InjectionType::kBitFlip) one += ":" + in.target + "/" + (in.bit >= 0 ? "bit" + std::to_string(in.bit) : in.bit_class);
+    if (in.phase != "both") one += "@" + in.phase;
     if (out.find(one) == std::string::npos) out += (out.empty() ? "" : "+") + one;
   }
   return out;
@@ -202,7 +203,7 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
       verifier.reset();
       seen_mismatches = verifier.mismatches().size();
     };
-    ObserverScope verify_scope(verifier);
+    program->observe(&verifier);  // after the injector: it compares what actually flowed
     if (replay) {
       Recorder recorder(trace_path, *program);
       record_run(*program, recorder, spec.training.steps, /*stop_on_nonfinite=*/false, after_step);

@@ -176,7 +176,7 @@ void parse_defenses(const Parser& p, const YAML::Node& d, DefenseSpec& out) {
 
 InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::string& at, const ScenarioSpec& s) {
   p.keys(n, at, {"type", "step", "duration", "probability", "seed", "segment", "factor", "mode", "target",
-                 "bit_class", "bits", "bit", "rows"});
+                 "bit_class", "bits", "bit", "rows", "phase"});
   InjectionSpec in;
   const std::string type = p.choice(n, "type", at + ".type", "", injection_type_names(), /*required=*/true);
   in.type = parse_injection_type(type);
@@ -189,7 +189,8 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
       {"bit_class", {InjectionType::kBitFlip}},
       {"bits", {InjectionType::kBitFlip}},
       {"bit", {InjectionType::kBitFlip}},
-      {"rows", {InjectionType::kLayerNormInput}}};
+      {"rows", {InjectionType::kLayerNormInput}},
+      {"phase", {InjectionType::kActivationOverflow, InjectionType::kLayerNormInput, InjectionType::kBitFlip}}};
   for (const auto& [key, types] : only) {
     if (n[key].IsDefined() && std::find(types.begin(), types.end(), in.type) == types.end()) {
       p.fail(n[key], at + "." + key, std::string("is not used by injection type ") + type + "; remove it");
@@ -205,6 +206,7 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
   in.bits = static_cast<int>(p.integer(n, "bits", at + ".bits", in.bits, 1, 64));
   in.bit = static_cast<int>(p.integer(n, "bit", at + ".bit", in.bit, 0, 63));
   in.bit_class = p.choice(n, "bit_class", at + ".bit_class", in.bit_class, {"sign", "exponent", "mantissa", "any"});
+  in.phase = p.choice(n, "phase", at + ".phase", in.phase, {"both", "forward", "recompute"});
   const bool segment_fault = in.type == InjectionType::kActivationOverflow || in.type == InjectionType::kLayerNormInput ||
                              in.type == InjectionType::kRngDesync;
   switch (in.type) {
@@ -233,6 +235,9 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
   if (n["bit"].IsDefined() && n["bit_class"].IsDefined()) p.fail(n["bit_class"], at + ".bit_class", "cannot be combined with 'bit' (which names the bit itself)");
   if (in.type == InjectionType::kBitFlip && in.target != "activations" && n["segment"].IsDefined()) {
     p.fail(n["segment"], at + ".segment", "is only for target activations; a " + in.target + " flip picks its tensor by seed");
+  }
+  if (in.type == InjectionType::kBitFlip && in.target != "activations" && n["phase"].IsDefined()) {
+    p.fail(n["phase"], at + ".phase", "is only for target activations (a checkpointed segment's outputs)");
   }
   if (in.type == InjectionType::kLayerNormInput && in.mode != "huge" && n["factor"].IsDefined()) {
     p.fail(n["factor"], at + ".factor", "is only used by mode huge (the rows' magnitude); remove it");
@@ -492,6 +497,7 @@ std::string to_yaml(const ScenarioSpec& s) {
         }
       }
       if (in.type == InjectionType::kLayerNormInput) out << YAML::Key << "rows" << YAML::Value << in.rows;
+      if (in.phase != "both") out << YAML::Key << "phase" << YAML::Value << in.phase;
       out << YAML::EndMap;
     }
     out << YAML::EndSeq;

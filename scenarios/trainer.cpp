@@ -327,9 +327,10 @@ StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTens
   at::Tensor loss;
   std::vector<NamedTensor> grads;
   {
-    std::optional<ObserverScope> inject_scope, verify_scope;
+    std::optional<ObserverScope> inject_scope, verify_scope, extra_scope;
     if (!injector_.empty()) inject_scope.emplace(injector_);
     if (verifier_) verify_scope.emplace(*verifier_);
+    if (extra_observer_) extra_scope.emplace(*extra_observer_);
     models::CheckpointPlan plan{spec_.training.segments, {}};
     plan.options.preserve_rng_state = d.preserve_rng_state;
     {

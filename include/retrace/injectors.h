@@ -50,6 +50,11 @@ struct InjectionSpec {
   // Segment for segment faults ("" = the first segment). A name as checkpoint_sequential makes
   // it ("block0..block1"), or a stage name inside one ("block1").
   std::string segment;
+  // Segment faults: where the fault lands. both (default): the forward and, identically, its
+  // recompute -- the gradients are the faulted forward's. forward: the forward only; the
+  // recompute runs clean, so the gradients disagree with the forward that made the loss (a fault
+  // that struck once). recompute: the recompute only; the loss is clean, the gradients are not.
+  std::string phase = "both";
   double factor = 0;           // spike / overflow factor, or the huge magnitude; 0 = the default
   // kLayerNormInput: constant | huge | nan. kGradNonFinite: nan | inf.
   // kCorruptBatch: nan_features | token_out_of_range.
@@ -100,8 +105,8 @@ class Injector : public SegmentObserver {
   void on_grads(const std::vector<NamedTensor>& grads);
 
   // Segment faults: kActivationOverflow, kLayerNormInput and activation bit flips replace the
-  // outputs of the targeted segment in forward and, identically, in its recompute; kRngDesync
-  // draws from the CPU generator after the targeted forward.
+  // outputs of the targeted segment in forward and/or, identically, in its recompute (`phase`);
+  // kRngDesync draws from the CPU generator after the targeted forward.
   void on_forward(SegmentEvent& event) override;
   void on_recompute(SegmentEvent& event) override;
 

@@ -52,6 +52,10 @@ class ScenarioProgram : public Program {
   std::int64_t rollbacks() const { return rollbacks_; }
   // Recompute mismatches defenses.verify_recompute caught (their steps were skipped).
   std::int64_t caught_recompute_mismatches() const { return caught_mismatches_; }
+  // An observer attached during every step after the injector, so it sees the segment outputs
+  // that actually flow on (an ObserverScope around step() would see them before injection).
+  // nullptr detaches. The observer must outlive its use.
+  void observe(SegmentObserver* observer) { extra_observer_ = observer; }
 
  private:
   double scheduled_lr() const;
@@ -66,6 +70,7 @@ class ScenarioProgram : public Program {
   std::unique_ptr<LossScaler> scaler_;
   Injector injector_;
   std::unique_ptr<RecomputeVerifier> verifier_;  // defenses.verify_recompute
+  SegmentObserver* extra_observer_ = nullptr;
   // Schedule and adaptive-clipping state (part of state(), so replay restores it).
   std::int64_t applied_steps_ = 0;
   double plateau_factor_ = 1.0;
