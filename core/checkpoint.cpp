@@ -152,7 +152,24 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
                            std::to_string(grad_outputs.size()) +
                            "; the segment function must be deterministic in its structure");
     }
-    notify(*call, SegmentPhase::kRecompute, inputs, outputs, false);
+    {
+      // Observers see (and injectors replace) the recompute's outputs with grad mode on, so a
+      // replacement stays part of the graph that backward runs through.
+      const std::vector<bool> required = [&] {
+        std::vector<bool> r;
+        for (const at::Tensor& o : outputs) r.push_back(o.requires_grad());
+        return r;
+      }();
+      at::AutoGradMode grad_mode(true);
+      notify(*call, SegmentPhase::kRecompute, inputs, outputs, false);
+      for (std::size_t i = 0; i < outputs.size() && i < required.size(); ++i) {
+        if (required[i] && !(outputs[i].defined() && outputs[i].requires_grad())) {
+          fail(call->name, "an observer replaced recompute output " + std::to_string(i) +
+                               " with a tensor outside the autograd graph; the segment's inputs and parameters would get "
+                               "no gradient. Build the replacement from the output with grad mode on");
+        }
+      }
+    }
 
     variable_list roots, root_grads;
     for (std::size_t i = 0; i < outputs.size(); ++i) {

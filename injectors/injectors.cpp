@@ -290,8 +290,9 @@ bool Injector::targets(const InjectionSpec& spec, const std::string& segment) co
 }
 
 at::Tensor Injector::apply_segment_fault(std::size_t index, const at::Tensor& output, const std::string& segment, bool log) {
+  // Differentiable: in the recompute the replacement must stay in the autograd graph, so that
+  // backward runs through the segment (the faulted elements aside, gradients flow as usual).
   const InjectionSpec& s = specs_[index];
-  at::NoGradGuard no_grad;
   switch (s.type) {
     case InjectionType::kActivationOverflow: {
       const double f = s.effective_factor();
@@ -307,44 +308,54 @@ at::Tensor Injector::apply_segment_fault(std::size_t index, const at::Tensor& ou
       return out;
     }
     case InjectionType::kLayerNormInput: {
-      at::Tensor out = output.clone();
-      at::Tensor rows = out.reshape({-1, out.size(-1)});
+      at::Tensor values = output.detach().contiguous().clone();
+      at::Tensor rows = values.reshape({-1, values.size(-1)});
+      at::Tensor mask = at::zeros({rows.size(0), 1}, values.options().dtype(at::kBool));
       const std::int64_t n = rows.size(0);
       const std::int64_t hit = std::max<std::int64_t>(1, static_cast<std::int64_t>(std::floor(s.rows * static_cast<double>(n))));
       auto gen = rng_for(s.seed, step_, index, 5);
       std::vector<std::int64_t> order(static_cast<std::size_t>(n));
       for (std::int64_t i = 0; i < n; ++i) order[static_cast<std::size_t>(i)] = i;
       shuffle(order, gen);
-      for (std::int64_t i = 0; i < hit; ++i) {
-        at::Tensor row = rows.select(0, order[static_cast<std::size_t>(i)]);
-        if (s.mode == "nan") {
-          row.fill_(std::numeric_limits<double>::quiet_NaN());
-        } else if (s.mode == "huge") {
-          // Alternating +-factor: mean 0, variance factor^2 (overflows an fp16 variance).
-          row.copy_(at::arange(row.numel(), row.options().dtype(at::kFloat)).remainder(2).mul(2).sub(1).mul(s.effective_factor()).to(row.scalar_type()));
-        } else {
-          row.fill_(row.mean().item<double>());  // constant: zero variance
+      {
+        at::NoGradGuard no_grad;
+        for (std::int64_t i = 0; i < hit; ++i) {
+          const std::int64_t r = order[static_cast<std::size_t>(i)];
+          at::Tensor row = rows.select(0, r);
+          mask[r][0] = true;
+          if (s.mode == "nan") {
+            row.fill_(std::numeric_limits<double>::quiet_NaN());
+          } else if (s.mode == "huge") {
+            // Alternating +-factor: mean 0, variance factor^2 (overflows an fp16 variance).
+            row.copy_(at::arange(row.numel(), row.options().dtype(at::kFloat)).remainder(2).mul(2).sub(1).mul(s.effective_factor()).to(row.scalar_type()));
+          } else {
+            row.fill_(row.mean().item<double>());  // constant: zero variance
+          }
         }
       }
       if (log) note(s, segment, std::to_string(hit) + " of " + std::to_string(n) + " rows " + (s.mode.empty() ? "constant" : s.mode));
-      return out;
+      // The hit rows take the injected values (no gradient flows into them, as into any
+      // constant); the others are the output itself.
+      return at::where(mask.expand_as(rows).reshape(output.sizes()), values, output);
     }
     case InjectionType::kBitFlip: {
-      at::Tensor out = output.clone();
+      at::Tensor values = output.detach().contiguous().clone();
       auto gen = rng_for(s.seed, step_, index, 6);
-      const std::int64_t element = static_cast<std::int64_t>(below(gen, static_cast<std::uint64_t>(out.numel())));
-      std::vector<int> pool = bits_of_class(out.scalar_type(), s.bit_class);
+      const std::int64_t element = static_cast<std::int64_t>(below(gen, static_cast<std::uint64_t>(values.numel())));
+      std::vector<int> pool = bits_of_class(values.scalar_type(), s.bit_class);
       shuffle(pool, gen);
       if (s.bit >= 0) pool = {s.bit};
-      if (s.bit >= static_cast<int>(out.element_size()) * 8) return output;  // past the width: nothing fires
-      const double before = element_value(out, element);
+      if (s.bit >= static_cast<int>(values.element_size()) * 8) return output;  // past the width: nothing fires
+      const double before = element_value(values, element);
       std::string bits;
       for (int b = 0; b < std::min<int>(s.bits, static_cast<int>(pool.size())); ++b) {
-        flip_bit(out, element, pool[b]);
+        flip_bit(values, element, pool[b]);
         bits += (bits.empty() ? "" : ",") + std::to_string(pool[b]);
       }
-      if (log) note(s, segment, "output element " + std::to_string(element) + " bit " + bits + " (" + (s.bit >= 0 ? std::string("chosen") : s.bit_class) + ") " + number(before) + " -> " + number(element_value(out, element)));
-      return out;
+      if (log) note(s, segment, "output element " + std::to_string(element) + " bit " + bits + " (" + (s.bit >= 0 ? std::string("chosen") : s.bit_class) + ") " + number(before) + " -> " + number(element_value(values, element)));
+      at::Tensor mask = at::zeros({values.numel()}, values.options().dtype(at::kBool));
+      mask[element] = true;
+      return at::where(mask.reshape(output.sizes()), values, output);
     }
     default:
       return output;

@@ -386,17 +386,17 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
     // A non-finite step that a defense skipped (parameters still finite) does not end the run:
     // the replay goes on checking the steps after it.
     const bool handled = nonfinite && outcome.skipped && params_ok;
-    if (nonfinite && options.provenance && !result.first_nonfinite) {
-      const std::vector<NamedTensor> after = handled ? clone_all(state_after) : std::vector<NamedTensor>{};
-      const RngState rng_after = handled ? RngState::capture_all() : RngState{};
+    // Provenance re-runs the step on this program; after a handled step the replay goes on, and a
+    // second run of the step would move program state that state() does not hold (a rollback
+    // ring), so a handled step is only noted.
+    if (handled) {
+      result.notes.push_back("step " + std::to_string(s) + " went non-finite and a defense skipped it (" +
+                             outcome.skip_reason + "); the replay goes on");
+    } else if (nonfinite && options.provenance && !result.first_nonfinite) {
       program_.load_state(state_before);
       RngState::deserialize(rng.data(), rng.size()).restore();
       result.first_nonfinite = find_first_nonfinite(program_, s, batch);
       if (result.first_nonfinite) result.first_nonfinite->step = s;
-      if (handled) {  // back to where the step left off
-        program_.load_state(after);
-        rng_after.restore();
-      }
     }
     if (result.first_divergence || (nonfinite && !handled)) {
       result.to_step = s;

@@ -236,7 +236,10 @@ Diagnosis diagnose_scenario(const ScenarioSpec& spec, const DiagnoseOptions& opt
       while (static_cast<std::int64_t>(recent.size()) > options.lookback + 1) recent.pop_front();
       try {
         const StepOutcome o = p.step(s, p.batch(s), nullptr);
-        if (!o.finite()) {
+        bool params_ok = true;
+        for (const at::Tensor& t : p.model().parameters()) params_ok = params_ok && at::isfinite(t).all().item<bool>();
+        // A non-finite step a defense skipped, with the parameters still finite, was handled.
+        if ((!o.finite() && !o.skipped) || !params_ok) {
           d.failing_step = s;
           loss = o.loss;
           norm = o.grad_norm;
@@ -282,7 +285,7 @@ Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options
     throw Error(path + ": diagnose re-runs variants of a built-in scenario program ('retrace.scenario'); this trace was "
                 "recorded by '" + program + "'. Record with 'retrace record SCENARIO.yaml' or diagnose the scenario file");
   }
-  const ScenarioSpec spec = parse_scenario_text(h["program"]["config"].get<std::string>(), path + " (program config)");
+  const ScenarioSpec spec = parse_scenario_text(h.at("program").at("config").get<std::string>(), path + " (program config)");
   Diagnosis d;
   d.source = path;
   double loss = 0, norm = 0;
@@ -296,7 +299,7 @@ Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options
   for (std::size_t i = 0; i < trace.records().size(); ++i) {
     if (trace.records()[i].type != RecordType::kStepEnd) continue;
     const Record rec = trace.read(i);
-    if (rec.meta.value("finite", true)) continue;
+    if (rec.meta.value("finite", true) || rec.meta.value("skipped", false)) continue;  // fine, or handled
     d.failing_step = rec.meta.at("step").get<std::int64_t>();
     loss = num(rec.meta.at("loss"));
     norm = num(rec.meta.at("grad_norm"));

@@ -89,6 +89,18 @@ void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
     check(r, "injections_fired", b(*e.injections_fired), std::to_string(r.injected.size()) + " fired",
           r.injected.empty() != *e.injections_fired);
   }
+  // Every injection certain to fire within the steps run must have fired: an injection that did
+  // nothing would let a defense "hold" (or a negative control break) for another reason.
+  if (!r.raised) {
+    for (const InjectionSpec& in : spec.injections) {
+      if (in.probability < 1.0 || in.step > r.steps_run) continue;
+      const std::string type = to_string(in.type);
+      const bool fired = std::any_of(r.injected.begin(), r.injected.end(), [&](const std::string& line) {
+        return line.find(": " + type + " ") != std::string::npos;
+      });
+      if (!fired) check(r, "injection_fired", type + " at step " + std::to_string(in.step), "did not fire", false);
+    }
+  }
   if (e.raises) {
     check(r, "raises", b(*e.raises), r.raised ? "raised: " + r.error : "did not raise", r.raised == *e.raises);
   }
@@ -248,8 +260,10 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
       ro.provenance = false;
       const ReplayResult rr = Replayer(trace, *again).run(ro);
       r.replayed = true;
-      r.replay_bitwise = rr.reproduced;
+      // Bitwise means every step: a replay that stopped early verified only a prefix.
+      r.replay_bitwise = rr.reproduced && rr.to_step == r.steps_run;
       if (rr.first_divergence) r.replay_report = rr.first_divergence->message();
+      else if (rr.to_step != r.steps_run) r.replay_report = "the replay stopped at step " + std::to_string(rr.to_step) + " of " + std::to_string(r.steps_run);
     } catch (const std::exception& e) {
       r.replay_report = std::string("replay failed: ") + e.what();
     }
@@ -307,7 +321,7 @@ ScenarioResult bench_scenario(const ScenarioSpec& spec, int repeats) {
     for (std::size_t i = static_cast<std::size_t>(first - 1); i < n && hit == n; ++i) {
       if (disturbed(i)) hit = i;
     }
-    r.bench.steps_to_recover = hit == n ? 0 : -1;
+    r.bench.steps_to_recover = hit == n && !r.raised ? 0 : -1;
     for (std::size_t i = hit + 1; i < n; ++i) {
       if (!disturbed(i)) {
         r.bench.steps_to_recover = static_cast<std::int64_t>(i - hit);

@@ -1,5 +1,6 @@
 #include <retrace/scenario.h>
 
+#include <retrace/checkpoint.h>
 #include <retrace/error.h>
 
 #include <yaml-cpp/yaml.h>
@@ -16,6 +17,16 @@ namespace retrace {
 
 namespace {
 
+// A scalar as an error message quotes it: one line, at most 60 characters.
+std::string shown(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (out.size() >= 60) return out + "...";
+    out += (c == '\n' || c == '\r' || c == '\t') ? ' ' : c;
+  }
+  return out;
+}
+
 class Parser {
  public:
   explicit Parser(std::string origin) : origin_(std::move(origin)) {}
@@ -30,11 +41,12 @@ class Parser {
   void keys(const YAML::Node& node, const std::string& prefix, const std::vector<std::string>& known) const {
     if (!node.IsMap()) fail(node, prefix, "must be a mapping of keys to values");
     for (auto it = node.begin(); it != node.end(); ++it) {
-      const std::string k = it->first.as<std::string>();
+      if (!it->first.IsScalar()) fail(it->first, prefix.empty() ? "?" : prefix + ".?", "a key must be a plain name, not a list or mapping");
+      const std::string k = it->first.Scalar();
       if (std::find(known.begin(), known.end(), k) == known.end()) {
         std::string list;
         for (const auto& s : known) list += (list.empty() ? "" : ", ") + s;
-        fail(it->first, prefix.empty() ? k : prefix + "." + k, "unknown key; known keys here: " + list);
+        fail(it->first, prefix.empty() ? shown(k) : prefix + "." + shown(k), "unknown key; known keys here: " + list);
       }
     }
   }
@@ -48,7 +60,7 @@ class Parser {
     try {
       v = n.as<std::int64_t>();
     } catch (const YAML::Exception&) {
-      fail(n, full, "must be an integer, got '" + n.Scalar() + "'");
+      fail(n, full, "must be an integer, got '" + shown(n.Scalar()) + "'");
     }
     if (v < min || v > max) {
       fail(n, full, "must be between " + std::to_string(min) + " and " + std::to_string(max) + ", got " + std::to_string(v));
@@ -65,9 +77,9 @@ class Parser {
     try {
       v = n.as<double>();
     } catch (const YAML::Exception&) {
-      fail(n, full, "must be a number, got '" + n.Scalar() + "'");
+      fail(n, full, "must be a number, got '" + shown(n.Scalar()) + "'");
     }
-    if (!std::isfinite(v)) fail(n, full, "must be a finite number, got '" + n.Scalar() + "'");
+    if (!std::isfinite(v)) fail(n, full, "must be a finite number, got '" + shown(n.Scalar()) + "'");
     if (v < min || v > max) {
       std::ostringstream os;
       os << "must be between " << min << " and " << max << ", got " << v;
@@ -87,7 +99,7 @@ class Parser {
     if (!n.IsScalar()) fail(n, full, "must be one of " + join(allowed));
     const std::string v = n.Scalar();
     if (std::find(allowed.begin(), allowed.end(), v) == allowed.end()) {
-      fail(n, full, "must be one of " + join(allowed) + ", got '" + v + "'");
+      fail(n, full, "must be one of " + join(allowed) + ", got '" + shown(v) + "'");
     }
     return v;
   }
@@ -96,7 +108,7 @@ class Parser {
     const YAML::Node n = parent[key];
     if (!n.IsDefined()) return fallback;
     bool v = false;
-    if (!n.IsScalar() || !YAML::convert<bool>::decode(n, v)) fail(n, full, "must be true or false, got '" + (n.IsScalar() ? n.Scalar() : std::string("a collection")) + "'");
+    if (!n.IsScalar() || !YAML::convert<bool>::decode(n, v)) fail(n, full, "must be true or false, got '" + (n.IsScalar() ? shown(n.Scalar()) : std::string("a collection")) + "'");
     return v;
   }
 
@@ -204,7 +216,7 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
   in.factor = p.number(n, "factor", at + ".factor", 0.0, -1e30, 1e30);
   in.rows = p.number(n, "rows", at + ".rows", in.rows, 0.0, 1.0);
   in.bits = static_cast<int>(p.integer(n, "bits", at + ".bits", in.bits, 1, 64));
-  in.bit = static_cast<int>(p.integer(n, "bit", at + ".bit", in.bit, 0, 63));
+  in.bit = static_cast<int>(p.integer(n, "bit", at + ".bit", in.bit, 0, 31));  // the harness's tensors are fp32
   in.bit_class = p.choice(n, "bit_class", at + ".bit_class", in.bit_class, {"sign", "exponent", "mantissa", "any"});
   in.phase = p.choice(n, "phase", at + ".phase", in.phase, {"both", "forward", "recompute"});
   const bool segment_fault = in.type == InjectionType::kActivationOverflow || in.type == InjectionType::kLayerNormInput ||
@@ -262,6 +274,15 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
     } else {
       const long long a = stage(in.segment.substr(0, dots)), b = stage(in.segment.substr(dots + 2));
       ok = a >= 0 && b > a;
+      // A range must be one of the run's segments, as checkpoint_sequential splits the stages.
+      std::vector<Stage> stages;
+      for (std::int64_t i = 0; i < s.model.layers; ++i) stages.push_back({prefix + std::to_string(i), nullptr});
+      const std::vector<std::string> names = segment_names(stages, std::max(1, s.training.segments));
+      if (ok && std::find(names.begin(), names.end(), in.segment) == names.end()) {
+        std::string list;
+        for (const auto& x : names) list += (list.empty() ? "" : ", ") + x;
+        p.fail(n["segment"], at + ".segment", "'" + in.segment + "' is not one of this run's segments (" + list + "); name one, or a stage inside one");
+      }
     }
     if (!ok) {
       p.fail(n["segment"], at + ".segment",
@@ -382,7 +403,12 @@ ScenarioSpec parse_scenario_text(const std::string& text, const std::string& ori
   } catch (const YAML::Exception& e) {
     throw Error(origin + ":" + std::to_string(e.mark.line + 1) + ": not valid YAML: " + e.msg);
   }
-  return parse(root, origin);
+  try {
+    return parse(root, origin);
+  } catch (const YAML::Exception& e) {  // a shape the checks above did not foresee
+    throw Error(origin + (e.mark.line >= 0 ? ":" + std::to_string(e.mark.line + 1) : std::string()) +
+                ": cannot read the scenario: " + e.msg);
+  }
 }
 
 ScenarioSpec parse_scenario_file(const std::string& path) {

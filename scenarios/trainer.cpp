@@ -162,7 +162,11 @@ std::vector<NamedTensor> ScenarioProgram::state() {
   // Schedule state: what the next step's LR and clipping threshold depend on.
   out.push_back({"schedule.applied_steps", at::scalar_tensor(applied_steps_, at::kLong)});
   if (spec_.defenses.plateau.enabled) {
-    out.push_back({"schedule.plateau", at::tensor({plateau_factor_, plateau_best_, static_cast<double>(plateau_bad_)}, at::kDouble)});
+    // [factor, best loss (0 before the first), flat steps, has a best]: finite, so a state check
+    // for non-finite values never trips on it.
+    const bool has_best = std::isfinite(plateau_best_);
+    out.push_back({"schedule.plateau", at::tensor({plateau_factor_, has_best ? plateau_best_ : 0.0,
+                                                   static_cast<double>(plateau_bad_), has_best ? 1.0 : 0.0}, at::kDouble)});
   }
   if (spec_.defenses.clip.mode == "adaptive") {
     out.push_back({"clip.recent_norms", at::tensor(std::vector<double>(recent_norms_.begin(), recent_norms_.end()), at::kDouble)});
@@ -213,10 +217,10 @@ void ScenarioProgram::load_state(const std::vector<NamedTensor>& state) {
   if (scaler_) scaler_->load_state(state);
   applied_steps_ = 0;
   if (auto it = by_name.find("schedule.applied_steps"); it != by_name.end()) applied_steps_ = it->second.item<std::int64_t>();
-  if (auto it = by_name.find("schedule.plateau"); it != by_name.end() && it->second.numel() == 3) {
+  if (auto it = by_name.find("schedule.plateau"); it != by_name.end() && it->second.numel() == 4) {
     const at::Tensor p = it->second.to(at::kDouble).contiguous();
     plateau_factor_ = p[0].item<double>();
-    plateau_best_ = p[1].item<double>();
+    plateau_best_ = p[3].item<double>() != 0 ? p[1].item<double>() : std::numeric_limits<double>::infinity();
     plateau_bad_ = static_cast<std::int64_t>(p[2].item<double>());
   }
   recent_norms_.clear();
@@ -305,6 +309,7 @@ StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTens
     }
     if (!bad.empty()) {
       skip("invalid batch: " + bad);
+      failures_in_a_row_ = 0;  // nothing ran, nothing rolled back: a run of failures ends here
       return finish();
     }
   }

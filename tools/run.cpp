@@ -97,16 +97,25 @@ ScenarioResult crashed(const Job& job, int status) {
   r.params_finite = false;
   r.expected_to_break = job.spec.expect.diverges;
   r.broke = true;
-  r.passed = r.expected_to_break;
+  // Never a pass, not even for a negative control: a process that died tells nothing of whether
+  // the fault bit (it may be the harness, the machine or the OOM killer).
+  r.passed = false;
   return r;
 }
 
 int run_child(const std::string& source, const std::string& result_path, int threads, bool bench) {
   if (threads > 0) torch::set_num_threads(threads);
   const ScenarioSpec spec = load_scenario(source);
-  const ScenarioResult r = bench ? bench_scenario(spec) : run_scenario(spec);
+  // A recorded run's trace lives beside the result, in the parent's private folder, which the
+  // parent empties even when this process is killed mid-run.
+  RunOptions options;
+  options.trace_path = result_path + ".trace";
+  const ScenarioResult r = bench ? bench_scenario(spec) : run_scenario(spec, options);
+  ::unlink(options.trace_path.c_str());
   std::ofstream out(result_path);
-  if (!(out << r.to_json() << "\n")) throw Error("cannot write the result file '" + result_path + "'");
+  out << r.to_json() << "\n";
+  out.close();  // a write error at close (disk full) must not pass for a result
+  if (!out) throw Error("cannot write the result file '" + result_path + "'");
   return 0;
 }
 
@@ -170,8 +179,34 @@ int run_run(const std::vector<std::string>& args) {
     return 0;
   }
 
-  const fs::path work = fs::temp_directory_path() / ("retrace_run_" + std::to_string(::getpid()));
-  fs::create_directories(work);
+  // A private folder of our own (mkdtemp: unpredictable name, mode 0700).
+  std::string work_template = (fs::temp_directory_path() / "retrace_run_XXXXXX").string();
+  if (::mkdtemp(work_template.data()) == nullptr) {
+    throw Error("cannot create a temporary folder in " + fs::temp_directory_path().string() + ": " + std::strerror(errno));
+  }
+  const fs::path work = work_template;
+  // On any exception from here on, stop and reap the children and remove their files.
+  struct Cleanup {
+    std::map<pid_t, std::size_t>* running;
+    std::vector<Job>* jobs;
+    std::string dir;
+    ~Cleanup() {
+      for (const auto& [pid, i] : *running) {
+        ::kill(pid, SIGKILL);
+        int st = 0;
+        ::waitpid(pid, &st, 0);
+      }
+      for (const Job& job : *jobs) {
+        if (!job.result_path.empty()) ::unlink(job.result_path.c_str());
+        if (!job.log_path.empty()) ::unlink(job.log_path.c_str());
+        if (!job.result_path.empty()) {
+          ::unlink((job.result_path + ".trace").c_str());
+          ::unlink((job.result_path + ".trace.incomplete").c_str());
+        }
+      }
+      ::rmdir(dir.c_str());
+    }
+  };
   const int per_child_threads =
       threads > 0 ? threads
                   : std::max(1, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())) /
@@ -179,6 +214,7 @@ int run_run(const std::vector<std::string>& args) {
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<ScenarioResult> results(pending.size());
   std::map<pid_t, std::size_t> running;
+  Cleanup cleanup{&running, &pending, work.string()};
   std::size_t next = 0, done = 0;
   std::string self = "/proc/self/exe";
 
@@ -224,9 +260,16 @@ int run_run(const std::vector<std::string>& args) {
     std::ifstream in(job.result_path);
     std::stringstream text;
     text << in.rdbuf();
+    bool parsed = false;
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0 && !text.str().empty()) {
-      r = ScenarioResult::from_json(text.str());
-    } else {
+      try {
+        r = ScenarioResult::from_json(text.str());
+        parsed = true;
+      } catch (const std::exception&) {
+        // A truncated or garbled result file: report the scenario as crashed below.
+      }
+    }
+    if (!parsed) {
       r = crashed(job, status);
       r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - job.started).count();
     }
@@ -246,12 +289,8 @@ int run_run(const std::vector<std::string>& args) {
     results[i] = std::move(r);
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  // File by file: libtorch.so exports its own std::filesystem::remove_all, which crashes here.
-  for (const Job& job : pending) {
-    ::unlink(job.result_path.c_str());
-    ::unlink(job.log_path.c_str());
-  }
-  ::rmdir(work.c_str());
+  // The files go with `cleanup` (file by file: libtorch.so exports its own
+  // std::filesystem::remove_all, which crashes here).
 
   std::size_t failed = 0;
   for (const ScenarioResult& r : results) failed += r.passed ? 0 : 1;

@@ -340,3 +340,63 @@ defenses: {plateau: {factor: 0.5, patience: 2}}
 
 }  // namespace
 }  // namespace retrace
+
+namespace retrace {
+namespace {
+
+TEST(Injector, SegmentFaultsKeepEveryGradientFlowing) {
+  // A fault in both forward and recompute (or the recompute only) replaces a segment's output
+  // inside the autograd graph: every parameter upstream still gets its gradient.
+  for (const char* phase : {"both", "recompute"}) {
+    SCOPED_TRACE(phase);
+    ScenarioProgram program(with(std::string("injections: [{type: activation_overflow, step: 1, factor: 2, segment: block1, phase: ") +
+                                 phase + "}]\n"));
+    const StepOutcome o = program.step(1, program.batch(1), nullptr);
+    ASSERT_TRUE(std::isfinite(o.loss));
+    for (const auto& p : program.model().named_parameters()) {
+      EXPECT_TRUE(p.value().grad().defined()) << p.key() << " got no gradient";
+    }
+  }
+  // Negative control: the checkpoint refuses an observer that cuts the recompute out of the graph.
+  struct Detaching : SegmentObserver {
+    void on_recompute(SegmentEvent& e) override { e.outputs[0] = e.outputs[0].detach(); }
+  } detaching;
+  ScenarioProgram program(with(""));
+  ObserverScope scope(detaching);
+  EXPECT_THROW(program.step(1, program.batch(1), nullptr), std::exception);
+}
+
+TEST(Runner, AnInjectionThatNeverFiresFailsTheScenario) {
+  // Adam has no state before its first step: an optimizer flip at step 1 has nothing to flip.
+  ScenarioResult r = run_scenario(with("injections: [{type: bit_flip, step: 1, target: optimizer, bit: 30}]\n"
+                                       "expect: {params_finite: true}\n"));
+  EXPECT_FALSE(r.passed);
+  bool named = false;
+  for (const ExpectationCheck& c : r.checks) named = named || (c.name == "injection_fired" && !c.passed);
+  EXPECT_TRUE(named);
+  r = run_scenario(with("injections: [{type: bit_flip, step: 2, target: optimizer, bit: 30}]\n"
+                        "expect: {params_finite: true, diverges: true}\n"));
+  for (const ExpectationCheck& c : r.checks) EXPECT_NE(c.name, "injection_fired");  // it fired at step 2
+}
+
+TEST(Schema, KeysAndSegmentsThatCannotWorkAreErrors) {
+  // (kGpt has model, data and training already: the extra text uses other sections.)
+  expect_error("defenses: {[a]: 1}\n", "test.yaml:6: key 'defenses.?': a key must be a plain name");
+  ScenarioSpec four = parse_scenario_text(
+      "model: {type: tiny_gpt, layers: 4, d_model: 16, heads: 2}\ntraining: {segments: 2}\n"
+      "injections: [{type: activation_overflow, segment: block0..block1}]\n", "ok.yaml");
+  EXPECT_EQ(four.injections[0].segment, "block0..block1");
+  try {
+    parse_scenario_text("model: {type: tiny_gpt, layers: 4, d_model: 16, heads: 2}\ntraining: {segments: 2}\n"
+                        "injections: [{type: activation_overflow, segment: block1..block2}]\n", "bad.yaml");
+    ADD_FAILURE() << "a range that is not a segment parsed";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bad.yaml:3: key 'injections[0].segment': 'block1..block2' is not one of this run's segments (block0..block1, block2..block3)"), std::string::npos) << e.what();
+  }
+  expect_error("injections: [{type: bit_flip, target: weights, bit: 40}]\n", "key 'injections[0].bit': must be between 0 and 31");
+  expect_error("injections: [{type: bit_flip, target: weights, segment: block0}]\n", "is only for target activations");
+  expect_error("expect:\n  max_skipped_steps: |\n    1\n    x\n", "must be an integer, got '1 x");
+}
+
+}  // namespace
+}  // namespace retrace
