@@ -326,16 +326,21 @@ defenses: {plateau: {factor: 0.5, patience: 2}}
   ScenarioProgram zero(spec);
   for (std::int64_t s = 1; s <= 8; ++s) zero.step(s, zero.batch(1), nullptr);  // the same loss every step
   // The base LR is 0, so read the plateau factor through the state.
-  double factor = 0;
-  for (const NamedTensor& n : zero.state()) {
-    if (n.name == "schedule.plateau") factor = n.tensor[0].item<double>();
-  }
-  EXPECT_EQ(factor, 0.25);  // steps 1: best; 2, 3: flat; 4: cut; 5, 6: flat; 7: cut
+  auto plateau = [](ScenarioProgram& p) {
+    for (const NamedTensor& n : p.state()) {
+      if (n.name == "schedule.plateau") return n.tensor.clone();
+    }
+    return at::Tensor();
+  };
+  const at::Tensor before = plateau(zero);
+  ASSERT_TRUE(before.defined());
+  EXPECT_EQ(before[0].item<double>(), 0.25);  // steps 1: best; 2, 3: flat; 4: cut; 5, 6: flat; 7: cut
+  EXPECT_TRUE(at::isfinite(before).all().item<bool>());
   ScenarioProgram restored(spec);
   restored.load_state(zero.state());
-  for (const NamedTensor& n : restored.state()) {
-    if (n.name == "schedule.plateau") EXPECT_EQ(n.tensor[0].item<double>(), 0.25);
-  }
+  const at::Tensor after = plateau(restored);
+  ASSERT_TRUE(after.defined());
+  EXPECT_BITWISE_EQ(after, before);
 }
 
 }  // namespace
