@@ -342,7 +342,7 @@ std::string stability_table(const std::vector<ScenarioResult>& results) {
   std::ostringstream os;
   os << std::left << std::setw(static_cast<int>(wn)) << "scenario" << "  " << std::setw(static_cast<int>(wf)) << "fault"
      << "  " << std::setw(static_cast<int>(wd)) << "defense" << "  " << std::setw(7) << "outcome" << std::right
-     << std::setw(8) << "skipped" << std::setw(10) << "recovery" << std::setw(12) << "loss delta" << std::setw(10)
+     << std::setw(8) << "skipped" << std::setw(10) << "recovery" << std::setw(14) << "loss delta" << std::setw(10)
      << "overhead" << "\n";
   for (const ScenarioResult& r : results) {
     os << std::left << std::setw(static_cast<int>(wn)) << r.name << "  " << std::setw(static_cast<int>(wf)) << r.fault << "  "
@@ -354,7 +354,7 @@ std::string stability_table(const std::vector<ScenarioResult>& results) {
     }
     const std::string recovery = !r.bench.injected ? "-" : r.bench.steps_to_recover < 0 ? "never" : std::to_string(r.bench.steps_to_recover) + " st";
     const std::string delta = r.bench.injected ? fmt(r.bench.final_loss_delta) : "-";
-    os << std::setw(10) << recovery << std::setw(12) << delta << std::setw(9) << std::fixed
+    os << std::setw(10) << recovery << std::setw(14) << delta << std::setw(9) << std::fixed
        << std::setprecision(2) << r.bench.overhead << "x" << std::defaultfloat << "\n";
   }
   return os.str();
