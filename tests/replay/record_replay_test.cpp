@@ -338,7 +338,7 @@ class SlowFileSystem : public io::FileSystem {
     struct Slow : io::WritableFile {
       std::unique_ptr<io::WritableFile> f;
       void append(const void* d, std::size_t n) override {
-        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        std::this_thread::sleep_for(std::chrono::milliseconds(40));  // far longer than the gap between two pushes of one step, even under ASan
         f->append(d, n);
       }
       void sync() override { f->sync(); }
