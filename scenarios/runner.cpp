@@ -102,7 +102,9 @@ void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
     }
   }
   if (e.raises) {
-    check(r, "raises", b(*e.raises), r.raised ? "raised: " + r.error : "did not raise", r.raised == *e.raises);
+    const bool matches = e.raises_match.empty() || r.error.find(e.raises_match) != std::string::npos;
+    check(r, "raises", b(*e.raises) + (e.raises_match.empty() ? "" : " with '" + e.raises_match + "'"),
+          r.raised ? "raised: " + r.error : "did not raise", r.raised == *e.raises && (!r.raised || matches));
   }
   bool all = true;
   for (const ExpectationCheck& c : r.checks) all = all && c.passed;
@@ -110,6 +112,7 @@ void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
   r.expected_to_break = e.diverges;
   r.broke = (r.raised && !raise_expected) || !r.params_finite || !all;
   r.passed = e.diverges ? r.broke : !r.broke;
+  if (r.harness_error) r.passed = false;  // the run never started: nothing was shown either way
 }
 
 std::string temp_trace_path(const std::string& name) {
@@ -183,6 +186,7 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
   std::vector<double> applied_losses;
 
   std::unique_ptr<ScenarioProgram> program;
+  bool started = false;  // an exception before the first step is the harness's, not the fault's
   try {
     program = std::make_unique<ScenarioProgram>(spec);
     if (options.start_state) {
@@ -218,9 +222,11 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
     program->observe(&verifier);  // after the injector: it compares what actually flowed
     if (replay) {
       Recorder recorder(trace_path, *program);
+      started = true;
       record_run(*program, recorder, spec.training.steps, /*stop_on_nonfinite=*/false, after_step);
       recorder.close();
     } else {
+      started = true;
       for (std::int64_t s = options.first_step; s <= last; ++s) {
         const auto batch = program->batch(s);
         after_step(s, program->step(s, batch, nullptr));
@@ -228,6 +234,7 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
     }
   } catch (const std::exception& e) {
     r.raised = true;
+    r.harness_error = !started;
     r.error = e.what();
     const auto nl = r.error.find('\n');  // c10::Error appends a C++ backtrace; keep the message
     if (nl != std::string::npos) r.error = r.error.substr(0, nl);
@@ -370,6 +377,7 @@ std::string ScenarioResult::to_json() const {
   j["expected"] = expected_to_break ? "broke" : "held";
   j["passed"] = passed;
   j["raised"] = raised;
+  j["harness_error"] = harness_error;
   j["error"] = error;
   j["steps_run"] = steps_run;
   j["skipped_steps"] = skipped_steps;
@@ -418,6 +426,7 @@ ScenarioResult ScenarioResult::from_json(const std::string& text) {
   r.broke = j.at("outcome") == "broke";
   r.passed = j.at("passed");
   r.raised = j.at("raised");
+  r.harness_error = j.value("harness_error", false);
   r.error = j.at("error");
   r.steps_run = j.at("steps_run");
   r.skipped_steps = j.at("skipped_steps");

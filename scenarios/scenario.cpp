@@ -298,7 +298,7 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
 void parse_expect(const Parser& p, const YAML::Node& e, ExpectSpec& out) {
   p.keys(e, "expect", {"params_finite", "loss_finite", "max_skipped_steps", "min_skipped_steps", "min_scale_backoffs",
                        "min_scale_growths", "min_rollbacks", "final_loss_below", "recompute_bitwise", "replay_bitwise",
-                       "injections_fired", "raises", "diverges"});
+                       "injections_fired", "raises", "raises_match", "diverges"});
   auto opt_bool = [&](const char* key, std::optional<bool>& field) {
     if (e[key].IsDefined()) field = p.boolean(e, key, std::string("expect.") + key, false);
   };
@@ -317,6 +317,10 @@ void parse_expect(const Parser& p, const YAML::Node& e, ExpectSpec& out) {
   opt_bool("replay_bitwise", out.replay_bitwise);
   opt_bool("injections_fired", out.injections_fired);
   opt_bool("raises", out.raises);
+  out.raises_match = p.text(e, "raises_match", "expect.raises_match");
+  if (!out.raises_match.empty() && !out.raises.value_or(false)) {
+    p.fail(e["raises_match"], "expect.raises_match", "needs raises: true");
+  }
   out.diverges = p.boolean(e, "diverges", "expect.diverges", false);
 }
 
@@ -547,6 +551,7 @@ std::string to_yaml(const ScenarioSpec& s) {
     opt("replay_bitwise", e.replay_bitwise);
     opt("injections_fired", e.injections_fired);
     opt("raises", e.raises);
+    if (!e.raises_match.empty()) out << YAML::Key << "raises_match" << YAML::Value << e.raises_match;
     if (e.diverges) out << YAML::Key << "diverges" << YAML::Value << true;
     out << YAML::EndMap;
   }

@@ -28,6 +28,8 @@ struct ScenarioResult {
 
   // What happened.
   bool raised = false;       // an exception left the run
+  bool harness_error = false; // ... before the first step (program or trace could not be set up):
+                              // such a run never passes, not even as a negative control
   std::string error;         // its message
   std::int64_t steps_run = 0;
   std::int64_t skipped_steps = 0;

@@ -109,6 +109,7 @@ struct ExpectSpec {
   // The run must stop with an error (a defense that refuses to go on, like clipping's
   // error_if_nonfinite); a run that raises then counts as held, not broke.
   std::optional<bool> raises;
+  std::string raises_match;  // with raises: the error must contain this text (any error if empty)
   // A negative control: the fault must get through -- the run raises, ends with non-finite
   // parameters, or fails one of the expectations above.
   bool diverges = false;

@@ -405,3 +405,25 @@ TEST(Schema, KeysAndSegmentsThatCannotWorkAreErrors) {
 
 }  // namespace
 }  // namespace retrace
+
+namespace retrace {
+namespace {
+
+TEST(Runner, RaisesMatchesTheErrorAndAHarnessErrorNeverPasses) {
+  const std::string fault = "injections: [{type: grad_nonfinite, step: 2, mode: inf}]\n"
+                            "defenses: {clip: {mode: global, max_norm: 1.0, error_if_nonfinite: true}}\n";
+  EXPECT_TRUE(run_scenario(with(fault + "expect: {raises: true, raises_match: \"clipping refuses it\"}\n")).passed);
+  EXPECT_FALSE(run_scenario(with(fault + "expect: {raises: true, raises_match: \"out of memory\"}\n")).passed);
+  // A program that cannot even be built (no CUDA here, or a bad config at run time) shows
+  // nothing about the fault: not a pass, not even for a negative control.
+  if (!torch::cuda::is_available()) {
+    ScenarioSpec spec = with("expect: {diverges: true}\n");
+    spec.training.device = "cuda";
+    const ScenarioResult r = run_scenario(spec);
+    EXPECT_TRUE(r.harness_error);
+    EXPECT_FALSE(r.passed);
+  }
+}
+
+}  // namespace
+}  // namespace retrace
