@@ -23,12 +23,23 @@ std::vector<SegmentObserver*>& observers() {
   static std::vector<SegmentObserver*> list;
   return list;
 }
+std::size_t g_first = 0;  // the first g_first observers were attached with ObserverOrder::kFirst
+std::vector<SegmentObserver*>& firsts() {
+  static std::vector<SegmentObserver*> list;
+  return list;
+}
 std::atomic<int> g_count{0};
 }  // namespace
 
-ObserverScope::ObserverScope(SegmentObserver& observer) : observer_(&observer) {
+ObserverScope::ObserverScope(SegmentObserver& observer, ObserverOrder order) : observer_(&observer) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  observers().push_back(observer_);
+  if (order == ObserverOrder::kFirst) {
+    observers().insert(observers().begin() + static_cast<std::ptrdiff_t>(g_first), observer_);
+    firsts().push_back(observer_);
+    ++g_first;
+  } else {
+    observers().push_back(observer_);
+  }
   g_count.store(static_cast<int>(observers().size()), std::memory_order_release);
 }
 
@@ -38,6 +49,11 @@ ObserverScope::~ObserverScope() {
   auto it = std::find(list.begin(), list.end(), observer_);
   TORCH_INTERNAL_ASSERT(it != list.end(), "observer detached twice");
   list.erase(it);
+  auto f = std::find(firsts().begin(), firsts().end(), observer_);
+  if (f != firsts().end()) {
+    firsts().erase(f);
+    --g_first;
+  }
   g_count.store(static_cast<int>(list.size()), std::memory_order_release);
 }
 

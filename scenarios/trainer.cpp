@@ -333,7 +333,7 @@ StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTens
   std::vector<NamedTensor> grads;
   {
     std::optional<ObserverScope> inject_scope, verify_scope, extra_scope;
-    if (!injector_.empty()) inject_scope.emplace(injector_);
+    if (!injector_.empty()) inject_scope.emplace(injector_, ObserverOrder::kFirst);  // the others see injected values
     if (verifier_) verify_scope.emplace(*verifier_);
     if (extra_observer_) extra_scope.emplace(*extra_observer_);
     models::CheckpointPlan plan{spec_.training.segments, {}};

@@ -45,11 +45,16 @@ class SegmentObserver {
   virtual void on_backward(SegmentEvent& event) {}
 };
 
+// Where an observer goes in the call order. kFirst is for observers that replace outputs
+// (injectors): everyone else -- recorder, verifiers, replay's comparer -- then sees the values
+// that actually flow on.
+enum class ObserverOrder { kLast, kFirst };
+
 // Attaches an observer for the lifetime of the scope, process-wide. Observers are called in
-// attach order. The observer must outlive the scope.
+// attach order, kFirst ones before all others. The observer must outlive the scope.
 class ObserverScope {
  public:
-  explicit ObserverScope(SegmentObserver& observer);
+  explicit ObserverScope(SegmentObserver& observer, ObserverOrder order = ObserverOrder::kLast);
   ~ObserverScope();
   ObserverScope(const ObserverScope&) = delete;
   ObserverScope& operator=(const ObserverScope&) = delete;
