@@ -17,6 +17,7 @@
 #include <iomanip>
 #include <limits>
 #include <sstream>
+#include <tuple>
 #include <unistd.h>
 
 namespace retrace {
@@ -285,6 +286,19 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
   return r;
 }
 
+namespace {
+// Widths of the scenario, fault and defense columns the tables share.
+std::tuple<std::size_t, std::size_t, std::size_t> column_widths(const std::vector<ScenarioResult>& results) {
+  std::size_t wn = 8, wf = 5, wd = 7;
+  for (const ScenarioResult& r : results) {
+    wn = std::max(wn, r.name.size());
+    wf = std::max(wf, r.fault.size());
+    wd = std::max(wd, r.defense.size());
+  }
+  return {wn, wf, wd};
+}
+}  // namespace
+
 ScenarioResult bench_scenario(const ScenarioSpec& spec, int repeats) {
   ScenarioResult r = run_scenario(spec);
   ScenarioSpec clean = spec;
@@ -340,12 +354,8 @@ ScenarioResult bench_scenario(const ScenarioSpec& spec, int repeats) {
 }
 
 std::string stability_table(const std::vector<ScenarioResult>& results) {
-  std::size_t wn = 8, wf = 5, wd = 7;
-  for (const ScenarioResult& r : results) {
-    wn = std::max(wn, r.name.size());
-    wf = std::max(wf, r.fault.size());
-    wd = std::max(wd, r.defense.size());
-  }
+  std::size_t wn = 0, wf = 0, wd = 0;  // (not a structured binding: the lambdas below capture them)
+  std::tie(wn, wf, wd) = column_widths(results);
   std::ostringstream os;
   os << std::left << std::setw(static_cast<int>(wn)) << "scenario" << "  " << std::setw(static_cast<int>(wf)) << "fault"
      << "  " << std::setw(static_cast<int>(wd)) << "defense" << "  " << std::setw(7) << "outcome" << std::right
@@ -478,12 +488,8 @@ ScenarioSpec load_scenario(const std::string& path_or_builtin) {
 }
 
 std::string outcome_matrix(const std::vector<ScenarioResult>& results) {
-  std::size_t wn = 8, wf = 5, wd = 7;
-  for (const ScenarioResult& r : results) {
-    wn = std::max(wn, r.name.size());
-    wf = std::max(wf, r.fault.size());
-    wd = std::max(wd, r.defense.size());
-  }
+  std::size_t wn = 0, wf = 0, wd = 0;  // (not a structured binding: the lambdas below capture them)
+  std::tie(wn, wf, wd) = column_widths(results);
   std::ostringstream os;
   auto row = [&](const std::string& n, const std::string& f, const std::string& d, const std::string& o,
                  const std::string& e, const std::string& v) {
