@@ -4,6 +4,8 @@
 //   EXPECT_BITWISE_EQ(expected, actual);   // failure message is the DiffReport
 //   ASSERT_BITWISE_EQ(expected, actual);
 //   EXPECT_ALL_FINITE(tensor);             // failure message gives NaN/Inf counts
+//
+// Scenario files as tests: retrace/gtest_scenario.h (RETRACE_SCENARIO_TEST).
 
 #include <retrace/diff.h>
 

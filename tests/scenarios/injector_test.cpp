@@ -4,6 +4,7 @@
 #include <retrace/diagnose.h>
 #include <retrace/error.h>
 #include <retrace/gtest.h>
+#include <retrace/gtest_scenario.h>
 #include <retrace/injectors.h>
 #include <retrace/runner.h>
 #include <retrace/trainer.h>
@@ -12,6 +13,8 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <cmath>
 #include <limits>
 
@@ -447,6 +450,31 @@ TEST(Observers, FirstOrderObserversRunBeforeEarlierAttachedOnes) {
   const at::Tensor y = checkpoint("seg", [](const at::Tensor& t) { return t * 3; }, x);
   EXPECT_TRUE(watching.saw_zeros);
   EXPECT_EQ(y.abs().sum().item<float>(), 0.0f);
+}
+
+}  // namespace
+}  // namespace retrace
+
+namespace retrace {
+namespace {
+
+// A scenario registered as a test, and the helper's failure message on one that fails.
+RETRACE_SCENARIO_TEST(ScenarioTest, BuiltinGradNanSkip, "builtin:grad-nan-skip")
+
+TEST(ScenarioTest, FailureMessageNamesTheUnmetExpectations) {
+  const ::testing::AssertionResult r = testing::ScenarioPasses("x", "builtin:grad-nan-skip-off");
+  // A negative control run as if it were a defense: it passes (it broke, as it should)...
+  EXPECT_TRUE(r);
+  const std::string path = (std::filesystem::temp_directory_path() / "retrace_gtest_scenario.yaml").string();
+  {
+    std::ofstream f(path);
+    f << "name: t\nmodel: {type: mlp, layers: 2}\ninjections: [{type: grad_nonfinite, step: 2}]\n"
+         "training: {steps: 3}\nexpect: {params_finite: true}\n";
+  }
+  const ::testing::AssertionResult bad = testing::ScenarioPasses("t", path);
+  EXPECT_FALSE(bad);
+  EXPECT_NE(std::string(bad.message()).find("! params_finite: expected true, observed false"), std::string::npos) << bad.message();
+  std::filesystem::remove(path);
 }
 
 }  // namespace
