@@ -39,7 +39,14 @@ class Parser {
 
   // Checks that `node` is a mapping whose keys are all in `known`.
   void keys(const YAML::Node& node, const std::string& prefix, const std::vector<std::string>& known) const {
-    if (!node.IsMap()) fail(node, prefix, "must be a mapping of keys to values");
+    if (!node.IsMap()) {
+      if (prefix.empty()) {
+        throw Error(origin_ + (node.Mark().line >= 0 ? ":" + std::to_string(node.Mark().line + 1) : std::string()) +
+                    ": a scenario is a mapping of sections (model, data, training, defenses, injections, expect), "
+                    "not a list or a single value");
+      }
+      fail(node, prefix, "must be a mapping of keys to values");
+    }
     for (auto it = node.begin(); it != node.end(); ++it) {
       if (!it->first.IsScalar()) fail(it->first, prefix.empty() ? "?" : prefix + ".?", "a key must be a plain name, not a list or mapping");
       const std::string k = it->first.Scalar();

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# hostile_inputs.sh RETRACE DATA_DIR [TABLE.md]
+# Feeds retrace bad input -- arguments, scenario files, traces -- and checks that each gets the
+# exit code it should and exactly one line on stderr (never a stack trace, never a crash).
+# With TABLE.md, writes the results as the Markdown table in docs/hostile-inputs.md.
+set -uo pipefail
+retrace=$1 data=$2 table=${3:-}
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+m='model: {type: tiny_gpt, layers: 2, d_model: 16, heads: 2}'
+w() { printf '%b' "$2" >"$dir/$1"; }   # w FILE CONTENT
+w empty.yaml ''
+w notyaml.yaml 'model: [unclosed\n'
+w unknown.yaml "$m\ntraining: {stpes: 3}\n"
+w nan.yaml "$m\ntraining: {lr: .nan}\n"
+w inf.yaml "$m\ntraining: {lr: .inf}\n"
+w wordint.yaml "model: {type: tiny_gpt, layers: four}\n"
+w hugeint.yaml "$m\ntraining: {steps: 99999999999999999999}\n"
+w negbatch.yaml "$m\ndata: {batch: -4}\n"
+w segs.yaml "$m\ntraining: {segments: 3}\n"
+w heads.yaml "model: {type: tiny_gpt, layers: 2, d_model: 10, heads: 3}\n"
+w notype.yaml "model: {layers: 2}\n"
+w nomodel.yaml "training: {steps: 2}\n"
+w badtype.yaml "$m\ntraining: {segments: 1}\ninjections: [{type: meteor_strike}]\n"
+w unusedkey.yaml "$m\ntraining: {segments: 1}\ninjections: [{type: loss_spike, bits: 3}]\n"
+w badseg.yaml "$m\ntraining: {segments: 1}\ninjections: [{type: activation_overflow, segment: block9}]\n"
+w noseg.yaml "$m\ninjections: [{type: activation_overflow}]\n"
+w mapkey.yaml "$m\ndata: {[a, b]: 1}\n"
+w growth.yaml "$m\ndefenses: {loss_scaling: {growth_factor: 1}}\n"
+w match.yaml "$m\nexpect: {raises_match: boom}\n"
+w prob.yaml "$m\ntraining: {segments: 1}\ninjections: [{type: loss_spike, probability: 1.5}]\n"
+w device.yaml "$m\ntraining: {device: tpu}\n"
+w list.yaml "- just\n- a list\n"
+w zero.trace ''
+head -c 10 "$data/golden-v1.trace" >"$dir/short.trace"
+# Future format version (u32 at byte 8).
+cp "$data/golden-v1.trace" "$dir/future.trace"; printf '\x63' | dd of="$dir/future.trace" bs=1 seek=8 conv=notrunc status=none
+# A record header declaring a 4 GiB payload (u32 at byte 12+8).
+cp "$data/golden-v1.trace" "$dir/hugelen.trace"; printf '\xff\xff\xff\xff' | dd of="$dir/hugelen.trace" bs=1 seek=20 conv=notrunc status=none
+# One flipped bit in the middle of the file.
+cp "$data/golden-v1.trace" "$dir/flipped.trace"
+size=$(stat -c %s "$dir/flipped.trace"); off=$((size / 2))
+byte=$(od -An -tu1 -j"$off" -N1 "$dir/flipped.trace" | tr -d ' ')
+printf "\\x$(printf %02x $((byte ^ 4)))" | dd of="$dir/flipped.trace" bs=1 seek="$off" conv=notrunc status=none
+mkdir "$dir/emptydir"
+# The generic program trace (program 'test') for diagnose.
+
+fails=0 rows=()
+# case DESCRIPTION EXPECTED_CODE -- ARGS...
+case_() {
+  local what=$1 want=$2; shift 3
+  local err; err=$("$retrace" "$@" 2>&1 >/dev/null); local got=$?
+  local lines; lines=$(printf '%s' "$err" | grep -c '' || true)
+  local msg=${err//$dir/\$DIR}; msg=${msg//$data/\$DATA}
+  local ok=yes
+  if [[ $got -ne $want ]]; then ok="NO (exit $got)"; fi
+  if [[ $want -ne 0 && $lines -ne 1 ]]; then ok="NO ($lines lines)"; fi
+  if [[ $ok != yes ]]; then fails=$((fails + 1)); echo "FAIL: $what: exit $got, $lines lines: $err"; fi
+  rows+=("| $what | \`retrace ${*//$dir/\$DIR}\` | $got | ${msg//|/\\|} |")
+}
+case_ "no command" 2 -- 
+case_ "unknown command" 2 -- replya
+case_ "unknown option" 2 -- demo --segmnets 2
+case_ "a number that is not one" 2 -- demo --segments two
+case_ "record without -o" 2 -- record "$dir/unknown.yaml"
+case_ "record into a folder that does not exist" 2 -- record "$data/../../scenarios/files/tiny-gpt.yaml" -o /nonexistent/dir/t.trace
+case_ "unknown record mode" 2 -- record "$data/../../scenarios/files/tiny-gpt.yaml" -o "$dir/t.trace" --mode fast
+case_ "scenario file that does not exist" 2 -- run "$dir/nope.yaml"
+case_ "empty scenario file" 2 -- run "$dir/empty.yaml"
+case_ "not YAML" 2 -- run "$dir/notyaml.yaml"
+case_ "a list instead of a mapping" 2 -- run "$dir/list.yaml"
+case_ "unknown key (typo)" 2 -- run "$dir/unknown.yaml"
+case_ "NaN in a number" 2 -- run "$dir/nan.yaml"
+case_ "Inf in a number" 2 -- run "$dir/inf.yaml"
+case_ "a word for an integer" 2 -- run "$dir/wordint.yaml"
+case_ "an integer past 64 bits" 2 -- run "$dir/hugeint.yaml"
+case_ "negative batch" 2 -- run "$dir/negbatch.yaml"
+case_ "more segments than layers" 2 -- run "$dir/segs.yaml"
+case_ "heads not dividing d_model" 2 -- run "$dir/heads.yaml"
+case_ "model without type" 2 -- run "$dir/notype.yaml"
+case_ "no model section" 2 -- run "$dir/nomodel.yaml"
+case_ "unknown injection type" 2 -- run "$dir/badtype.yaml"
+case_ "a key the injection type does not use" 2 -- run "$dir/unusedkey.yaml"
+case_ "a segment that is not a stage" 2 -- run "$dir/badseg.yaml"
+case_ "a segment fault without checkpointing" 2 -- run "$dir/noseg.yaml"
+case_ "a list as a key" 2 -- run "$dir/mapkey.yaml"
+case_ "loss scaler that never grows" 2 -- run "$dir/growth.yaml"
+case_ "raises_match without raises" 2 -- run "$dir/match.yaml"
+case_ "probability above 1" 2 -- run "$dir/prob.yaml"
+case_ "unknown device" 2 -- run "$dir/device.yaml"
+case_ "unknown built-in scenario" 2 -- run builtin:nope
+case_ "a folder without scenarios" 2 -- run "$dir/emptydir"
+case_ "-j 0" 2 -- run -j 0
+case_ "--threads 0" 2 -- run --threads 0 builtin:bf16-clean
+case_ "trace that does not exist" 2 -- replay "$dir/nope.trace"
+case_ "a folder as a trace" 2 -- inspect "$dir/emptydir"
+case_ "a YAML file as a trace" 2 -- replay "$dir/unknown.yaml"
+case_ "an empty trace" 2 -- inspect "$dir/zero.trace"
+case_ "a trace cut inside its file header" 2 -- inspect "$dir/short.trace"
+case_ "a trace from a future format version" 2 -- inspect "$dir/future.trace"
+case_ "a record declaring a 4 GiB payload" 2 -- inspect "$dir/hugelen.trace"
+case_ "one flipped bit mid-file" 2 -- inspect "$dir/flipped.trace"
+case_ "a trace of a program this binary lacks" 2 -- replay "$data/golden-v1.trace"
+case_ "diagnose without a source" 2 -- diagnose
+case_ "diagnose a trace of another program" 2 -- diagnose "$data/golden-v1.trace"
+case_ "diagnose --steps -1" 2 -- diagnose builtin:grad-nan-skip-off --steps -1
+
+if [[ -n $table ]]; then
+  {
+    echo "| input | command | exit | the one line on stderr |"
+    echo "| --- | --- | ---: | --- |"
+    printf '%s\n' "${rows[@]}"
+  } >"$table"
+fi
+echo "${#rows[@]} hostile inputs, $fails not handled as expected"
+[[ $fails -eq 0 ]]
