@@ -157,6 +157,117 @@ TEST(Replay, ContinuesPastAStepADefenseSkipped) {
   fs::remove(path);
 }
 
+// I/O faults (LevelDB's fault-injecting Env is the model): the Nth file operation -- create,
+// append, sync, rename, directory sync -- fails with EIO or ENOSPC, an append failing halfway
+// (a short write). For N = 1, 2, ... until a run completes: the failure surfaces as one clear
+// retrace::Error, no partial file is ever presented as a finished trace, and whatever is left in
+// PATH.incomplete reads as a (truncated) trace or fails with a typed error -- never a crash.
+class FaultyFileSystem : public io::FileSystem {
+ public:
+  explicit FaultyFileSystem(int fail_at) : fail_at_(fail_at) {}
+  int operations() const { return count_; }
+  bool fired() const { return fired_; }
+
+  std::unique_ptr<io::WritableFile> create(const std::string& path) override {
+    hit("create " + path);
+    struct File : io::WritableFile {
+      FaultyFileSystem* fs;
+      std::unique_ptr<io::WritableFile> f;
+      void append(const void* d, std::size_t n) override {
+        if (fs->next()) {
+          f->append(d, n / 2);  // a short write, then the error
+          fs->fired_ = true;
+          throw Error("injected ENOSPC: no space left on device (append of " + std::to_string(n) + " bytes)");
+        }
+        f->append(d, n);
+      }
+      void sync() override {
+        fs->hit("fsync");
+        f->sync();
+      }
+      void close() override { f->close(); }
+      std::uint64_t size() const override { return f->size(); }
+    };
+    auto file = std::make_unique<File>();
+    file->fs = this;
+    file->f = io::posix_file_system().create(path);
+    return file;
+  }
+  void rename(const std::string& a, const std::string& b) override {
+    hit("rename");
+    io::posix_file_system().rename(a, b);
+  }
+  void sync_directory(const std::string& d) override {
+    hit("directory fsync");
+    io::posix_file_system().sync_directory(d);
+  }
+  void remove(const std::string& p) override { io::posix_file_system().remove(p); }
+
+ private:
+  bool next() { return ++count_ == fail_at_; }
+  void hit(const std::string& what) {
+    if (next()) {
+      fired_ = true;
+      throw Error("injected EIO: input/output error on " + what);
+    }
+  }
+  int fail_at_;
+  int count_ = 0;
+  bool fired_ = false;
+};
+
+TEST(IoFaults, EveryFailingOperationIsReportedAndNoPartialTraceLooksFinished) {
+  register_builtin_programs();
+  int runs = 0;
+  for (int n = 1; n < 500; ++n) {
+    SCOPED_TRACE("failing operation " + std::to_string(n));
+    FaultyFileSystem faulty(n);
+    RecorderOptions options;
+    options.mode = RecordMode::kFull;
+    options.writer.fs = &faulty;
+    ScenarioProgram program(parse_scenario_text(kGpt, "io"));
+    const std::string path = temp_path("io_" + std::to_string(n));
+    std::string error;
+    try {
+      Recorder recorder(path, program, options);
+      record_run(program, recorder, 2);
+      recorder.close();
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    ++runs;
+    if (!faulty.fired()) {  // every operation of a whole run succeeded: done
+      EXPECT_TRUE(error.empty()) << error;
+      EXPECT_TRUE(TraceReader(path).complete());
+      fs::remove(path);
+      break;
+    }
+    EXPECT_NE(error.find("injected"), std::string::npos) << "the failure was not reported: '" << error << "'";
+    EXPECT_EQ(error.find('\n'), std::string::npos) << error;
+    if (fs::exists(path)) {
+      // Only a failing directory fsync comes after the rename: the file is then whole.
+      const TraceReader finished(path);
+      EXPECT_TRUE(finished.complete()) << "a partial trace was presented as finished";
+      EXPECT_FALSE(finished.truncated());
+      fs::remove(path);
+    }
+    if (fs::exists(path + ".incomplete")) {
+      try {
+        // Whole content (the failure was the final fsync or the rename) or a truncated tail,
+        // either way still named .incomplete; reading it must not crash.
+        const TraceReader left(path + ".incomplete");
+        if (left.complete()) {
+          EXPECT_TRUE(error.find("fsync") != std::string::npos || error.find("rename") != std::string::npos) << error;
+        }
+      } catch (const Error&) {
+        // A typed error (e.g. the header itself was cut) is an acceptable answer too.
+      }
+      fs::remove(path + ".incomplete");
+    }
+  }
+  EXPECT_GT(runs, 10);  // a two-step full-mode run does dozens of file operations
+}
+
 class ModesAndModels : public ::testing::TestWithParam<std::tuple<const char*, RecordMode>> {};
 
 TEST_P(ModesAndModels, RecordThenReplayIsBitwise) {
