@@ -95,6 +95,27 @@ at::Tensor element_view(const at::Tensor& t, std::int64_t index) {
 
 double element_value(const at::Tensor& t, std::int64_t index) { return element_view(t, index).item<double>(); }
 
+// kBitFlip on `t` in place: draws the element, then the bits (of the spec's class, or its chosen
+// bit), from `gen` in that order. Returns the element flipped and describes it in `detail`
+// ("element E bit B (class) before -> after"), or -1 when the chosen bit is past the element's
+// width (nothing fires).
+std::int64_t flip_bits(const InjectionSpec& s, at::Tensor& t, std::mt19937_64& gen, std::string& detail) {
+  const std::int64_t element = static_cast<std::int64_t>(below(gen, static_cast<std::uint64_t>(t.numel())));
+  std::vector<int> pool = bits_of_class(t.scalar_type(), s.bit_class);
+  shuffle(pool, gen);
+  if (s.bit >= 0) pool = {s.bit};
+  if (s.bit >= static_cast<int>(t.element_size()) * 8) return -1;
+  const double before = element_value(t, element);
+  std::string bits;
+  for (int b = 0; b < std::min<int>(s.bits, static_cast<int>(pool.size())); ++b) {
+    flip_bit(t, element, pool[b]);
+    bits += (bits.empty() ? "" : ",") + std::to_string(pool[b]);
+  }
+  detail = "element " + std::to_string(element) + " bit " + bits + " (" + (s.bit >= 0 ? std::string("chosen") : s.bit_class) +
+           ") " + number(before) + " -> " + number(element_value(t, element));
+  return element;
+}
+
 }  // namespace
 
 const char* to_string(InjectionType type) {
@@ -128,6 +149,11 @@ double InjectionSpec::effective_factor() const {
     case InjectionType::kLossSpike: return 1e4;
     default: return 1;
   }
+}
+
+bool InjectionSpec::in_segment() const {
+  return type == InjectionType::kActivationOverflow || type == InjectionType::kLayerNormInput ||
+         type == InjectionType::kRngDesync || (type == InjectionType::kBitFlip && target == "activations");
 }
 
 bool InjectionSpec::operator==(const InjectionSpec& o) const {
@@ -226,19 +252,8 @@ void Injector::flip_state(const std::vector<NamedTensor>& state) {
     auto gen = rng_for(s.seed, step_, i, 3);
     const NamedTensor& victim = *candidates[gen() % candidates.size()];
     at::Tensor t = victim.tensor;
-    const std::int64_t element = static_cast<std::int64_t>(below(gen, static_cast<std::uint64_t>(t.numel())));
-    std::vector<int> pool = bits_of_class(t.scalar_type(), s.bit_class);
-    shuffle(pool, gen);
-    if (s.bit >= 0) pool = {s.bit};
-    if (s.bit >= static_cast<int>(t.element_size()) * 8) continue;  // past this element's width: nothing fires
-    const double before = element_value(t, element);
-    std::string bits;
-    for (int b = 0; b < std::min<int>(s.bits, static_cast<int>(pool.size())); ++b) {
-      flip_bit(t, element, pool[b]);
-      bits += (bits.empty() ? "" : ",") + std::to_string(pool[b]);
-    }
-    note(s, victim.name, "element " + std::to_string(element) + " bit " + bits + " (" + (s.bit >= 0 ? std::string("chosen") : s.bit_class) + ") " +
-                             number(before) + " -> " + number(element_value(t, element)));
+    std::string detail;
+    if (flip_bits(s, t, gen, detail) >= 0) note(s, victim.name, detail);  // else past the width: nothing fires
   }
 }
 
@@ -341,18 +356,10 @@ at::Tensor Injector::apply_segment_fault(std::size_t index, const at::Tensor& ou
     case InjectionType::kBitFlip: {
       at::Tensor values = output.detach().contiguous().clone();
       auto gen = rng_for(s.seed, step_, index, 6);
-      const std::int64_t element = static_cast<std::int64_t>(below(gen, static_cast<std::uint64_t>(values.numel())));
-      std::vector<int> pool = bits_of_class(values.scalar_type(), s.bit_class);
-      shuffle(pool, gen);
-      if (s.bit >= 0) pool = {s.bit};
-      if (s.bit >= static_cast<int>(values.element_size()) * 8) return output;  // past the width: nothing fires
-      const double before = element_value(values, element);
-      std::string bits;
-      for (int b = 0; b < std::min<int>(s.bits, static_cast<int>(pool.size())); ++b) {
-        flip_bit(values, element, pool[b]);
-        bits += (bits.empty() ? "" : ",") + std::to_string(pool[b]);
-      }
-      if (log) note(s, segment, "output element " + std::to_string(element) + " bit " + bits + " (" + (s.bit >= 0 ? std::string("chosen") : s.bit_class) + ") " + number(before) + " -> " + number(element_value(values, element)));
+      std::string detail;
+      const std::int64_t element = flip_bits(s, values, gen, detail);
+      if (element < 0) return output;  // past the width: nothing fires
+      if (log) note(s, segment, "output " + detail);
       at::Tensor mask = at::zeros({values.numel()}, values.options().dtype(at::kBool));
       mask[element] = true;
       return at::where(mask.reshape(output.sizes()), values, output);
@@ -366,10 +373,7 @@ void Injector::on_forward(SegmentEvent& event) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (std::size_t i = 0; i < specs_.size(); ++i) {
     const InjectionSpec& s = specs_[i];
-    const bool segment_fault = s.type == InjectionType::kActivationOverflow || s.type == InjectionType::kLayerNormInput ||
-                               s.type == InjectionType::kRngDesync ||
-                               (s.type == InjectionType::kBitFlip && s.target == "activations");
-    if (!segment_fault || !targets(s, event.segment) || !fires(i)) continue;
+    if (!s.in_segment() || !targets(s, event.segment) || !fires(i)) continue;
     // Once per step and spec: the first matching forward.
     if (segment_done_[i]) continue;
     segment_done_[i] = 1;

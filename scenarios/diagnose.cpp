@@ -62,10 +62,7 @@ std::string judge(const ScenarioResult& r, const ExpectSpec& e) {
 // needs a recompute to exist at all, so without checkpointing it is truly gone.)
 bool hits_segments(const ScenarioSpec& s) {
   for (const InjectionSpec& in : s.injections) {
-    if (in.type == InjectionType::kActivationOverflow || in.type == InjectionType::kLayerNormInput ||
-        (in.type == InjectionType::kBitFlip && in.target == "activations")) {
-      return true;
-    }
+    if (in.in_segment() && in.type != InjectionType::kRngDesync) return true;
   }
   return false;
 }
@@ -236,10 +233,8 @@ Diagnosis diagnose_scenario(const ScenarioSpec& spec, const DiagnoseOptions& opt
       while (static_cast<std::int64_t>(recent.size()) > options.lookback + 1) recent.pop_front();
       try {
         const StepOutcome o = p.step(s, p.batch(s), nullptr);
-        bool params_ok = true;
-        for (const at::Tensor& t : p.model().parameters()) params_ok = params_ok && at::isfinite(t).all().item<bool>();
         // A non-finite step a defense skipped, with the parameters still finite, was handled.
-        if ((!o.finite() && !o.skipped) || !params_ok) {
+        if ((!o.finite() && !o.skipped) || !p.params_finite()) {
           d.failing_step = s;
           loss = o.loss;
           norm = o.grad_norm;

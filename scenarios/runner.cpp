@@ -241,9 +241,7 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
     if (nl != std::string::npos) r.error = r.error.substr(0, nl);
   }
   if (program) {
-    for (const at::Tensor& p : program->model().parameters()) {
-      if (!at::isfinite(p).all().item<bool>()) r.params_finite = false;
-    }
+    r.params_finite = program->params_finite();
     if (const LossScaler* s = program->scaler()) {
       r.scale_backoffs = s->backoffs();
       r.scale_growths = s->growths();

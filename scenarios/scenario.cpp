@@ -226,8 +226,6 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
   in.bit = static_cast<int>(p.integer(n, "bit", at + ".bit", in.bit, 0, 31));  // the harness's tensors are fp32
   in.bit_class = p.choice(n, "bit_class", at + ".bit_class", in.bit_class, {"sign", "exponent", "mantissa", "any"});
   in.phase = p.choice(n, "phase", at + ".phase", in.phase, {"both", "forward", "recompute"});
-  const bool segment_fault = in.type == InjectionType::kActivationOverflow || in.type == InjectionType::kLayerNormInput ||
-                             in.type == InjectionType::kRngDesync;
   switch (in.type) {
     case InjectionType::kLayerNormInput:
       in.mode = p.choice(n, "mode", at + ".mode", "constant", {"constant", "huge", "nan"});
@@ -296,7 +294,7 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
              "'" + in.segment + "' is not a stage of this model; use " + prefix + "0 .. " + prefix + std::to_string(s.model.layers - 1));
     }
   }
-  if ((segment_fault || in.target == "activations") && s.training.segments == 0) {
+  if (in.in_segment() && s.training.segments == 0) {
     p.fail(n["type"], at + ".type", type + " hits a checkpointed segment, but training.segments is 0; set training.segments >= 1");
   }
   return in;

@@ -393,9 +393,9 @@ StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTens
       if (clip.mode == "global") {
         torch::nn::utils::clip_grad_norm_(model_->parameters(), clip.max_norm);
       } else if (clip.mode == "per_tensor") {
-        for (const NamedTensor& g : grads) {  // TensorFlow's clip_by_norm, per gradient
-          const double n = g.tensor.to(at::kFloat).norm().item<double>();
-          if (n > clip.max_norm) g.tensor.mul_(clip.max_norm / (n + 1e-6));
+        for (std::size_t i = 0; i < grads.size(); ++i) {  // TensorFlow's clip_by_norm, per gradient
+          const double n = norms[i].item<double>();         // the norms computed above
+          if (n > clip.max_norm) grads[i].tensor.mul_(clip.max_norm / (n + 1e-6));
         }
       } else {  // adaptive: threshold from the median of recent applied norms
         double threshold = clip.max_norm;
@@ -426,7 +426,7 @@ StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTens
       optimizer_->step();
     }
   } else if (scaler_) {
-    scaler_->load_state(scaler_->state());  // drop the pending unscale; the scale stays as it was
+    scaler_->discard_unscale();  // the step is not taken: the scale stays as it was
   }
 
   // Rollback: a step that went non-finite (loss, gradients or parameters) restores the state it

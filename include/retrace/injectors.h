@@ -68,6 +68,9 @@ struct InjectionSpec {
   double rows = 0.25;                  // kLayerNormInput: fraction of rows hit (at least one)
 
   double effective_factor() const;  // factor, or the type's default when 0
+  // A fault that acts inside a checkpointed segment (through the observer): activation
+  // overflow, LayerNorm rows, RNG desync, and bit flips of activations.
+  bool in_segment() const;
   bool operator==(const InjectionSpec& o) const;
 };
 

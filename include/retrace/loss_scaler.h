@@ -54,6 +54,10 @@ class LossScaler {
   // true when the step was skipped; a skipped step changes no parameter and no optimizer state.
   bool step(torch::optim::Optimizer& optimizer);
 
+  // Forgets an unscale() whose step is not taken (the caller skips it for its own reason): the
+  // scale and growth counter stay as they were, and the next step unscales afresh.
+  void discard_unscale() { unscaled_ = false; }
+
   double current_scale() const;
   std::int64_t growth_tracker() const;
   std::int64_t skipped_steps() const { return skipped_; }

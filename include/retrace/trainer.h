@@ -49,6 +49,8 @@ class ScenarioProgram : public Program {
   // nullptr unless defenses.loss_scaling is on.
   const LossScaler* scaler() const { return scaler_.get(); }
   std::int64_t applied_steps() const { return applied_steps_; }
+  // Every parameter holds only finite values.
+  bool params_finite() const;
   std::int64_t rollbacks() const { return rollbacks_; }
   // Recompute mismatches defenses.verify_recompute caught (their steps were skipped).
   std::int64_t caught_recompute_mismatches() const { return caught_mismatches_; }
@@ -61,7 +63,6 @@ class ScenarioProgram : public Program {
   double scheduled_lr() const;
   void set_lr(double lr);
   void advance_schedule(double loss);
-  bool params_finite() const;
 
   ScenarioSpec spec_;
   c10::Device device_{c10::kCPU};
