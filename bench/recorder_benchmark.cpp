@@ -127,7 +127,10 @@ void codec(benchmark::State& state, const at::Tensor& t, const char* variant, in
       dec += seconds([&] { torch::load(back, is); });
       benchmark::DoNotOptimize(back.data_ptr());
     } else {
-      const TensorCodec c = which == "retrace_shuffle" ? TensorCodec::kZstdShuffle : TensorCodec::kZstd;
+      const bool fast = which == "retrace_fast";
+      const TensorCodec c = fast                          ? TensorCodec::kBloscBitshuffleLz4
+                            : which == "retrace_small"    ? TensorCodec::kZstdShuffle
+                                                          : TensorCodec::kZstd;
       enc += seconds([&] { encoded = encode_tensor_payload(t, c, level); });
       dec += seconds([&] { decode_tensor_payload(encoded.data(), encoded.size(), c, out); });
     }
@@ -140,13 +143,16 @@ void codec(benchmark::State& state, const at::Tensor& t, const char* variant, in
   state.counters["decode_GBps"] = n * t.nbytes() / dec / 1e9;
 }
 
-#define RETRACE_CODEC_BENCH(NAME, TENSOR)                                                   \
-  void BM_Codec_##NAME(benchmark::State& s, const char* v) { codec(s, TENSOR, v); }       \
-  BENCHMARK_CAPTURE(BM_Codec_##NAME, retrace_shuffle, "retrace_shuffle")->UseManualTime(); \
-  BENCHMARK_CAPTURE(BM_Codec_##NAME, zstd_plain, "zstd_plain")->UseManualTime();           \
+// retrace_fast: the default (Blosc bit-shuffle + LZ4); retrace_small:
+// byte shuffle + zstd; zstd_plain: zstd without the shuffle.
+#define RETRACE_CODEC_BENCH(NAME, TENSOR)                                                               \
+  void BM_Codec_##NAME(benchmark::State& s, const char* v) { codec(s, TENSOR, v); }                   \
+  BENCHMARK_CAPTURE(BM_Codec_##NAME, retrace_fast, "retrace_fast")->UseManualTime();                   \
+  BENCHMARK_CAPTURE(BM_Codec_##NAME, retrace_small, "retrace_small")->UseManualTime();                 \
+  BENCHMARK_CAPTURE(BM_Codec_##NAME, zstd_plain, "zstd_plain")->UseManualTime();                       \
   BENCHMARK_CAPTURE(BM_Codec_##NAME, torch_save, "torch_save")->UseManualTime();
 
-void BM_CodecLevel_WeightsBF16(benchmark::State& s, int level) { codec(s, weights(at::kBFloat16), "retrace_shuffle", level); }
+void BM_CodecLevel_WeightsBF16(benchmark::State& s, int level) { codec(s, weights(at::kBFloat16), "retrace_small", level); }
 BENCHMARK_CAPTURE(BM_CodecLevel_WeightsBF16, level_minus20, -20)->UseManualTime();
 BENCHMARK_CAPTURE(BM_CodecLevel_WeightsBF16, level_minus5, -5)->UseManualTime();
 BENCHMARK_CAPTURE(BM_CodecLevel_WeightsBF16, level_1, 1)->UseManualTime();
@@ -158,6 +164,44 @@ RETRACE_CODEC_BENCH(WeightsF16, weights(at::kHalf))
 RETRACE_CODEC_BENCH(ActivationsF32, activations(at::kFloat))
 RETRACE_CODEC_BENCH(ActivationsBF16, activations(at::kBFloat16))
 RETRACE_CODEC_BENCH(ActivationsF16, activations(at::kHalf))
+
+// The codec goal in one figure: our default codec against torch::save on the same tensor,
+// alternating every iteration (order flipped each time) so that noise hits both alike.
+void BM_FastCodecVsTorchSave(benchmark::State& state, at::ScalarType dtype) {
+  const at::Tensor t = weights(dtype);
+  double ours = 0, theirs = 0;
+  std::size_t our_bytes = 0, their_bytes = 0;
+  bool flip = false;
+  for (auto _ : state) {
+    const auto run_ours = [&] {
+      ours += seconds([&] { our_bytes = encode_tensor_payload(t, TensorCodec::kBloscBitshuffleLz4).size(); });
+    };
+    const auto run_theirs = [&] {
+      theirs += seconds([&] {
+        std::ostringstream os;
+        torch::save(t, os);
+        their_bytes = os.str().size();
+      });
+    };
+    if (flip) {
+      run_theirs();
+      run_ours();
+    } else {
+      run_ours();
+      run_theirs();
+    }
+    flip = !flip;
+    state.SetIterationTime(0.001);
+  }
+  const double n = static_cast<double>(state.iterations());
+  state.counters["encode_time_ours_over_torch_save"] = ours / theirs;
+  state.counters["size_torch_save_over_ours"] = static_cast<double>(their_bytes) / static_cast<double>(our_bytes);
+  state.counters["ours_GBps"] = n * t.nbytes() / ours / 1e9;
+  state.counters["torch_save_GBps"] = n * t.nbytes() / theirs / 1e9;
+}
+BENCHMARK_CAPTURE(BM_FastCodecVsTorchSave, bf16_weights, at::kBFloat16)->UseManualTime()->MinTime(2.0);
+BENCHMARK_CAPTURE(BM_FastCodecVsTorchSave, fp16_weights, at::kHalf)->UseManualTime()->MinTime(2.0);
+BENCHMARK_CAPTURE(BM_FastCodecVsTorchSave, fp32_weights, at::kFloat)->UseManualTime()->MinTime(2.0);
 
 // Durable writes: encode, write to a file and fsync, as a trace writer (or a checkpoint saver)
 // must. The codec's smaller output competes with torch::save's faster encoding.
@@ -175,7 +219,8 @@ void BM_DurableWrite(benchmark::State& state, const char* variant) {
         torch::save(t, os);
         encoded = os.str();
       } else {
-        encoded = encode_tensor_payload(t, TensorCodec::kZstdShuffle);
+        encoded = encode_tensor_payload(
+            t, which == "retrace_small" ? TensorCodec::kZstdShuffle : TensorCodec::kBloscBitshuffleLz4);
       }
       bytes = encoded.size();
       auto file = io::posix_file_system().create(path);
@@ -190,7 +235,8 @@ void BM_DurableWrite(benchmark::State& state, const char* variant) {
   state.counters["file_MiB"] = bytes / 1048576.0;
   std::filesystem::remove(path);
 }
-BENCHMARK_CAPTURE(BM_DurableWrite, retrace_bf16_weights, "retrace")->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_DurableWrite, retrace_fast_bf16_weights, "retrace_fast")->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_DurableWrite, retrace_small_bf16_weights, "retrace_small")->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_DurableWrite, torch_save_bf16_weights, "torch_save")->UseManualTime()->Unit(benchmark::kMillisecond);
 
 // Replaying a recorded step (open the trace, restore, re-execute, compare) against the step.

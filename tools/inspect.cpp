@@ -58,7 +58,7 @@ int run_inspect(const std::vector<std::string>& args) {
     for (const TensorEntry& e : r.tensors) {
       tensors.push_back({{"name", e.name}, {"dtype", c10::toString(e.dtype)}, {"shape", e.shape},
                          {"digest", e.digest.hex()}, {"stored", e.has_data()}, {"raw_bytes", e.raw_bytes},
-                         {"stored_bytes", e.stored_bytes}});
+                         {"stored_bytes", e.stored_bytes}, {"codec", to_string(e.codec)}});
       if (!export_dir.empty() && e.has_data()) {
         const std::vector<char> bytes = torch::pickle_save(trace.decode(r, e));
         const std::string file = export_dir + "/" + std::to_string(i) + "_" + to_string(r.type) + "_step" +

@@ -1,7 +1,7 @@
 #pragma once
 // The trace format: a versioned header, then append-only records (type, length, checksum), tensor
-// payloads compressed with zstd (frame checksum on) and optionally byte-shuffled, and an index
-// at the end. The spec, with every field's invariants, is docs/trace-format.md.
+// payloads compressed either fast (Blosc: bit-shuffle + LZ4) or small (byte shuffle + zstd with
+// its frame checksum), and an index at the end. The spec, with every field's invariants, is docs/trace-format.md.
 //
 // A trace being written is NAME.incomplete; close() writes the index, fsyncs and renames it to
 // NAME. A truncated tail is a clean end: every complete record stays readable, with a warning.
@@ -25,8 +25,9 @@ namespace retrace {
 
 // File magic, then kTraceFormatVersion as u32.
 inline constexpr char kTraceMagic[8] = {'R', 'E', 'T', 'R', 'A', 'C', 'E', '\0'};
-// Bumped on any change a version-1 reader could misread. Readers accept versions <= their own.
-inline constexpr std::uint32_t kTraceFormatVersion = 1;
+// Bumped on any change an older reader could misread. Readers accept versions <= their own.
+// Version 2 added codec 3 (Blosc); a version-1 trace reads unchanged.
+inline constexpr std::uint32_t kTraceFormatVersion = 2;
 
 enum class RecordType : std::uint16_t {
   kHeader = 1,     // exactly one, first: writer, environment, program
@@ -43,7 +44,10 @@ enum class TensorCodec : std::uint8_t {
   kDigestOnly = 0,   // no data, only the digest
   kZstd = 1,         // zstd frame of the raw little-endian bytes
   kZstdShuffle = 2,  // zstd frame of the bytes regrouped by byte position (all byte 0s, ...)
+  kBloscBitshuffleLz4 = 3,  // Blosc buffer: bits regrouped by bit position, then LZ4 (version 2+)
 };
+// "digest-only", "zstd", "zstd+shuffle", "blosc-bitshuffle-lz4".
+const char* to_string(TensorCodec codec);
 
 struct TensorEntry {
   std::string name;
@@ -83,9 +87,19 @@ struct TensorToWrite {
 
 enum class ShuffleMode { kAuto, kAlways, kNever };
 
+// What the writer optimizes stored tensors for (bench/README.md has the measurements):
+//   kFast:  Blosc bit-shuffle + LZ4 (codec 3). bf16 weights 1.32x smaller than raw, encoded as
+//           fast as torch::save copies them; the default, so that full mode and ring dumps cost
+//           the writer thread little.
+//   kSmall: byte shuffle (ShuffleMode) + zstd (codecs 1/2). 1.47x smaller, ~4x slower to encode:
+//           for traces kept long or shipped over a slow link.
+enum class Compression { kFast, kSmall };
+const char* to_string(Compression c);
+
 inline constexpr int kDefaultZstdLevel = -20;
 
 struct WriterOptions {
+  Compression compression = Compression::kFast;
   // zstd's fastest level, with Huffman coding of literals forced on: on byte-shuffled bf16 weights
   // it stores 1.47x smaller than raw (level 1: 1.46x, level 3: 1.41x) and encodes 1.6x faster
   // than level 1 (bench/README.md).
@@ -95,12 +109,20 @@ struct WriterOptions {
   io::FileSystem* fs = nullptr;  // nullptr: the POSIX file system
 };
 
-// The tensor payload codec on its own, as TraceWriter stores each tensor: the contiguous host
-// bytes, byte-shuffled for kZstdShuffle (element size > 1), in one zstd frame with its content
-// size and checksum. `tensor` must be a contiguous CPU tensor.
+// The tensor payload codec on its own, as TraceWriter stores each tensor. `tensor` must be a
+// contiguous CPU tensor. kZstd/kZstdShuffle: the bytes (byte-shuffled for kZstdShuffle when the
+// element size > 1) in one zstd frame with its content size and checksum. kBloscBitshuffleLz4: one
+// Blosc buffer (bit shuffle at the element size, LZ4); tensors over Blosc's 2 GiB limit throw.
+// Blosc runs on the calling thread (its own threads are spawned per call, which costs more than
+// they gain on tensors of a few MiB: measured 4x slower on this project's 2-core machine).
 std::string encode_tensor_payload(const at::Tensor& tensor, TensorCodec codec, int zstd_level = kDefaultZstdLevel);
+// The codec TraceWriter picks for `tensor` (contiguous CPU) under `options`.
+TensorCodec choose_codec(const at::Tensor& tensor, const WriterOptions& options);
+// The decoded size `data` declares, or nullopt when it is not a well-formed payload of `codec`
+// (checked before anything is allocated).
+std::optional<std::uint64_t> declared_payload_size(const void* data, std::size_t size, TensorCodec codec);
 // Decodes into `out` (contiguous CPU, of the encoded dtype and shape). Throws retrace::Error when
-// the frame does not declare exactly out.nbytes() or fails its checksum.
+// the payload does not declare exactly out.nbytes(), fails zstd's checksum, or does not decode.
 void decode_tensor_payload(const void* data, std::size_t size, TensorCodec codec, at::Tensor& out);
 
 // Writes one trace. Not thread-safe: one thread appends (the recorder's writer thread).
@@ -113,8 +135,8 @@ class TraceWriter {
   TraceWriter(const TraceWriter&) = delete;
   TraceWriter& operator=(const TraceWriter&) = delete;
 
-  // Encodes and appends one record; returns its byte offset. Cost: host copy and zstd of stored
-  // tensors, XXH3 of digest-only ones.
+  // Encodes and appends one record; returns its byte offset. Cost: host copy and compression of
+  // stored tensors, XXH3 of digest-only ones.
   std::uint64_t append(RecordType type, nlohmann::json meta, const std::vector<TensorToWrite>& tensors);
   // fsync: everything appended so far survives a crash.
   void sync();
@@ -200,6 +222,7 @@ class TraceReader {
   std::vector<RecordInfo> records_;
   std::string warning_;
   bool complete_ = false;
+  std::uint32_t version_ = 0;
 };
 
 }  // namespace retrace
