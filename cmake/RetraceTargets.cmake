@@ -38,14 +38,18 @@ function(retrace_configure target)
 endfunction()
 
 # retrace_library(<name> SOURCES ... DEPS ...): one library per component, with a
-# namespaced alias retrace::<name>.
+# namespaced alias retrace::<name>, installed and exported as retrace::<name>
+# (cmake/RetraceInstall.cmake).
 function(retrace_library name)
   cmake_parse_arguments(ARG "" "" "SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
   add_library(retrace_${name} STATIC ${ARG_SOURCES})
   add_library(retrace::${name} ALIAS retrace_${name})
   target_include_directories(retrace_${name} PUBLIC
     $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include>
-    $<BUILD_INTERFACE:${PROJECT_BINARY_DIR}/include>)
+    $<BUILD_INTERFACE:${PROJECT_BINARY_DIR}/include>
+    $<INSTALL_INTERFACE:include>)
+  set_target_properties(retrace_${name} PROPERTIES EXPORT_NAME ${name})
+  set_property(GLOBAL APPEND PROPERTY RETRACE_COMPONENTS ${name})
   target_link_libraries(retrace_${name} PUBLIC ${ARG_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
   retrace_configure(retrace_${name})
 endfunction()

@@ -1,0 +1,42 @@
+# `cmake --install BUILD --prefix PREFIX` installs the component libraries, the headers, the CLI
+# and a CMake package. A project outside this tree then does
+#
+#   find_package(retrace REQUIRED)      # CMAKE_PREFIX_PATH: PREFIX and LibTorch's prefix
+#   target_link_libraries(app PRIVATE retrace::retrace)   # or components: retrace::core, ...
+#
+# examples/ is such a project; the test `example.installed_package` builds it against an install.
+include(GNUInstallDirs)
+include(CMakePackageConfigHelpers)
+
+get_property(_retrace_components GLOBAL PROPERTY RETRACE_COMPONENTS)
+add_library(retrace_all INTERFACE)
+set_target_properties(retrace_all PROPERTIES EXPORT_NAME retrace)
+set(_retrace_installed retrace_all)
+foreach(_c IN LISTS _retrace_components)
+  target_link_libraries(retrace_all INTERFACE retrace_${_c})
+  list(APPEND _retrace_installed retrace_${_c})
+endforeach()
+add_library(retrace::retrace ALIAS retrace_all)
+
+set(_retrace_cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/retrace)
+install(TARGETS ${_retrace_installed} EXPORT retraceTargets
+        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
+if(TARGET retrace)
+  # The installed CLI finds LibTorch (a wheel's lib/, outside the system paths) where it was built.
+  set_target_properties(retrace PROPERTIES INSTALL_RPATH_USE_LINK_PATH TRUE)
+  install(TARGETS retrace RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+endif()
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/retrace DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
+        FILES_MATCHING PATTERN "*.h")
+install(FILES ${PROJECT_BINARY_DIR}/include/retrace/version.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/retrace)
+install(EXPORT retraceTargets NAMESPACE retrace:: DESTINATION ${_retrace_cmake_dir})
+
+set(RETRACE_PACKAGE_COMPONENTS "${_retrace_components}")
+configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/retraceConfig.cmake.in
+                              ${PROJECT_BINARY_DIR}/retraceConfig.cmake INSTALL_DESTINATION ${_retrace_cmake_dir})
+# 0.x: a minor version may break the API, so only the same minor version is compatible.
+write_basic_package_version_file(${PROJECT_BINARY_DIR}/retraceConfigVersion.cmake
+                                 COMPATIBILITY SameMinorVersion)
+install(FILES ${PROJECT_BINARY_DIR}/retraceConfig.cmake ${PROJECT_BINARY_DIR}/retraceConfigVersion.cmake
+              ${PROJECT_SOURCE_DIR}/cmake/RetraceDependencies.cmake
+        DESTINATION ${_retrace_cmake_dir})
