@@ -11,6 +11,12 @@ Digest cuda_digest(const at::Tensor&, const Digest&) {
   throw Error("retrace::digest: this build of retrace has no CUDA support; rebuild with the CUDA toolkit present (RETRACE_CUDA=ON)");
 }
 
+std::function<Digest()> cuda_digest_async(const at::Tensor& t, const Digest& header) { return [d = cuda_digest(t, header)] { return d; }; }
+
+CudaHostCopy cuda_copy_to_host_async(const at::Tensor&) {
+  throw Error("retrace: this build of retrace has no CUDA support; rebuild with the CUDA toolkit present (RETRACE_CUDA=ON)");
+}
+
 std::string cuda_device_name(c10::DeviceIndex) { return "unknown (built without CUDA)"; }
 
 }  // namespace retrace::detail

@@ -37,15 +37,31 @@ std::vector<std::uint8_t> header_bytes(const at::Tensor& t) {
 
 }  // namespace
 
-Digest digest(const at::Tensor& tensor) {
+namespace {
+
+// The tensor digest() hashes (contiguous, conj and neg resolved), after validating it.
+at::Tensor digestable(const at::Tensor& tensor) {
   if (!tensor.defined()) throw Error("retrace::digest: the tensor is undefined");
   if (tensor.layout() != c10::kStrided) {
     throw Error("retrace::digest: only strided (dense) tensors are supported; call .to_dense() first");
   }
   if (tensor.is_meta()) throw Error("retrace::digest: a meta tensor has no values to digest");
   // Fast path (no dispatch): a contiguous CPU tensor is hashed where it lies.
-  at::Tensor t = tensor;
-  if (!t.is_contiguous() || t.is_conj() || t.is_neg()) t = t.resolve_conj().resolve_neg().contiguous();
+  if (!tensor.is_contiguous() || tensor.is_conj() || tensor.is_neg()) return tensor.resolve_conj().resolve_neg().contiguous();
+  return tensor;
+}
+
+}  // namespace
+
+PendingDigest digest_async(const at::Tensor& tensor) {
+  if (!tensor.defined() || !tensor.is_cuda()) return PendingDigest(digest(tensor));
+  const at::Tensor t = digestable(tensor);
+  const std::vector<std::uint8_t> header = header_bytes(t);
+  return PendingDigest(detail::cuda_digest_async(t, digest_bytes(header.data(), header.size())));
+}
+
+Digest digest(const at::Tensor& tensor) {
+  at::Tensor t = digestable(tensor);
   const std::vector<std::uint8_t> header = header_bytes(t);
   if (t.is_cuda()) return detail::cuda_digest(t, digest_bytes(header.data(), header.size()));
   if (!t.is_cpu()) t = t.cpu();

@@ -273,6 +273,16 @@ TensorToWrite TensorToWrite::digest_only(std::string name, const at::Tensor& t, 
   return w;
 }
 
+TensorToWrite TensorToWrite::digest_only(std::string name, const at::Tensor& t, const PendingDigest& d) {
+  if (d.ready()) return digest_only(std::move(name), t, d.get());
+  TensorToWrite w;
+  w.name = std::move(name);
+  w.digest_later = [d] { return d.get(); };
+  w.dtype = t.scalar_type();
+  w.shape = t.sizes().vec();
+  return w;
+}
+
 const TensorEntry* Record::find(const std::string& name) const {
   for (const TensorEntry& e : tensors) {
     if (e.name == name) return &e;
@@ -309,23 +319,26 @@ std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta,
     TensorEntry e;
     e.name = w.name;
     if (!w.tensor.defined()) {
-      if (w.store_data || !w.digest) throw Error("retrace::TraceWriter: entry '" + w.name + "' has neither a tensor nor a digest");
+      if (w.store_data || (!w.digest && !w.digest_later)) {
+        throw Error("retrace::TraceWriter: entry '" + w.name + "' has neither a tensor nor a digest");
+      }
       e.dtype = w.dtype;
       dtype_name(e.dtype);
       e.shape = w.shape;
       unsigned __int128 bytes = c10::elementSize(e.dtype);
       for (std::int64_t size : e.shape) bytes *= static_cast<unsigned __int128>(size);
       e.raw_bytes = static_cast<std::uint64_t>(bytes);
-      e.digest = *w.digest;
+      e.digest = w.digest ? *w.digest : w.digest_later();
       entries.push_back(std::move(e));
       continue;
     }
+    if (w.ready) w.ready();  // an asynchronous device-to-host copy must land before we read it
     const at::Tensor t = w.tensor.detach();
     e.dtype = t.scalar_type();
     dtype_name(e.dtype);  // throws for dtypes the format cannot store
     e.shape = t.sizes().vec();
     e.raw_bytes = static_cast<std::uint64_t>(t.numel()) * t.element_size();
-    e.digest = w.digest ? *w.digest : digest(t);
+    e.digest = w.digest ? *w.digest : w.digest_later ? w.digest_later() : digest(t);
     if (w.store_data) {
       const at::Tensor host = t.resolve_conj().resolve_neg().cpu().contiguous();
       e.codec = choose_codec(host, options_);

@@ -3,6 +3,7 @@
 #include <retrace/digest.h>
 #include <retrace/environment.h>
 #include <retrace/rng.h>
+#include <retrace/snapshot.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -38,9 +39,20 @@ nlohmann::json number(double v) {
   return v > 0 ? "inf" : "-inf";
 }
 
+// A stored copy later steps cannot change; for a CUDA tensor the copy to the host is still in
+// flight and the writer thread waits for it (snapshot_to_host).
+TensorToWrite stored(const std::string& name, const at::Tensor& t, std::optional<Digest> d = std::nullopt) {
+  HostSnapshot snap = snapshot_to_host(t);
+  TensorToWrite w{name, std::move(snap.host), true, d};
+  w.ready = std::move(snap.wait);
+  return w;
+}
+
 TensorToWrite entry(const std::string& name, const at::Tensor& t, bool full) {
-  if (full) return {name, t.detach().cpu().clone(), true, std::nullopt};  // a copy later steps cannot change
-  return TensorToWrite::digest_only(name, t, digest(t));
+  if (full) return stored(name, t);
+  // CUDA: the digest kernel is queued and the writer thread collects the result; the training
+  // thread does not synchronize with the device per tensor.
+  return TensorToWrite::digest_only(name, t, digest_async(t));
 }
 
 // Host buffers for snapshots, reused once every tensor viewing them is gone: the flight ring
@@ -95,8 +107,8 @@ std::vector<TensorToWrite> snapshot(const std::vector<NamedTensor>& tensors, con
   out.reserve(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i].tensor;
-    if (offsets[i] == SIZE_MAX) {
-      out.push_back({prefix + tensors[i].name, t.detach().cpu().clone(), true, std::nullopt});
+    if (offsets[i] == SIZE_MAX) {  // a CUDA tensor (asynchronous copy), or a view
+      out.push_back(stored(prefix + tensors[i].name, t));
       continue;
     }
     at::Tensor copy = at::from_blob(buffer.get() + offsets[i], t.sizes(), [keep = buffer](void*) {},
@@ -285,7 +297,7 @@ struct Recorder::Impl {
     std::string name;
     at::Tensor tensor;  // held, so that its address cannot be reused by another tensor
     std::uint32_t version;
-    Digest digest;
+    PendingDigest digest;
   };
   std::vector<Seen> end_state;
   std::int64_t end_state_step = -1;
@@ -307,7 +319,7 @@ struct Recorder::Impl {
       const Seen& seen = end_state[i];
       if (seen.name != state[i].name) return false;
       if (seen.tensor.is_same(t) && seen.version == t._version()) continue;
-      if (digest(t) != seen.digest) return false;
+      if (digest(t) != seen.digest.get()) return false;
     }
     return true;
   }
@@ -486,9 +498,11 @@ void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std
   m.after_backward.clear();
   m.end_state.clear();
   for (const NamedTensor& s : state_after) {
-    const Digest d = digest(s.tensor);
+    const PendingDigest d = digest_async(s.tensor);
     if (m.store_values()) {
-      tensors.push_back({"state." + s.name, s.tensor.detach().cpu().clone(), true, d});
+      TensorToWrite w = stored("state." + s.name, s.tensor);
+      w.digest_later = [d] { return d.get(); };
+      tensors.push_back(std::move(w));
     } else {
       tensors.push_back(TensorToWrite::digest_only("state." + s.name, s.tensor, d));
     }

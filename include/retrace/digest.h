@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace retrace {
@@ -40,6 +41,28 @@ struct Digest {
 // host (this call waits for it). Throws retrace::Error for an undefined tensor, or a CUDA tensor
 // in a build without CUDA.
 Digest digest(const at::Tensor& tensor);
+
+// A digest that may still be computing on a device. get() waits for it (on a CUDA event, never
+// on the whole device) and finishes it; a ready one returns at once. Copyable; get() may run on
+// another thread than the one that started it (the recorder's writer thread does).
+class PendingDigest {
+ public:
+  PendingDigest() = default;
+  explicit PendingDigest(const Digest& ready) : ready_(ready) {}
+  explicit PendingDigest(std::function<Digest()> finish) : finish_(std::move(finish)) {}
+  bool ready() const { return !finish_; }
+  Digest get() const { return finish_ ? finish_() : ready_; }
+
+ private:
+  Digest ready_;
+  std::function<Digest()> finish_;
+};
+
+// digest(), without waiting for a device. CUDA tensors: the kernel and the copy of its 16-byte
+// result into pinned host memory are queued on the current stream, behind an event; the caller
+// never synchronizes (the recorder's digest mode: no host sync per segment, the writer thread
+// collects the results). Other tensors: digested now. Equal to digest(tensor) once finished.
+PendingDigest digest_async(const at::Tensor& tensor);
 
 // The host algorithm on raw bytes, exposed for tests and for trace payloads.
 Digest digest_bytes(const void* data, std::size_t size);

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -80,9 +81,16 @@ struct TensorToWrite {
   // shape. Ignored when `tensor` is defined.
   at::ScalarType dtype = at::kFloat;
   std::vector<std::int64_t> shape;
+  // When set, the writer calls it before reading `tensor`: an asynchronous device-to-host copy
+  // (snapshot_to_host) is still in flight.
+  std::function<void()> ready;
+  // When set and `digest` is not: the digest, finished by the writer (digest_async).
+  std::function<Digest()> digest_later;
 
   // A digest-only entry: name, digest, dtype and shape of `t`, no data and no tensor kept.
   static TensorToWrite digest_only(std::string name, const at::Tensor& t, const Digest& d);
+  // A digest-only entry whose digest may still be computing on a device.
+  static TensorToWrite digest_only(std::string name, const at::Tensor& t, const PendingDigest& d);
 };
 
 enum class ShuffleMode { kAuto, kAlways, kNever };
