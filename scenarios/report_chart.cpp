@@ -172,9 +172,10 @@ std::string step_chart_svg(const std::vector<StepPoint>& steps, ChartSeries seri
   os << "<svg class=\"chart\" data-series=\"" << series_id(series) << "\" xmlns=\"http://www.w3.org/2000/svg\" width=\""
      << kWidth << "\" height=\"" << kHeight << "\" viewBox=\"0 0 " << kWidth << " " << kHeight << "\" role=\"img\">";
   os << "<title>" << series_title(series) << (axis.log ? " (log scale)" : "") << " per step</title>";
-  os << "<text class=\"ct\" x=\"4\" y=\"13\">" << series_title(series) << "</text>";
-  os << "<text class=\"cs\" x=\"" << c(kWidth - kRight) << "\" y=\"13\" text-anchor=\"end\">"
-     << (axis.log ? "log scale" : "linear") << "</text>";
+  // The title and, after it, the axis's kind (left-aligned: the right end of the strip above the
+  // plot is where a last step's NaN label goes).
+  os << "<text x=\"4\" y=\"13\"><tspan class=\"ct\">" << series_title(series) << "</tspan><tspan class=\"cs\" dx=\"7\">"
+     << (axis.log ? "log scale" : "linear") << "</tspan></text>";
   os << "<rect class=\"plot\" x=\"" << c(kLeft) << "\" y=\"" << c(kTop) << "\" width=\"" << c(kPlotW) << "\" height=\""
      << c(kPlotH) << "\"/>";
   if (steps.empty()) {

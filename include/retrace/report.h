@@ -37,7 +37,8 @@ struct RecordedRun {
   std::map<std::int64_t, std::string> notes;  // step -> its injections and skip reason
 };
 // Reads every step_end record of `trace` (their stored tensors are loaded too and dropped).
-// Malformed values read as NaN; nothing here throws for a trace that opened.
+// Untrusted input: a value of the wrong type reads as NaN, a record that fails its checksum is
+// left out; nothing here throws for a trace that opened.
 RecordedRun recorded_run(const TraceReader& trace);
 
 // The page for `retrace replay --report`. `trace_name` is shown as given.

@@ -43,7 +43,7 @@ grep -q '&lt;img src=x onerror=alert(1)&gt; &amp; &quot;quoted&quot;' "$html" ||
 ! grep -qi '<script' "$html" || fail "the page holds a script"
 grep -q '>NaN</text>' "$html" || fail "no NaN marker"
 for cls in injected skipped rollback; do grep -q "class=\"$cls\"" "$html" || fail "no $cls marker"; done
-grep -q '>log scale</text>' "$html" || fail "no log axis"
+grep -q '>log scale</tspan>' "$html" || fail "no log axis"
 
 "$retrace" record "$files/tiny-gpt-lr-explosion.yaml" -o "$dir/run.trace" --ring 4 >/dev/null 2>&1 && fail "the run was expected to go non-finite"
 "$retrace" replay "$dir/run.trace" --report "$dir/replay.html" >"$dir/replay.out" 2>&1 || { cat "$dir/replay.out"; fail "replay failed"; }

@@ -76,7 +76,7 @@ TEST(Report, NonFiniteValuesAreLabelledMarkersNotCoordinates) {
   EXPECT_EQ(count(svg, "<circle"), 3u);    // the finite values
   EXPECT_EQ(count(svg, "<polyline"), 1u);  // steps 1-2; step 6 alone has no line
   // The scale is the finite values': 2..4 on a linear axis.
-  EXPECT_NE(svg.find(">linear</text>"), std::string::npos);
+  EXPECT_NE(svg.find(">linear</tspan>"), std::string::npos);
   EXPECT_NE(svg.find(">2.0</text>"), std::string::npos) << svg;
   EXPECT_NE(svg.find(">4.0</text>"), std::string::npos) << svg;
 
@@ -91,14 +91,14 @@ TEST(Report, GradientNormAndLossScaleUseALogAxisAndSaySo) {
   std::vector<StepPoint> steps = steps_with_losses({4.0, 3.9, 3.8});
   steps[1].grad_norm = 0;  // not on a log axis: a marker at the bottom, labelled
   const std::string norm = step_chart_svg(steps, ChartSeries::kGradNorm);
-  EXPECT_NE(norm.find(">log scale</text>"), std::string::npos);
+  EXPECT_NE(norm.find(">log scale</tspan>"), std::string::npos);
   EXPECT_NE(norm.find(">0</text>"), std::string::npos) << norm;
   expect_finite_geometry(norm);
-  EXPECT_NE(step_chart_svg(steps, ChartSeries::kLossScale).find(">log scale</text>"), std::string::npos);
-  EXPECT_NE(step_chart_svg(steps, ChartSeries::kLr).find(">linear</text>"), std::string::npos);
+  EXPECT_NE(step_chart_svg(steps, ChartSeries::kLossScale).find(">log scale</tspan>"), std::string::npos);
+  EXPECT_NE(step_chart_svg(steps, ChartSeries::kLr).find(">linear</tspan>"), std::string::npos);
   // A loss spanning six decades goes on a log axis too.
   const std::string spike = step_chart_svg(steps_with_losses({4.0, 4e6, 3.0}), ChartSeries::kLoss);
-  EXPECT_NE(spike.find(">log scale</text>"), std::string::npos);
+  EXPECT_NE(spike.find(">log scale</tspan>"), std::string::npos);
   EXPECT_NE(spike.find(">1e6</text>"), std::string::npos) << spike;
 }
 
