@@ -204,6 +204,7 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
       r.losses.push_back(o.loss);
       r.scales.push_back(o.loss_scale);
       r.lrs.push_back(o.lr);
+      r.steps.push_back({step, o.loss, o.grad_norm, o.loss_scale, o.lr, o.skipped, !o.injected.empty(), o.rolled_back});
       if (!o.skipped && !std::isfinite(o.loss)) r.all_losses_finite = false;
       if (!o.skipped && !o.finite()) ++r.applied_nonfinite_steps;
       if (o.skipped) {
@@ -403,6 +404,11 @@ std::string ScenarioResult::to_json() const {
   for (double v : losses) j["losses"].push_back(num(v));
   for (double v : scales) j["scales"].push_back(num(v));
   for (double v : lrs) j["lrs"].push_back(num(v));
+  for (const StepPoint& p : steps) {
+    j["steps"].push_back({{"step", p.step}, {"loss", num(p.loss)}, {"grad_norm", num(p.grad_norm)},
+                          {"loss_scale", num(p.loss_scale)}, {"lr", num(p.lr)}, {"skipped", p.skipped},
+                          {"injected", p.injected}, {"rolled_back", p.rolled_back}});
+  }
   j["injected"] = injected;
   j["skip_reasons"] = skip_reasons;
   j["replayed"] = replayed;
@@ -452,6 +458,13 @@ ScenarioResult ScenarioResult::from_json(const std::string& text) {
   if (j.contains("losses")) for (const auto& v : j["losses"]) r.losses.push_back(from_num(v));
   if (j.contains("scales")) for (const auto& v : j["scales"]) r.scales.push_back(from_num(v));
   if (j.contains("lrs")) for (const auto& v : j["lrs"]) r.lrs.push_back(from_num(v));
+  if (j.contains("steps")) {
+    for (const auto& p : j["steps"]) {
+      r.steps.push_back({p.at("step").get<std::int64_t>(), from_num(p.at("loss")), from_num(p.at("grad_norm")),
+                         from_num(p.at("loss_scale")), from_num(p.at("lr")), p.at("skipped").get<bool>(),
+                         p.at("injected").get<bool>(), p.at("rolled_back").get<bool>()});
+    }
+  }
   r.injected = j.at("injected").get<std::vector<std::string>>();
   r.skip_reasons = j.at("skip_reasons").get<std::vector<std::string>>();
   r.replayed = j.at("replayed");
@@ -485,6 +498,18 @@ ScenarioSpec load_scenario(const std::string& path_or_builtin) {
   return parse_scenario_file(path_or_builtin);
 }
 
+std::string ScenarioResult::verdict() const {
+  if (passed) return "ok";
+  std::string v = "FAILED";
+  if (raised && !expected_to_break) v += " (raised: " + error + ")";
+  if (!params_finite && !expected_to_break && !raised) v += " (non-finite parameters at the end)";
+  for (const ExpectationCheck& c : checks) {
+    if (!c.passed && !expected_to_break) v += " (" + c.name + ": expected " + c.expected + ", got " + c.observed + ")";
+  }
+  if (expected_to_break) v += " (negative control held: the fault did not bite)";
+  return v;
+}
+
 std::string outcome_matrix(const std::vector<ScenarioResult>& results) {
   std::size_t wn = 0, wf = 0, wd = 0;  // (not a structured binding: the lambdas below capture them)
   std::tie(wn, wf, wd) = column_widths(results);
@@ -496,16 +521,7 @@ std::string outcome_matrix(const std::vector<ScenarioResult>& results) {
   };
   row("scenario", "fault", "defense", "outcome", "expected", "verdict");
   for (const ScenarioResult& r : results) {
-    std::string verdict = r.passed ? "ok" : "FAILED";
-    if (!r.passed) {
-      if (r.raised && !r.expected_to_break) verdict += " (raised: " + r.error + ")";
-      if (!r.params_finite && !r.expected_to_break && !r.raised) verdict += " (non-finite parameters at the end)";
-      for (const ExpectationCheck& c : r.checks) {
-        if (!c.passed && !r.expected_to_break) verdict += " (" + c.name + ": expected " + c.expected + ", got " + c.observed + ")";
-      }
-      if (r.expected_to_break) verdict += " (negative control held: the fault did not bite)";
-    }
-    row(r.name, r.fault, r.defense, r.outcome(), r.expected_to_break ? "broke" : "held", verdict);
+    row(r.name, r.fault, r.defense, r.outcome(), r.expected_to_break ? "broke" : "held", r.verdict());
   }
   return os.str();
 }

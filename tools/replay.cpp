@@ -2,6 +2,7 @@
 #include "commands.h"
 
 #include <retrace/replayer.h>
+#include <retrace/report.h>
 
 #include <boost/program_options.hpp>
 
@@ -13,7 +14,7 @@ namespace retrace::cli {
 namespace po = boost::program_options;
 
 int run_replay(const std::vector<std::string>& args) {
-  std::string trace_path, json_path;
+  std::string trace_path, json_path, report_path;
   std::int64_t step = -1, from = -1;
   po::options_description opts(
       "retrace replay TRACE [options]\n\n"
@@ -24,6 +25,9 @@ int run_replay(const std::vector<std::string>& args) {
       "step", po::value<std::int64_t>(&step), "last step to replay (default: the last recorded)")(
       "from", po::value<std::int64_t>(&from), "replay from the latest full snapshot at or before this step (default: nearest to --step)")(
       "json", po::value<std::string>(&json_path), "write the result as JSON to FILE ('-' for stdout)")(
+      "report", po::value<std::string>(&report_path),
+      "write an HTML report to FILE: the first divergence, the first non-finite op with its inputs' statistics, "
+      "and the recorded loss, gradient-norm, loss-scale and LR curves (one self-contained file, no script)")(
       "force", "replay even where the environment differs in a way that breaks bitwise equality")(
       "no-provenance", "do not look for the first non-finite op");
   const auto parsed = parse_arguments(args, opts, "trace", &trace_path);
@@ -47,6 +51,13 @@ int run_replay(const std::vector<std::string>& args) {
       << (result.reproduced ? "reproduced bitwise" : "DIVERGED") << "\n";
   if (result.first_divergence) out << "first divergence: " << result.first_divergence->message() << "\n";
   if (result.first_nonfinite) out << result.first_nonfinite->message() << "\n";
+  if (!report_path.empty()) {
+    std::ofstream f(report_path);
+    if (!(f << html_replay_report(trace_path, result, recorded_run(trace))) || (f.close(), !f)) {
+      throw Error("cannot write --report file '" + report_path + "'");
+    }
+    out << "wrote the HTML report to " << report_path << "\n";
+  }
   if (!json_path.empty()) {
     const std::string text = result.to_json().dump(2) + "\n";
     if (json_path == "-") {

@@ -1,8 +1,11 @@
 // `retrace run [PATHS...]`: runs scenarios, each in its own child process so that one crash
-// cannot take down the suite, in parallel; prints the outcome matrix, writes JUnit and JSON.
+// cannot take down the suite, in parallel; prints the outcome matrix (with a progress bar on a
+// terminal), writes JUnit, JSON and the HTML report.
 #include "commands.h"
+#include "progress.h"
 
 #include <retrace/error.h>
+#include <retrace/report.h>
 #include <retrace/runner.h>
 
 #include <boost/program_options.hpp>
@@ -123,7 +126,7 @@ int run_child(const std::string& source, const std::string& result_path, int thr
 
 int run_run(const std::vector<std::string>& args) {
   std::vector<std::string> paths;
-  std::string junit_path, json_path, child, result_path;
+  std::string junit_path, json_path, report_path, child, result_path;
   int jobs = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   int threads = 0;
   po::options_description opts(
@@ -131,13 +134,17 @@ int run_run(const std::vector<std::string>& args) {
       "Runs scenarios -- training with injected faults and defenses -- and checks what each\n"
       "expects; every scenario runs in its own process. PATHS are scenario files, folders of\n"
       "them, or builtin:NAME; with none, the built-in suite runs. Prints the outcome matrix\n"
-      "(fault x defense -> held / broke, and whether that was expected).\n"
+      "(fault x defense -> held / broke, and whether that was expected). On a terminal, a progress\n"
+      "bar on stderr shows how many scenarios are done and which are running.\n"
       "Exit code 0 every expectation met, 1 some failed, 2 bad input.\n\n"
       "options");
   opts.add_options()("help,h", "show this help")(
       "jobs,j", po::value<int>(&jobs), "scenarios run in parallel (default: the number of cores)")(
       "junit", po::value<std::string>(&junit_path), "write a JUnit XML report to FILE")(
       "json", po::value<std::string>(&json_path), "write every result as JSON to FILE ('-' for stdout)")(
+      "report", po::value<std::string>(&report_path),
+      "write an HTML report to FILE: the outcome matrix and each scenario's loss, gradient-norm, loss-scale and "
+      "LR curves with faults, skipped steps and rollbacks marked (one self-contained file, no script)")(
       "threads", po::value<int>(&threads), "LibTorch intra-op threads per scenario (default: cores / jobs; "
                                             "oversubscribing the cores slows spinning OpenMP threads badly)")(
       "list", "list the scenarios (with their fault and defense) instead of running them")(
@@ -162,6 +169,13 @@ int run_run(const std::vector<std::string>& args) {
   if (bench && !vm.count("jobs")) jobs = 1;  // timings from scenarios sharing the cores mean little
   if (jobs < 1) throw Error("--jobs must be at least 1, got " + std::to_string(jobs));
   if (vm.count("threads") && threads < 1) throw Error("--threads must be at least 1, got " + std::to_string(threads));
+  if (!report_path.empty()) {
+    const fs::path parent = fs::path(report_path).parent_path();
+    std::error_code ec;
+    if (!parent.empty() && !fs::is_directory(parent, ec)) {
+      throw Error("--report: the folder '" + parent.string() + "' does not exist; create it first");
+    }
+  }
 
   // Parse everything first: a bad file fails the command before anything runs.
   std::vector<Job> pending;
@@ -243,10 +257,25 @@ int run_run(const std::vector<std::string>& args) {
 
   // With --json -, stdout carries only the JSON; progress and the matrix go to stderr.
   std::ostream& say = json_path == "-" ? std::cerr : std::cout;
+  // On a terminal, the bar: polled every 100 ms so its clock moves; elsewhere a blocking wait.
+  ProgressBar bar(pending.size());
+  auto running_names = [&] {
+    std::string names;
+    for (const auto& [pid, i] : running) {
+      const Job& j = pending[i];
+      names += (names.empty() ? "" : ", ") + (j.spec.name.empty() ? j.source : j.spec.name);
+    }
+    return names;
+  };
   while (done < pending.size()) {
     while (next < pending.size() && static_cast<int>(running.size()) < jobs) start(next++);
     int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, 0);
+    const pid_t pid = ::waitpid(-1, &status, bar.enabled() ? WNOHANG : 0);
+    if (pid == 0) {
+      bar.update(done, running_names());
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      continue;
+    }
     if (pid < 0) {
       if (errno == EINTR) continue;
       throw Error(std::string("waiting for scenario processes failed: ") + std::strerror(errno));
@@ -274,6 +303,7 @@ int run_run(const std::vector<std::string>& args) {
       r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - job.started).count();
     }
     ++done;
+    bar.clear();
     say << (r.passed ? "ok     " : "FAILED ") << r.name << "  (" << r.fault << " x " << r.defense << ": " << r.outcome()
               << ", expected " << (r.expected_to_break ? "broke" : "held") << ", " << std::fixed << std::setprecision(1)
               << r.seconds << " s)" << std::defaultfloat << "\n";
@@ -287,7 +317,9 @@ int run_run(const std::vector<std::string>& args) {
     }
     say.flush();
     results[i] = std::move(r);
+    if (done < pending.size()) bar.update(done, running_names());
   }
+  bar.clear();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   // The files go with `cleanup` (file by file: libtorch.so exports its own
   // std::filesystem::remove_all, which crashes here).
@@ -305,6 +337,13 @@ int run_run(const std::vector<std::string>& args) {
   if (!junit_path.empty()) {
     std::ofstream f(junit_path);
     if (!(f << junit_xml(results, seconds))) throw Error("cannot write --junit file '" + junit_path + "'");
+  }
+  if (!report_path.empty()) {
+    std::ofstream f(report_path);
+    if (!(f << html_run_report(results, seconds)) || (f.close(), !f)) {
+      throw Error("cannot write --report file '" + report_path + "'");
+    }
+    say << "wrote the HTML report to " << report_path << "\n";
   }
   if (!json_path.empty()) {
     nlohmann::json all_results = nlohmann::json::array();

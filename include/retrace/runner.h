@@ -8,10 +8,23 @@
 #include <retrace/scenario.h>
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
 namespace retrace {
+
+// One step of a run, condensed from its StepOutcome: what the HTML report draws.
+struct StepPoint {
+  std::int64_t step = 0;
+  double loss = std::numeric_limits<double>::quiet_NaN();
+  double grad_norm = std::numeric_limits<double>::quiet_NaN();  // before clipping
+  double loss_scale = 1.0;                                      // at the step's start
+  double lr = 0.0;                                              // the LR the step used
+  bool skipped = false;      // the optimizer step was skipped
+  bool injected = false;     // an injection fired in the step
+  bool rolled_back = false;  // a rollback restored an earlier step-start state
+};
 
 struct ExpectationCheck {
   std::string name;      // "params_finite", "max_skipped_steps", ...
@@ -43,6 +56,7 @@ struct ScenarioResult {
   bool all_losses_finite = true;                 // over applied (not skipped) steps
   double final_loss = 0;                         // mean of the last 3 applied steps (NaN: none)
   std::vector<double> losses, scales, lrs;       // per step
+  std::vector<StepPoint> steps;                  // per step, all of it (the report's curves)
   std::vector<std::string> injected;             // "step N: ..." per fired injection
   std::vector<std::string> skip_reasons;         // "step N: ..." per skipped step
   bool replayed = false, replay_bitwise = false;
@@ -70,6 +84,8 @@ struct ScenarioResult {
   bool passed = false;             // broke == expected_to_break, and a held run passed every check
 
   std::string outcome() const { return broke ? "broke" : "held"; }
+  // The matrix's verdict: "ok", or "FAILED" followed by the reasons in parentheses.
+  std::string verdict() const;
   // The result as JSON text (one object), and back (for results coming from a child process).
   std::string to_json() const;
   static ScenarioResult from_json(const std::string& text);
