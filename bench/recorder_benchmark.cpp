@@ -36,6 +36,15 @@ data: {batch: 16}
 training: {optimizer: adamw, lr: 0.0001, segments: 4}
 )";
 
+// GPU: a GPT large enough to keep an H200 busy (12 layers, d_model 768, 1024 tokens a sequence,
+// 8 sequences a step), forward under bf16 autocast.
+const char* kGpuGpt12 = R"(
+name: gpu-gpt12
+model: {type: tiny_gpt, layers: 12, d_model: 768, heads: 12, seq_len: 1024, vocab: 8192, dropout: 0.1}
+data: {batch: 8}
+training: {optimizer: adamw, lr: 0.0001, segments: 12, device: cuda, precision: bf16}
+)";
+
 std::string bench_path(const std::string& name) {
   return (std::filesystem::temp_directory_path() / ("retrace_bench_" + std::to_string(::getpid()) + "_" + name)).string();
 }
@@ -51,6 +60,11 @@ double seconds(const std::function<void()>& f) {
 // (full mode writes 11 MiB a step) lands on another's timing.
 void BM_RecorderOverhead(benchmark::State& state, const char* variant, const char* scenario) {
   register_builtin_programs();
+  const bool cuda = std::string(scenario).find("device: cuda") != std::string::npos;
+  if (cuda && !torch::cuda::is_available()) {
+    state.SkipWithError("no CUDA device is visible");
+    return;
+  }
   const std::string which = variant;
   RecorderOptions options;
   if (which == "full") options.mode = RecordMode::kFull;
@@ -59,7 +73,14 @@ void BM_RecorderOverhead(benchmark::State& state, const char* variant, const cha
   ScenarioProgram recorded(parse_scenario_text(scenario, "bench"));
   Recorder recorder(bench_path(which), recorded, options);
   std::int64_t step = 0;
-  auto plain_step = [&] { plain.step(step, plain.batch(step), nullptr); };
+  // On a GPU a step is timed to its completion on the device.
+  const auto done = [&] {
+    if (cuda) torch::cuda::synchronize();
+  };
+  auto plain_step = [&] {
+    plain.step(step, plain.batch(step), nullptr);
+    done();
+  };
   auto recorded_step = [&] {
     const auto batch = recorded.batch(step);
     ObserverScope scope(recorder);
@@ -69,6 +90,7 @@ void BM_RecorderOverhead(benchmark::State& state, const char* variant, const cha
     // Count the writer thread's work too (compression on a 2-core machine competes with the
     // step), and keep it from spilling into the plain step's timing.
     recorder.flush();
+    done();
   };
   for (int i = 0; i < 2; ++i) {  // warm-up, including the first step's full snapshot
     ++step;
@@ -98,6 +120,9 @@ void BM_RecorderOverhead(benchmark::State& state, const char* variant, const cha
 BENCHMARK_CAPTURE(BM_RecorderOverhead, digest, "digest", kBenchScenario)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(3.0);
 BENCHMARK_CAPTURE(BM_RecorderOverhead, ring4, "ring4", kBenchScenario)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(3.0);
 BENCHMARK_CAPTURE(BM_RecorderOverhead, full, "full", kBenchScenario)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(3.0);
+// GPU (named Cuda* so that scripts/gpu-check's filter picks them; they skip without a GPU).
+BENCHMARK_CAPTURE(BM_RecorderOverhead, Cuda_gpt12_digest, "digest", kGpuGpt12)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(5.0);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, Cuda_gpt12_full, "full", kGpuGpt12)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(5.0);
 BENCHMARK_CAPTURE(BM_RecorderOverhead, digest_2k_tokens, "digest", kBench2kTokens)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(6.0);
 BENCHMARK_CAPTURE(BM_RecorderOverhead, ring4_2k_tokens, "ring4", kBench2kTokens)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(6.0);
 

@@ -3,14 +3,22 @@
 #include "../support/training.h"
 
 #include <retrace/checkpoint.h>
+#include <retrace/determinism.h>
 #include <retrace/digest.h>
 #include <retrace/gtest.h>
+#include <retrace/recorder.h>
+#include <retrace/replayer.h>
 #include <retrace/rng.h>
+#include <retrace/scenario.h>
+#include <retrace/snapshot.h>
+#include <retrace/trainer.h>
 #include <retrace/version.h>
 
 #include <torch/torch.h>
 
 #include <cstdlib>
+#include <filesystem>
+#include <unistd.h>
 
 namespace retrace {
 namespace {
@@ -88,6 +96,127 @@ TEST(CudaCheckpoint, TinyGptWithDropoutBitwiseEqualToPlain) {
     EXPECT_BITWISE_EQ(plain.grads[i].second, ckpt.grads[i].second);
   }
 }
+
+// digest_async queues the kernel and the 16-byte copy; finished, it equals digest().
+TEST(CudaDigest, AsyncDigestEqualsTheSynchronousOne) {
+  RETRACE_REQUIRE_CUDA();
+  torch::manual_seed(2);
+  const at::Tensor a = torch::randn({4096, 129}, torch::kCUDA).to(torch::kBFloat16);
+  std::vector<PendingDigest> pending;
+  for (int i = 0; i < 8; ++i) pending.push_back(digest_async(a.narrow(0, i * 512, 512)));
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_FALSE(pending[i].ready());
+    EXPECT_EQ(pending[i].get(), digest(a.narrow(0, i * 512, 512))) << i;
+    EXPECT_EQ(pending[i].get(), pending[i].get());  // get() may be called again
+  }
+}
+
+// An asynchronous snapshot is never torn by an in-place update queued after it, even when the
+// device is busy and the copy to the host starts late.
+TEST(CudaSnapshot, TakenBeforeAnInPlaceUpdateHoldsTheOldValues) {
+  RETRACE_REQUIRE_CUDA();
+  torch::manual_seed(4);
+  at::Tensor x = torch::randn({64, 1024, 1024}, torch::kCUDA);  // 256 MiB: the copy takes a while
+  const at::Tensor before = x.cpu();
+  at::Tensor busy = torch::randn({4096, 4096}, torch::kCUDA);
+  for (int i = 0; i < 20; ++i) busy = busy.matmul(busy).tanh_();  // keep the stream busy
+  const HostSnapshot snap = snapshot_to_host(x);
+  EXPECT_TRUE(snap.host.is_pinned());
+  x.mul_(-3).add_(1);  // queued right behind the snapshot on the same stream
+  x.zero_();
+  ASSERT_TRUE(snap.wait);
+  snap.wait();
+  EXPECT_BITWISE_EQ(before, snap.host);
+  // Control: a snapshot taken after the update holds the new values.
+  const HostSnapshot after = snapshot_to_host(x);
+  after.wait();
+  EXPECT_BITWISE_EQ(torch::zeros_like(before), after.host);
+}
+
+std::string temp_trace(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("retrace_cuda_" + name + "_" + std::to_string(::getpid()) + ".trace")).string();
+}
+
+std::string gpt_yaml(const std::string& name, const std::string& device, const std::string& training_extra,
+                     const std::string& sections = "") {
+  // The CPU variant (which checks the test itself on every machine) is smaller: fp16 autocast is
+  // slow on CPUs.
+  const std::string model = device == "cuda" ? "layers: 4, d_model: 64, heads: 4" : "layers: 2, d_model: 16, heads: 2";
+  return "name: " + name + "\nmodel: {type: tiny_gpt, " + model + ", dropout: 0.1}\n" +
+         "data: {batch: 4, seed: 5}\ntraining: {steps: 4, optimizer: adamw, lr: 0.001, segments: 2, device: " + device +
+         ", " + training_extra + "}\n" + sections;
+}
+
+// Record, then replay: tiny GPT in bf16, and in fp16 with dynamic loss scaling, in digest mode and
+// full mode, reproduced bitwise under the determinism guard. Run on the GPU, and on the CPU so
+// that the test's own logic is exercised on every machine.
+void record_replay_bf16_fp16(const std::string& device) {
+  ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
+  DeterministicGuard deterministic;
+  register_builtin_programs();
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"bf16", gpt_yaml("bf16", device, "precision: bf16")},
+      {"fp16", gpt_yaml("fp16", device, "precision: fp16", "defenses: {loss_scaling: {init_scale: 65536}}\n")}};
+  for (const auto& [name, yaml] : cases) {
+    for (RecordMode mode : {RecordMode::kDigest, RecordMode::kFull}) {
+      SCOPED_TRACE(device + " " + name + (mode == RecordMode::kFull ? " full" : " digest"));
+      const std::string path = temp_trace(device + name);
+      {
+        ScenarioProgram program(parse_scenario_text(yaml, name));
+        RecorderOptions options;
+        options.mode = mode;
+        Recorder recorder(path, program, options);
+        const std::vector<StepOutcome> outcomes = record_run(program, recorder, 4);
+        ASSERT_EQ(outcomes.size(), 4u);
+        for (const StepOutcome& o : outcomes) EXPECT_TRUE(o.finite());
+        recorder.close();
+      }
+      const TraceReader trace(path);
+      std::unique_ptr<Program> program = program_from_trace(trace);
+      ReplayOptions all;
+      all.from = 1;
+      const ReplayResult r = Replayer(trace, *program).run(all);
+      EXPECT_TRUE(r.reproduced) << r.to_json().dump(2);
+      EXPECT_EQ(r.from_step, 1);
+      EXPECT_EQ(r.to_step, 4);
+      std::filesystem::remove(path);
+    }
+  }
+}
+
+TEST(CudaRecordReplay, TinyGptBf16AndFp16WithLossScalingReproduceBitwise) {
+  RETRACE_REQUIRE_CUDA();
+  record_replay_bf16_fp16("cuda");
+}
+
+TEST(CudaRecordReplay, SameCasesOnTheCpu) { record_replay_bf16_fp16("cpu"); }
+
+// A full training step (forward, backward with recompute, AdamW) run twice from the same state
+// under the determinism guard gives the same bits: two programs built from one scenario.
+void full_step_twice(const std::string& device) {
+  ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
+  DeterministicGuard deterministic;
+  register_builtin_programs();
+  const std::string yaml = gpt_yaml("twice", device, "precision: bf16");
+  std::vector<std::vector<at::Tensor>> after(2);
+  for (int run = 0; run < 2; ++run) {
+    ScenarioProgram program(parse_scenario_text(yaml, "twice"));
+    torch::manual_seed(11);
+    if (device == "cuda") torch::cuda::manual_seed_all(11);
+    program.step(1, program.batch(1), nullptr);
+    for (const NamedTensor& s : program.state()) after[run].push_back(s.tensor.cpu());
+  }
+  ASSERT_EQ(after[0].size(), after[1].size());
+  ASSERT_FALSE(after[0].empty());
+  for (std::size_t i = 0; i < after[0].size(); ++i) EXPECT_BITWISE_EQ(after[0][i], after[1][i]) << i;
+}
+
+TEST(CudaDeterminism, AFullStepTwiceGivesIdenticalBits) {
+  RETRACE_REQUIRE_CUDA();
+  full_step_twice("cuda");
+}
+
+TEST(CudaDeterminism, SameOnTheCpu) { full_step_twice("cpu"); }
 
 }  // namespace
 }  // namespace retrace
