@@ -276,6 +276,23 @@ struct Recorder::Impl {
   std::recursive_mutex mutex;  // public API; re-entered by dump_ring from end_step
   RecorderStats stats;
   bool closed = false;
+  bool disabled = false;  // a write failed under OnWriteError::kContinue: recording stopped
+
+  // Runs a call into the writer. Under kContinue a failure stops recording instead of training.
+  template <class F>
+  void io(F&& f) {
+    if (disabled) return;
+    if (options.on_write_error == OnWriteError::kStop) {
+      f();
+      return;
+    }
+    try {
+      f();
+    } catch (const Error& e) {
+      disabled = true;
+      stats.write_error = e.what();
+    }
+  }
 
   std::int64_t step = -1;  // -1: between steps
   bool first_step = true;
@@ -325,7 +342,7 @@ struct Recorder::Impl {
   }
 
   void segment(const SegmentEvent& e, const char* phase, const char* in_prefix, const char* out_prefix) {
-    if (step < 0 || closed) return;  // outside a recorded step, or after a signal closed the trace
+    if (step < 0 || closed || disabled) return;  // outside a recorded step, after a signal closed the trace, or a write failed
     std::int64_t ordinal;
     if (e.phase == SegmentPhase::kForward) {
       ordinal = next_ordinal++;
@@ -344,20 +361,22 @@ struct Recorder::Impl {
     for (std::size_t i = 0; i < e.outputs.size(); ++i) {
       if (e.outputs[i].defined()) tensors.push_back(entry(out_prefix + std::to_string(i), e.outputs[i], store_values()));
     }
-    writer->push(RecordType::kSegment, std::move(meta), std::move(tensors), stats);
+    io([&] { writer->push(RecordType::kSegment, std::move(meta), std::move(tensors), stats); });
   }
 
   void dump_ring(const std::string& reason) {
-    if (ring.empty()) return;
-    nlohmann::json steps = nlohmann::json::array();
-    for (RingEntry& r : ring) {
-      steps.push_back(r.step);
-      writer->push(RecordType::kStepBegin, r.meta, r.tensors, stats);
-    }
-    writer->push(RecordType::kEvent, {{"event", "ring_dump"}, {"reason", reason}, {"steps", steps}}, {}, stats);
-    writer->flush(/*sync=*/true);
-    ring.clear();
-    ++stats.ring_dumps;
+    if (ring.empty() || disabled) return;
+    io([&] {
+      nlohmann::json steps = nlohmann::json::array();
+      for (RingEntry& r : ring) {
+        steps.push_back(r.step);
+        writer->push(RecordType::kStepBegin, r.meta, r.tensors, stats);
+      }
+      writer->push(RecordType::kEvent, {{"event", "ring_dump"}, {"reason", reason}, {"steps", steps}}, {}, stats);
+      writer->flush(/*sync=*/true);
+      ring.clear();
+      ++stats.ring_dumps;
+    });
   }
 };
 
@@ -420,6 +439,7 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
   std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
   Impl& m = *impl_;
   if (m.closed) throw Error("retrace::Recorder: begin_step after close");
+  if (m.disabled) return;
   m.step = step;
   m.next_ordinal = 0;
   m.ordinals.clear();
@@ -452,8 +472,10 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
   } else {
     for (const NamedTensor& s : state) tensors.push_back(entry("state." + s.name, s.tensor, false));
   }
-  m.writer->push(RecordType::kStepBegin, std::move(meta), std::move(tensors), m.stats);
-  if (m.options.write_ahead) m.writer->flush(/*sync=*/true);
+  m.io([&] {
+    m.writer->push(RecordType::kStepBegin, std::move(meta), std::move(tensors), m.stats);
+    if (m.options.write_ahead) m.writer->flush(/*sync=*/true);
+  });
   m.first_step = false;
 }
 
@@ -475,7 +497,7 @@ void Recorder::on_backward(SegmentEvent& e) {
 void Recorder::after_backward(const at::Tensor& loss, const std::vector<NamedTensor>& grads) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
   Impl& m = *impl_;
-  if (m.step < 0 || m.closed) return;
+  if (m.step < 0 || m.closed || m.disabled) return;
   m.after_backward.push_back(entry("loss", loss, true));
   for (const NamedTensor& g : grads) m.after_backward.push_back(entry(g.name, g.tensor, m.store_values()));
 }
@@ -484,6 +506,10 @@ void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std
   std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
   Impl& m = *impl_;
   if (m.closed) throw Error("retrace::Recorder: end_step after close");
+  if (m.disabled) {
+    ++m.stats.steps;
+    return;
+  }
   nlohmann::json meta = {{"step", step},
                          {"loss", number(outcome.loss)},
                          {"grad_norm", number(outcome.grad_norm)},
@@ -509,7 +535,7 @@ void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std
     m.end_state.push_back({s.name, s.tensor, s.tensor._version(), d});
   }
   m.end_state_step = step;
-  m.writer->push(RecordType::kStepEnd, std::move(meta), std::move(tensors), m.stats);
+  m.io([&] { m.writer->push(RecordType::kStepEnd, std::move(meta), std::move(tensors), m.stats); });
   ++m.stats.steps;
   m.step = -1;
   if (!outcome.finite()) {
@@ -520,7 +546,8 @@ void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std
 
 void Recorder::flush(bool sync) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
-  if (!impl_->closed) impl_->writer->flush(sync);
+  Impl& m = *impl_;
+  if (!m.closed) m.io([&] { m.writer->flush(sync); });
 }
 
 void Recorder::dump_ring(const std::string& reason) {
@@ -531,10 +558,10 @@ void Recorder::dump_ring(const std::string& reason) {
 void Recorder::note_exception(const std::string& what) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
   Impl& m = *impl_;
-  if (m.closed) return;
-  m.writer->push(RecordType::kEvent, {{"event", "exception"}, {"what", what}, {"step", m.step}}, {}, m.stats);
+  if (m.closed || m.disabled) return;
+  m.io([&] { m.writer->push(RecordType::kEvent, {{"event", "exception"}, {"what", what}, {"step", m.step}}, {}, m.stats); });
   m.dump_ring("exception: " + what);
-  m.writer->flush(/*sync=*/true);
+  m.io([&] { m.writer->flush(/*sync=*/true); });
 }
 
 void Recorder::close() {
@@ -557,7 +584,7 @@ void Recorder::close() {
       g_signal_recorder = nullptr;
     }
     try {
-      m.writer->close();
+      m.io([&] { m.writer->close(); });  // after a failed write under kContinue: stays .incomplete
     } catch (...) {
       m.stats.bytes = m.writer->bytes();
       m.writer->stop();

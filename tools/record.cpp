@@ -18,7 +18,7 @@ namespace retrace::cli {
 namespace po = boost::program_options;
 
 int run_record(const std::vector<std::string>& args) {
-  std::string scenario, output, mode = "digest", compression = "fast";
+  std::string scenario, output, mode = "digest", compression = "fast", on_write_error = "stop";
   int every = 0, ring = 0;
   std::int64_t steps = 0;
   po::options_description opts(
@@ -32,6 +32,8 @@ int run_record(const std::vector<std::string>& args) {
       "every", po::value<int>(&every)->default_value(0), "digest mode: also a full snapshot every K steps")(
       "ring", po::value<int>(&ring)->default_value(0), "flight ring: keep the last K full snapshots, dump them on NaN/Inf, exception or SIGTERM/SIGINT")(
       "write-ahead", "write each step's full snapshot to disk (fsync) before the step runs")(
+      "on-write-error", po::value<std::string>(&on_write_error)->default_value("stop"),
+      "when a trace write fails (disk full, I/O error): stop training, or continue training without recording")(
       "compression", po::value<std::string>(&compression)->default_value("fast"),
       "stored tensors: fast (Blosc bit-shuffle + LZ4) or small (byte shuffle + zstd, ~10% smaller, ~4x slower)")(
       "steps", po::value<std::int64_t>(&steps), "steps to run (overrides the scenario's training.steps)")(
@@ -43,6 +45,9 @@ int run_record(const std::vector<std::string>& args) {
   if (output.empty()) throw Error("missing -o TRACE: where to write the trace");
   if (vm.count("steps") && steps < 1) throw Error("--steps must be at least 1, got " + std::to_string(steps));
   if (every < 0 || ring < 0) throw Error("--every and --ring must not be negative");
+  if (on_write_error != "stop" && on_write_error != "continue") {
+    throw Error("--on-write-error must be stop or continue, got '" + on_write_error + "'");
+  }
   if (compression != "fast" && compression != "small") {
     throw Error("--compression must be fast or small, got '" + compression + "'");
   }
@@ -67,6 +72,7 @@ int run_record(const std::vector<std::string>& args) {
   options.ring = ring;
   options.write_ahead = vm.count("write-ahead") > 0;
   options.writer.compression = compression == "fast" ? Compression::kFast : Compression::kSmall;
+  options.on_write_error = on_write_error == "continue" ? OnWriteError::kContinue : OnWriteError::kStop;
   const std::int64_t n = vm.count("steps") ? steps : program->default_steps();
 
   Recorder recorder(output, *program, options);
@@ -88,8 +94,12 @@ int run_record(const std::vector<std::string>& args) {
   if (stats.ring_dumps) std::cout << ", flight ring dumped";
   if (stats.backpressure_waits) std::cout << ", writer backpressure " << stats.backpressure_waits << "x";
   std::cout << ")\n";
+  if (!stats.write_error.empty()) {
+    std::cerr << "retrace record: recording stopped (" << stats.write_error << "); training went on; what was written "
+              << "before is " << output << ".incomplete\n";
+  }
   if (!finite) std::cout << "the run went non-finite; replay it with: retrace replay " << output << "\n";
-  return finite ? 0 : 1;
+  return finite && stats.write_error.empty() ? 0 : 1;
 }
 
 }  // namespace retrace::cli

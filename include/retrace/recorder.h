@@ -29,6 +29,13 @@ enum class RecordMode { kDigest, kFull };
 // "digest" | "full"; throws retrace::Error otherwise.
 RecordMode parse_record_mode(const std::string& text);
 
+// What a failing trace write (EIO, ENOSPC, ...) does to training.
+//   kStop:     the error is thrown from the recorder call that finds it: training stops there.
+//   kContinue: recording stops and training goes on; stats().write_error says what failed. The
+//              trace stays PATH.incomplete, readable up to its last complete record.
+// Either way, failing to create the trace (its file and header) throws from the constructor.
+enum class OnWriteError { kStop, kContinue };
+
 struct RecorderOptions {
   RecordMode mode = RecordMode::kDigest;
   int every = 0;         // digest mode: also a full step-begin snapshot every k steps (0: never)
@@ -36,6 +43,7 @@ struct RecorderOptions {
   bool write_ahead = false;
   std::size_t queue_bytes = std::size_t{256} << 20;  // bound of the background writer's queue
   bool dump_on_signal = true;  // with ring > 0: dump on SIGTERM/SIGINT, then die by the signal
+  OnWriteError on_write_error = OnWriteError::kStop;
   WriterOptions writer;
 };
 
@@ -46,6 +54,7 @@ struct RecorderStats {
   double backpressure_seconds = 0;
   std::int64_t ring_dumps = 0;
   std::uint64_t bytes = 0;               // written to the trace so far
+  std::string write_error;               // OnWriteError::kContinue: why recording stopped
 };
 
 class Recorder : public SegmentObserver, public StepMonitor {
