@@ -2,6 +2,7 @@
 
 #include <retrace/version.h>
 
+#include <ATen/ops/empty.h>
 #include <xxhash.h>
 #define ZSTD_STATIC_LINKING_ONLY  // ZSTD_getFrameHeader: checks the frame carries its checksum
 #include <zstd.h>
@@ -76,12 +77,6 @@ std::optional<at::ScalarType> dtype_from_name(const std::string& name) {
     if (name == d.name) return d.type;
   }
   return std::nullopt;
-}
-
-std::string hex64(std::uint64_t v) {
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
-  return buf;
 }
 
 // --- byte shuffle ----------------------------------------------------------------------------
