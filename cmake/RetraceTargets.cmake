@@ -15,6 +15,12 @@ endif()
 set(_retrace_sanitize_flags "")
 if(RETRACE_SANITIZE)
   set(_retrace_sanitize_flags -fsanitize=${RETRACE_SANITIZE} -fno-omit-frame-pointer -fno-sanitize-recover=all)
+endif()
+if(RETRACE_FUZZ)
+  # libFuzzer's coverage instrumentation in every library; the fuzz targets link -fsanitize=fuzzer.
+  list(APPEND _retrace_sanitize_flags -fsanitize=fuzzer-no-link)
+endif()
+if(_retrace_sanitize_flags)
   target_compile_options(retrace_pch PRIVATE ${_retrace_sanitize_flags})
 endif()
 

@@ -2,6 +2,7 @@
 
 #include <retrace/version.h>
 
+#include <ATen/ops/empty.h>
 #include <blosc.h>
 #include <xxhash.h>
 #define ZSTD_STATIC_LINKING_ONLY  // ZSTD_getFrameHeader: checks the frame carries its checksum
@@ -680,15 +681,24 @@ Record TraceReader::load(std::uint64_t offset) const {
       e.dtype = *dtype;
       e.shape = field<std::vector<std::int64_t>>(t, "shape", path_, offset);
       if (e.shape.size() > kMaxRank) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has rank over 64");
-      // numel * element size without overflow, against the cap.
+      // numel * element size without overflow, against the cap. An empty tensor declares 0 bytes
+      // whatever its other sizes, but LibTorch still computes its contiguous strides in int64 (the
+      // stride of dimension 0 is the product of the later sizes, a 0 counted as 1): those must
+      // fit too.
       unsigned __int128 bytes = c10::elementSize(e.dtype);
-      for (std::int64_t s : e.shape) {
+      unsigned __int128 stride = 1;
+      for (std::size_t d = 0; d < e.shape.size(); ++d) {
+        const std::int64_t s = e.shape[d];
         if (s < 0) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has a negative size");
         bytes *= static_cast<unsigned __int128>(s);
         if (bytes > options_.max_tensor_bytes) {
           bad(TraceError::Kind::kTooLarge, path_, offset,
               "tensor '" + e.name + "' declares more than " + std::to_string(options_.max_tensor_bytes) +
                   " bytes (ReaderOptions::max_tensor_bytes)");
+        }
+        if (d > 0) stride *= static_cast<unsigned __int128>(std::max<std::int64_t>(s, 1));
+        if (stride > static_cast<unsigned __int128>(std::numeric_limits<std::int64_t>::max())) {
+          bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has sizes whose strides overflow 64 bits");
         }
       }
       e.raw_bytes = field<std::uint64_t>(t, "raw_bytes", path_, offset);

@@ -3,6 +3,7 @@
 #include <retrace/error.h>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>

@@ -43,13 +43,25 @@ size=$(stat -c %s "$dir/flipped.trace"); off=$((size / 2))
 byte=$(od -An -tu1 -j"$off" -N1 "$dir/flipped.trace" | tr -d ' ')
 printf "\\x$(printf %02x $((byte ^ 4)))" | dd of="$dir/flipped.trace" bs=1 seek="$off" conv=notrunc status=none
 mkdir "$dir/emptydir"
+# A read-only output folder. Root writes whatever the permission bits say, so for root it is a
+# read-only bind mount in a private mount namespace (unshare -m: needs CAP_SYS_ADMIN, which root
+# has outside a restricted container); for anyone else, a folder without write permission.
+mkdir "$dir/readonly"
+readonly_run=()
+if [[ $(id -u) -ne 0 ]]; then
+  chmod a-w "$dir/readonly"
+elif unshare -m true 2>/dev/null; then
+  readonly_run=(unshare -m sh -c 'mount --bind "$1" "$1" && mount -o remount,ro,bind "$1" && shift && exec "$@"' sh "$dir/readonly")
+else
+  readonly_run=(skip)
+fi
 # The generic program trace (program 'test') for diagnose.
 
-fails=0 rows=()
-# case DESCRIPTION EXPECTED_CODE -- ARGS...
+fails=0 rows=() run=()
+# case DESCRIPTION EXPECTED_CODE -- ARGS...   (retrace runs under the command in run=(...), if any)
 case_() {
   local what=$1 want=$2; shift 3
-  local err; err=$("$retrace" "$@" 2>&1 >/dev/null); local got=$?
+  local err; err=$("${run[@]}" "$retrace" "$@" 2>&1 >/dev/null); local got=$?
   local lines; lines=$(printf '%s' "$err" | grep -c '' || true)
   local msg=${err//$dir/\$DIR}; msg=${msg//$data/\$DATA}
   local ok=yes
@@ -64,6 +76,19 @@ case_ "unknown option" 2 -- demo --segmnets 2
 case_ "a number that is not one" 2 -- demo --segments two
 case_ "record without -o" 2 -- record "$dir/unknown.yaml"
 case_ "record into a folder that does not exist" 2 -- record "$data/../../scenarios/files/tiny-gpt.yaml" -o /nonexistent/dir/t.trace
+# case_readonly DESCRIPTION EXPECTED_CODE -- ARGS...: with $dir/readonly read-only
+case_readonly() {
+  if [[ ${readonly_run[0]:-} == skip ]]; then
+    echo "skipped: $1 (running as root, and unshare -m is not permitted here)"
+    return
+  fi
+  run=("${readonly_run[@]}")
+  case_ "$@"
+  run=()
+}
+case_readonly "record into a read-only folder" 2 -- record "$data/../../scenarios/files/tiny-gpt.yaml" -o "$dir/readonly/t.trace"
+case_readonly "export tensors into a read-only folder" 2 -- inspect "$data/golden-v1.trace" --export "$dir/readonly"
+case_readonly "--json into a read-only folder" 2 -- run builtin:bf16-clean --json "$dir/readonly/r.json"
 case_ "unknown record mode" 2 -- record "$data/../../scenarios/files/tiny-gpt.yaml" -o "$dir/t.trace" --mode fast
 case_ "scenario file that does not exist" 2 -- run "$dir/nope.yaml"
 case_ "empty scenario file" 2 -- run "$dir/empty.yaml"

@@ -361,6 +361,37 @@ TEST(Trace, MetadataOfTheWrongTypeIsMalformed) {
   }
 }
 
+// An empty tensor declares 0 bytes whatever its other sizes; sizes whose strides overflow int64
+// are refused at open (LibTorch cannot make such a tensor: decode() threw c10::Error, found by
+// fuzz_trace_reader). A shape LibTorch can hold still reads.
+TEST(Trace, EmptyTensorsWhoseStridesOverflowAreMalformed) {
+  const std::int64_t big = std::int64_t{1} << 62;
+  for (const std::vector<std::int64_t>& shape : {std::vector<std::int64_t>{0, big, big}, {0, big, 1}}) {
+    const bool torch_holds_it = shape[2] == 1;
+    SCOPED_TRACE(torch_holds_it ? "[0, 2^62, 1]" : "[0, 2^62, 2^62]");
+    const std::string path = temp_path("strides");
+    {
+      TraceWriter w(path, nlohmann::json::object());
+      TensorToWrite empty;
+      empty.name = "empty";
+      empty.digest = Digest{1, 2, DigestAlgorithm::kXxh3_128};
+      empty.shape = shape;
+      w.append(RecordType::kEvent, {{"event", "empty"}}, {empty});
+      w.close();
+    }
+    try {
+      const TraceReader r(path);
+      EXPECT_TRUE(torch_holds_it) << "accepted";
+      EXPECT_EQ(r.read(0).tensors.at(0).shape, shape);
+    } catch (const TraceError& e) {
+      EXPECT_FALSE(torch_holds_it) << e.what();
+      EXPECT_EQ(e.kind(), TraceError::Kind::kMalformed);
+      EXPECT_NE(std::string(e.what()).find("strides overflow"), std::string::npos) << e.what();
+    }
+    fs::remove(path);
+  }
+}
+
 TEST(Trace, AppendAfterCloseIsAnError) {
   const std::string path = temp_path("closed");
   TraceWriter w(path, nlohmann::json::object());

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Runs one libFuzzer target for a bounded time from its seed corpus (the ctest tests fuzz.*):
+#
+#   tests/fuzz/run_fuzzer.sh BINARY SEED_CORPUS_DIR [DICT]
+#
+# RETRACE_FUZZ_SECONDS (default 60) bounds the run: 3600 is the long tier. Inputs the fuzzer
+# finds go to a temporary folder, never into the seed corpus in the repository. A crash, a leak, a
+# sanitizer report, an input slower than 30 s or a broken invariant fails the run; the input is
+# kept as BUILD/fuzz-artifacts/NAME/crash-... (or leak-, timeout-, oom-) and the output says how
+# to reproduce it. The full libFuzzer log of the last run is BUILD/fuzz-artifacts/NAME/last-run.log.
+set -euo pipefail
+(($# >= 2)) || { echo "usage: $0 BINARY SEED_CORPUS_DIR [DICT]" >&2; exit 2; }
+bin=$1 seeds=$2 dict=${3:-}
+seconds=${RETRACE_FUZZ_SECONDS:-60}
+[[ $seconds =~ ^[1-9][0-9]*$ ]] || { echo "RETRACE_FUZZ_SECONDS must be a whole number of seconds > 0, got '$seconds'" >&2; exit 2; }
+name=$(basename "$bin")
+artifacts=$(cd "$(dirname "$bin")/.." && pwd)/fuzz-artifacts/$name
+mkdir -p "$artifacts"
+work=$(mktemp -d "${TMPDIR:-/tmp}/$name.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+log=$artifacts/last-run.log
+
+args=(-max_total_time="$seconds" -timeout=30 -print_final_stats=1 -artifact_prefix="$artifacts/")
+[[ -n $dict ]] && args+=(-dict="$dict")
+echo "$name: fuzzing for ${seconds} s from $seeds (log: $log)"
+rc=0
+"$bin" "${args[@]}" "$work" "$seeds" >"$log" 2>&1 || rc=$?
+
+# libFuzzer prints a line per new input; show how it started and how it ended.
+grep -m1 -E '^#[0-9]+[[:space:]]+INITED' "$log" || true
+grep -E '^#[0-9]+[[:space:]]+(NEW|REDUCE|pulse)' "$log" | tail -n 1 || true
+grep -E '^(Done [0-9]+ runs|stat::)' "$log" || true
+if ((rc != 0)); then
+  echo "---- the end of the log ----"
+  tail -n 120 "$log"
+  echo "----"
+  for f in "$artifacts"/crash-* "$artifacts"/leak-* "$artifacts"/timeout-* "$artifacts"/oom-*; do
+    [[ -e $f && $f -nt $work ]] && echo "$name: FAILED on input $f; reproduce: $bin $f"
+  done
+  echo "$name: FAILED (libFuzzer exit code $rc)"
+  exit 1
+fi
+echo "$name: ok, no crash, leak or sanitizer report in ${seconds} s"
