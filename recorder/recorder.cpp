@@ -48,6 +48,25 @@ TensorToWrite stored(const std::string& name, const at::Tensor& t, std::optional
   return w;
 }
 
+// Digests of many tensors: contiguous CPU ones hashed on LibTorch's intra-op threads together
+// (the state and the gradients are hundreds of tensors each step), the rest one by one.
+std::vector<PendingDigest> digest_all(const std::vector<NamedTensor>& tensors) {
+  std::vector<PendingDigest> out(tensors.size());
+  std::vector<char> done(tensors.size(), 0);
+  at::parallel_for(0, static_cast<std::int64_t>(tensors.size()), 4, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      const at::Tensor& t = tensors[i].tensor;
+      if (!t.defined() || !t.is_cpu() || !t.is_contiguous() || t.is_conj() || t.is_neg()) continue;
+      out[i] = PendingDigest(digest(t));  // the no-dispatch path of digest()
+      done[i] = 1;
+    }
+  });
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (!done[i]) out[i] = digest_async(tensors[i].tensor);
+  }
+  return out;
+}
+
 TensorToWrite entry(const std::string& name, const at::Tensor& t, bool full) {
   if (full) return stored(name, t);
   // CUDA: the digest kernel is queued and the writer thread collects the result; the training
@@ -470,7 +489,10 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
   } else if (m.unchanged_since_end(state)) {
     meta["state_as_step_end"] = m.end_state_step;  // same bits as that step_end's state digests
   } else {
-    for (const NamedTensor& s : state) tensors.push_back(entry("state." + s.name, s.tensor, false));
+    const std::vector<PendingDigest> digests = digest_all(state);
+    for (std::size_t i = 0; i < state.size(); ++i) {
+      tensors.push_back(TensorToWrite::digest_only("state." + state[i].name, state[i].tensor, digests[i]));
+    }
   }
   m.io([&] {
     m.writer->push(RecordType::kStepBegin, std::move(meta), std::move(tensors), m.stats);
@@ -499,7 +521,14 @@ void Recorder::after_backward(const at::Tensor& loss, const std::vector<NamedTen
   Impl& m = *impl_;
   if (m.step < 0 || m.closed || m.disabled) return;
   m.after_backward.push_back(entry("loss", loss, true));
-  for (const NamedTensor& g : grads) m.after_backward.push_back(entry(g.name, g.tensor, m.store_values()));
+  if (m.store_values()) {
+    for (const NamedTensor& g : grads) m.after_backward.push_back(entry(g.name, g.tensor, true));
+  } else {
+    const std::vector<PendingDigest> digests = digest_all(grads);
+    for (std::size_t i = 0; i < grads.size(); ++i) {
+      m.after_backward.push_back(TensorToWrite::digest_only(grads[i].name, grads[i].tensor, digests[i]));
+    }
+  }
 }
 
 void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std::vector<NamedTensor>& state_after) {
@@ -523,8 +552,10 @@ void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std
   std::vector<TensorToWrite> tensors = std::move(m.after_backward);
   m.after_backward.clear();
   m.end_state.clear();
-  for (const NamedTensor& s : state_after) {
-    const PendingDigest d = digest_async(s.tensor);
+  const std::vector<PendingDigest> digests = digest_all(state_after);
+  for (std::size_t i = 0; i < state_after.size(); ++i) {
+    const NamedTensor& s = state_after[i];
+    const PendingDigest& d = digests[i];
     if (m.store_values()) {
       TensorToWrite w = stored("state." + s.name, s.tensor);
       w.digest_later = [d] { return d.get(); };
