@@ -1,6 +1,8 @@
 // Checkpointed vs plain training step, recompute verification overhead, and the cost of running
 // the forward in the recompute's grad mode. Every figure is a ratio of two variants measured
 // interleaved in the same benchmark, so machine noise hits both sides alike.
+#include "alternate.h"
+
 #include <retrace/memory.h>
 #include <retrace/models.h>
 #include <retrace/verify.h>
@@ -16,7 +18,6 @@
 namespace retrace {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
 models::GptConfig bench_config() {
   models::GptConfig c;
@@ -67,20 +68,7 @@ void interleave(benchmark::State& state, const std::function<void()>& a,
   double ta = 0, tb = 0;
   bool a_first = true;
   for (auto _ : state) {
-    auto time = [](const std::function<void()>& f) {
-      const auto t0 = Clock::now();
-      f();
-      return std::chrono::duration<double>(Clock::now() - t0).count();
-    };
-    double da, db;
-    if (a_first) {
-      da = time(a);
-      db = time(b);
-    } else {
-      db = time(b);
-      da = time(a);
-    }
-    a_first = !a_first;
+    const auto [da, db] = bench::alternate(a_first, a, b);
     ta += da;
     tb += db;
     state.SetIterationTime(db);

@@ -1,25 +1,27 @@
 // GPU benchmarks, as fractions of what the hardware does for the same bytes, measured in the same
 // run: the device digest against a device-to-device copy, an asynchronous snapshot against a
 // plain pinned cudaMemcpy. They skip where no CUDA device is visible (scripts/gpu-check runs them).
+#include "alternate.h"
+
 #include <retrace/digest.h>
 #include <retrace/snapshot.h>
 
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
 
-#include <chrono>
 #include <functional>
 #include <vector>
 
 namespace retrace {
 namespace {
 
+// Wall time of f's work on the device: synchronized before and after.
 double seconds_synced(const std::function<void()>& f) {
   torch::cuda::synchronize();
-  const auto t0 = std::chrono::steady_clock::now();
-  f();
-  torch::cuda::synchronize();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return bench::seconds([&] {
+    f();
+    torch::cuda::synchronize();
+  });
 }
 
 bool have_cuda(benchmark::State& state) {
@@ -38,28 +40,21 @@ void BM_CudaDigestVsCopy(benchmark::State& state) {
   constexpr int kReps = 10;
   std::vector<PendingDigest> pending(kReps);
   double t_digest = 0, t_copy = 0;
-  bool flip = false;
+  bool digest_first = true;
   for (int i = 0; i < 2; ++i) digest(src);  // warm-up
   for (auto _ : state) {
-    const auto run_digest = [&] {
-      t_digest += seconds_synced([&] {
-        for (int r = 0; r < kReps; ++r) pending[r] = digest_async(src);
-        for (int r = 0; r < kReps; ++r) benchmark::DoNotOptimize(pending[r].get());
-      });
-    };
-    const auto run_copy = [&] {
-      t_copy += seconds_synced([&] {
-        for (int r = 0; r < kReps; ++r) dst.copy_(src);
-      });
-    };
-    if (flip) {
-      run_copy();
-      run_digest();
-    } else {
-      run_digest();
-      run_copy();
-    }
-    flip = !flip;
+    const auto [d, c] = bench::alternate(
+        digest_first,
+        [&] {
+          for (int r = 0; r < kReps; ++r) pending[r] = digest_async(src);
+          for (int r = 0; r < kReps; ++r) benchmark::DoNotOptimize(pending[r].get());
+        },
+        [&] {
+          for (int r = 0; r < kReps; ++r) dst.copy_(src);
+        },
+        seconds_synced);
+    t_digest += d;
+    t_copy += c;
     state.SetIterationTime(0.001);
   }
   const double total = static_cast<double>(state.iterations()) * kReps * static_cast<double>(bytes);
@@ -77,24 +72,18 @@ void BM_CudaSnapshotVsPinnedCopy(benchmark::State& state) {
   const at::Tensor src = torch::randn({bytes / 4}, torch::kCUDA);
   at::Tensor pinned = torch::empty({bytes / 4}, torch::TensorOptions().pinned_memory(true));
   double t_snap = 0, t_plain = 0;
-  bool flip = false;
+  bool snapshot_first = true;
   for (int i = 0; i < 2; ++i) snapshot_to_host(src).wait();  // warm-up: the pinned pool fills
   for (auto _ : state) {
-    const auto run_snap = [&] {
-      t_snap += seconds_synced([&] {
-        const HostSnapshot s = snapshot_to_host(src);
-        s.wait();
-      });
-    };
-    const auto run_plain = [&] { t_plain += seconds_synced([&] { pinned.copy_(src); }); };
-    if (flip) {
-      run_plain();
-      run_snap();
-    } else {
-      run_snap();
-      run_plain();
-    }
-    flip = !flip;
+    const auto [snap, plain] = bench::alternate(
+        snapshot_first,
+        [&] {
+          const HostSnapshot s = snapshot_to_host(src);
+          s.wait();
+        },
+        [&] { pinned.copy_(src); }, seconds_synced);
+    t_snap += snap;
+    t_plain += plain;
     state.SetIterationTime(0.001);
   }
   const double total = static_cast<double>(state.iterations()) * static_cast<double>(bytes);

@@ -1,5 +1,7 @@
 // Recorder overhead per training step, the trace codec against torch::save and plain zstd, and
 // replay time against the original step. Every figure is a ratio measured in the same run.
+#include "alternate.h"
+
 #include <retrace/recorder.h>
 #include <retrace/replayer.h>
 #include <retrace/io.h>
@@ -18,7 +20,6 @@
 namespace retrace {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
 const char* kBenchScenario = R"(
 name: bench
@@ -49,11 +50,7 @@ std::string bench_path(const std::string& name) {
   return (std::filesystem::temp_directory_path() / ("retrace_bench_" + std::to_string(::getpid()) + "_" + name)).string();
 }
 
-double seconds(const std::function<void()>& f) {
-  const auto t0 = Clock::now();
-  f();
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+using bench::seconds;
 
 // A plain program and a recorded one stepping in lockstep, each iteration timing one step of
 // each in alternating order. One variant per benchmark, so that no variant's memory traffic
@@ -98,16 +95,12 @@ void BM_RecorderOverhead(benchmark::State& state, const char* variant, const cha
     recorded_step();
   }
   double t_plain = 0, t_recorded = 0;
+  bool plain_first = true;
   for (auto _ : state) {
     ++step;
-    double r;
-    if (step % 2) {
-      t_plain += seconds(plain_step);
-      t_recorded += r = seconds(recorded_step);
-    } else {
-      t_recorded += r = seconds(recorded_step);
-      t_plain += seconds(plain_step);
-    }
+    const auto [p, r] = bench::alternate(plain_first, plain_step, recorded_step);
+    t_plain += p;
+    t_recorded += r;
     state.SetIterationTime(r);
   }
   recorder.close();
@@ -196,26 +189,17 @@ void BM_FastCodecVsTorchSave(benchmark::State& state, at::ScalarType dtype) {
   const at::Tensor t = weights(dtype);
   double ours = 0, theirs = 0;
   std::size_t our_bytes = 0, their_bytes = 0;
-  bool flip = false;
+  bool ours_first = true;
   for (auto _ : state) {
-    const auto run_ours = [&] {
-      ours += seconds([&] { our_bytes = encode_tensor_payload(t, TensorCodec::kBloscBitshuffleLz4).size(); });
-    };
-    const auto run_theirs = [&] {
-      theirs += seconds([&] {
-        std::ostringstream os;
-        torch::save(t, os);
-        their_bytes = os.str().size();
-      });
-    };
-    if (flip) {
-      run_theirs();
-      run_ours();
-    } else {
-      run_ours();
-      run_theirs();
-    }
-    flip = !flip;
+    const auto [o, t_save] = bench::alternate(
+        ours_first, [&] { our_bytes = encode_tensor_payload(t, TensorCodec::kBloscBitshuffleLz4).size(); },
+        [&] {
+          std::ostringstream os;
+          torch::save(t, os);
+          their_bytes = os.str().size();
+        });
+    ours += o;
+    theirs += t_save;
     state.SetIterationTime(0.001);
   }
   const double n = static_cast<double>(state.iterations());

@@ -159,10 +159,12 @@ class BackgroundWriter {
     std::unique_lock<std::mutex> lock(mutex_);
     if (stopping_) throw Error("retrace::Recorder: the trace is closed");
     rethrow_locked();
-    if (queued_ + job.bytes > cap_ && !queue_.empty()) {
+    // queued_ counts the job being written too: the bound is on bytes not yet written, and a
+    // push waits whenever the writer is busy and the bound would be passed.
+    if (queued_ + job.bytes > cap_ && queued_ > 0) {
       ++stats.backpressure_waits;
       const auto t0 = std::chrono::steady_clock::now();
-      popped_.wait(lock, [&] { return queue_.empty() || queued_ + job.bytes <= cap_ || error_; });
+      popped_.wait(lock, [&] { return queued_ == 0 || queued_ + job.bytes <= cap_ || error_; });
       stats.backpressure_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       rethrow_locked();
     }

@@ -41,7 +41,7 @@ struct RecorderOptions {
   int every = 0;         // digest mode: also a full step-begin snapshot every k steps (0: never)
   int ring = 0;          // flight ring size K (0: off)
   bool write_ahead = false;
-  std::size_t queue_bytes = std::size_t{256} << 20;  // bound of the background writer's queue
+  std::size_t queue_bytes = std::size_t{256} << 20;  // bound on bytes queued for, or being written by, the writer
   bool dump_on_signal = true;  // with ring > 0: dump on SIGTERM/SIGINT, then die by the signal
   OnWriteError on_write_error = OnWriteError::kStop;
   WriterOptions writer;

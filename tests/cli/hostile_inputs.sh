@@ -43,6 +43,11 @@ size=$(stat -c %s "$dir/flipped.trace"); off=$((size / 2))
 byte=$(od -An -tu1 -j"$off" -N1 "$dir/flipped.trace" | tr -d ' ')
 printf "\\x$(printf %02x $((byte ^ 4)))" | dd of="$dir/flipped.trace" bs=1 seek="$off" conv=notrunc status=none
 mkdir "$dir/emptydir"
+# The header record twice (a duplicate record): the file header, the header record, the header
+# record again, then the rest of the trace.
+hdr=$((24 + $(od -An -tu4 -j20 -N4 "$data/golden-v1.trace" | tr -d ' ')))
+{ head -c $((12 + hdr)) "$data/golden-v1.trace"; tail -c +13 "$data/golden-v1.trace" | head -c "$hdr"
+  tail -c +$((13 + hdr)) "$data/golden-v1.trace"; } >"$dir/duplicate.trace"
 # A read-only output folder. Root writes whatever the permission bits say, so for root it is a
 # read-only bind mount in a private mount namespace (unshare -m: needs CAP_SYS_ADMIN, which root
 # has outside a restricted container); for anyone else, a folder without write permission.
@@ -54,6 +59,13 @@ elif unshare -m true 2>/dev/null; then
   readonly_run=(unshare -m sh -c 'mount --bind "$1" "$1" && mount -o remount,ro,bind "$1" && shift && exec "$@"' sh "$dir/readonly")
 else
   readonly_run=(skip)
+fi
+# A disk that fills up: a 64 KiB tmpfs in a private mount namespace (as root), which a full-mode
+# recording overflows within its first step.
+mkdir "$dir/small"
+diskfull_run=(skip)
+if [[ $(id -u) -eq 0 ]] && unshare -m true 2>/dev/null; then
+  diskfull_run=(unshare -m sh -c 'mount -t tmpfs -o size=64k tmpfs "$1" && shift && exec "$@"' sh "$dir/small")
 fi
 # The generic program trace (program 'test') for diagnose.
 
@@ -89,6 +101,21 @@ case_readonly() {
 case_readonly "record into a read-only folder" 2 -- record "$data/../../scenarios/files/tiny-gpt.yaml" -o "$dir/readonly/t.trace"
 case_readonly "export tensors into a read-only folder" 2 -- inspect "$data/golden-v1.trace" --export "$dir/readonly"
 case_readonly "--json into a read-only folder" 2 -- run builtin:bf16-clean --json "$dir/readonly/r.json"
+# case_diskfull DESCRIPTION EXPECTED_CODE -- ARGS...: with $dir/small a 64 KiB file system
+case_diskfull() {
+  if [[ ${diskfull_run[0]} == skip ]]; then
+    echo "skipped: $1 (needs root and unshare -m for a small tmpfs)"
+    return
+  fi
+  run=("${diskfull_run[@]}")
+  case_ "$@"
+  run=()
+}
+case_diskfull "the disk fills up while recording" 2 -- record "$data/../../scenarios/files/tiny-gpt.yaml" -o "$dir/small/t.trace" --mode full
+case_diskfull "the disk fills up, --on-write-error continue" 1 -- record "$data/../../scenarios/files/tiny-gpt.yaml" -o "$dir/small/t.trace" --mode full --on-write-error continue
+case_ "a trace with its header record twice" 2 -- inspect "$dir/duplicate.trace"
+case_ "unknown compression" 2 -- record "$data/../../scenarios/files/tiny-gpt.yaml" -o "$dir/t.trace" --compression tiny
+case_ "unknown write-error policy" 2 -- record "$data/../../scenarios/files/tiny-gpt.yaml" -o "$dir/t.trace" --on-write-error ignore
 case_ "unknown record mode" 2 -- record "$data/../../scenarios/files/tiny-gpt.yaml" -o "$dir/t.trace" --mode fast
 case_ "scenario file that does not exist" 2 -- run "$dir/nope.yaml"
 case_ "empty scenario file" 2 -- run "$dir/empty.yaml"
