@@ -41,10 +41,15 @@ nlohmann::json number(double v) {
 
 // A stored copy later steps cannot change; for a CUDA tensor the copy to the host is still in
 // flight and the writer thread waits for it (snapshot_to_host).
+// A CUDA tensor's digest is the device one (as in digest mode, so that replay compares like with
+// like), queued before the snapshot.
 TensorToWrite stored(const std::string& name, const at::Tensor& t, std::optional<Digest> d = std::nullopt) {
+  std::function<Digest()> later;
+  if (!d && t.is_cuda()) later = [p = digest_async(t)] { return p.get(); };
   HostSnapshot snap = snapshot_to_host(t);
   TensorToWrite w{name, std::move(snap.host), true, d};
   w.ready = std::move(snap.wait);
+  w.digest_later = std::move(later);
   return w;
 }
 

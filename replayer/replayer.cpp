@@ -166,7 +166,10 @@ class Comparer : public SegmentObserver, public StepMonitor {
       diverge(segment, phase, name, "the replay produced a tensor the trace does not hold");
       return;
     }
-    const Digest d = digest(t);
+    // Compare like with like: a host digest recorded for a device tensor (traces from before the
+    // recorder kept device digests for stored CUDA tensors) is recomputed on a host copy.
+    const bool host_digest_of_device_tensor = entry->digest.algorithm == DigestAlgorithm::kXxh3_128 && !t.is_cpu();
+    const Digest d = host_digest_of_device_tensor ? digest(t.detach().cpu()) : digest(t);
     if (d == entry->digest) return;
     Divergence div;
     div.step = step_;
