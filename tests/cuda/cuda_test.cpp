@@ -148,75 +148,109 @@ std::string gpt_yaml(const std::string& name, const std::string& device, const s
 }
 
 // Record, then replay: tiny GPT in bf16, and in fp16 with dynamic loss scaling, in digest mode and
-// full mode, reproduced bitwise under the determinism guard. Run on the GPU, and on the CPU so
-// that the test's own logic is exercised on every machine.
-void record_replay_bf16_fp16(const std::string& device) {
+// full mode, under the determinism guard. Run on the GPU, and on the CPU so that the test's own
+// logic is exercised on every machine.
+struct RecordedCase {
+  std::string label;
+  std::vector<StepOutcome> outcomes;  // as recorded
+  ReplayResult replay;                // of steps 1..4
+};
+
+std::vector<RecordedCase> record_then_replay_bf16_fp16(const std::string& device) {
   ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
   DeterministicGuard deterministic;
   register_builtin_programs();
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"bf16", gpt_yaml("bf16", device, "precision: bf16")},
       {"fp16", gpt_yaml("fp16", device, "precision: fp16", "defenses: {loss_scaling: {init_scale: 65536}}\n")}};
+  std::vector<RecordedCase> results;
   for (const auto& [name, yaml] : cases) {
     for (RecordMode mode : {RecordMode::kDigest, RecordMode::kFull}) {
-      SCOPED_TRACE(device + " " + name + (mode == RecordMode::kFull ? " full" : " digest"));
+      RecordedCase c;
+      c.label = device + " " + name + (mode == RecordMode::kFull ? " full" : " digest");
       const std::string path = temp_trace(device + name);
       {
         ScenarioProgram program(parse_scenario_text(yaml, name));
         RecorderOptions options;
         options.mode = mode;
         Recorder recorder(path, program, options);
-        const std::vector<StepOutcome> outcomes = record_run(program, recorder, 4);
-        ASSERT_EQ(outcomes.size(), 4u);
-        for (const StepOutcome& o : outcomes) EXPECT_TRUE(o.finite());
+        c.outcomes = record_run(program, recorder, 4);
         recorder.close();
       }
       const TraceReader trace(path);
       std::unique_ptr<Program> program = program_from_trace(trace);
       ReplayOptions all;
       all.from = 1;
-      const ReplayResult r = Replayer(trace, *program).run(all);
-      EXPECT_TRUE(r.reproduced) << r.to_json().dump(2);
-      EXPECT_EQ(r.from_step, 1);
-      EXPECT_EQ(r.to_step, 4);
+      c.replay = Replayer(trace, *program).run(all);
+      results.push_back(std::move(c));
       std::filesystem::remove(path);
     }
+  }
+  return results;
+}
+
+void expect_four_finite_steps_reproduced(const std::vector<RecordedCase>& results) {
+  ASSERT_EQ(results.size(), 4u);
+  for (const RecordedCase& c : results) {
+    SCOPED_TRACE(c.label);
+    ASSERT_EQ(c.outcomes.size(), 4u);
+    for (const StepOutcome& o : c.outcomes) EXPECT_TRUE(o.finite());
+    EXPECT_TRUE(c.replay.reproduced) << c.replay.to_json().dump(2);
+    EXPECT_EQ(c.replay.from_step, 1);
+    EXPECT_EQ(c.replay.to_step, 4);
   }
 }
 
 TEST(CudaRecordReplay, TinyGptBf16AndFp16WithLossScalingReproduceBitwise) {
   RETRACE_REQUIRE_CUDA();
-  record_replay_bf16_fp16("cuda");
+  expect_four_finite_steps_reproduced(record_then_replay_bf16_fp16("cuda"));
 }
 
-TEST(CudaRecordReplay, SameCasesOnTheCpu) { record_replay_bf16_fp16("cpu"); }
+TEST(CudaRecordReplay, SameCasesOnTheCpu) { expect_four_finite_steps_reproduced(record_then_replay_bf16_fp16("cpu")); }
 
-// A full training step (forward, backward with recompute, AdamW) run twice from the same state
-// under the determinism guard gives the same bits: two programs built from one scenario.
-void full_step_twice(const std::string& device) {
+// A full training step (forward, backward with recompute, AdamW) from a fresh program built from
+// one scenario, under the determinism guard, with the global RNG seeded `seed`: the state before
+// and after the step.
+struct OneStep {
+  std::vector<at::Tensor> before, after;
+};
+
+OneStep full_step(const std::string& device, std::uint64_t seed) {
   ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
   DeterministicGuard deterministic;
   register_builtin_programs();
-  const std::string yaml = gpt_yaml("twice", device, "precision: bf16");
-  std::vector<std::vector<at::Tensor>> after(2);
-  for (int run = 0; run < 2; ++run) {
-    ScenarioProgram program(parse_scenario_text(yaml, "twice"));
-    torch::manual_seed(11);
-    if (device == "cuda") torch::cuda::manual_seed_all(11);
-    program.step(1, program.batch(1), nullptr);
-    for (const NamedTensor& s : program.state()) after[run].push_back(s.tensor.cpu());
+  ScenarioProgram program(parse_scenario_text(gpt_yaml("twice", device, "precision: bf16"), "twice"));
+  OneStep r;
+  for (const NamedTensor& s : program.state()) r.before.push_back(s.tensor.cpu());
+  torch::manual_seed(seed);
+  if (device == "cuda") torch::cuda::manual_seed_all(seed);
+  program.step(1, program.batch(1), nullptr);
+  for (const NamedTensor& s : program.state()) r.after.push_back(s.tensor.cpu());
+  return r;
+}
+
+// Same seed twice: identical bits. Controls: the step changed the state, and another seed (other
+// dropout masks) gives other bits, so the comparison can fail.
+void expect_step_deterministic(const std::string& device) {
+  const OneStep first = full_step(device, 11), second = full_step(device, 11), other = full_step(device, 12);
+  ASSERT_FALSE(first.after.empty());
+  ASSERT_EQ(first.after.size(), second.after.size());
+  for (std::size_t i = 0; i < first.after.size(); ++i) EXPECT_BITWISE_EQ(first.after[i], second.after[i]) << i;
+  bool stepped = false, seed_matters = false;
+  for (std::size_t i = 0; i < first.after.size(); ++i) {
+    stepped = stepped || !first.after[i].equal(first.before[i]);
+    seed_matters = seed_matters || !first.after[i].equal(other.after[i]);
   }
-  ASSERT_EQ(after[0].size(), after[1].size());
-  ASSERT_FALSE(after[0].empty());
-  for (std::size_t i = 0; i < after[0].size(); ++i) EXPECT_BITWISE_EQ(after[0][i], after[1][i]) << i;
+  EXPECT_TRUE(stepped) << "the step left the state unchanged: the comparison proves nothing";
+  EXPECT_TRUE(seed_matters) << "another seed gave the same bits: the comparison cannot fail";
 }
 
 TEST(CudaDeterminism, AFullStepTwiceGivesIdenticalBits) {
   RETRACE_REQUIRE_CUDA();
-  full_step_twice("cuda");
+  expect_step_deterministic("cuda");
 }
 
-TEST(CudaDeterminism, SameOnTheCpu) { full_step_twice("cpu"); }
+TEST(CudaDeterminism, SameOnTheCpu) { expect_step_deterministic("cpu"); }
 
 }  // namespace
 }  // namespace retrace
