@@ -111,14 +111,6 @@ svg.chart .nonfinite{stroke:#a50e0e;stroke-width:2}
 svg.chart .offlabel{font-weight:700;fill:#c5221f;font-size:10px}
 )css";
 
-std::string fmt(double v) {
-  if (std::isnan(v)) return "NaN";
-  if (std::isinf(v)) return v > 0 ? "Inf" : "-Inf";
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.6g", v);
-  return buf;
-}
-
 std::string seconds_text(double s) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f s", s);
@@ -217,7 +209,7 @@ std::string html_run_report(const std::vector<ScenarioResult>& results, double s
        << (r.expected_to_break ? "broke" : "held") << "; " << r.steps_run << " steps, " << r.skipped_steps << " skipped";
     if (r.rollbacks) os << ", " << r.rollbacks << " rollbacks";
     if (r.scale_backoffs || r.scale_growths) os << ", scale backoffs " << r.scale_backoffs << ", growths " << r.scale_growths;
-    os << "; final loss " << fmt(r.final_loss) << "; " << seconds_text(r.seconds) << "</span></div>\n";
+    os << "; final loss " << value_text(r.final_loss) << "; " << seconds_text(r.seconds) << "</span></div>\n";
     charts(os, r.steps, marks);
     std::ostringstream events;
     if (r.raised) events << "<li class=\"err\">raised: " << html_escape(r.error) << "</li>";
@@ -306,8 +298,8 @@ void tensor_rows(std::ostringstream& os, const char* role, const std::vector<Ten
       os << "<td class=\"num" << (n ? " bad" : "") << "\">" << n << "</td>";
     };
     os << "<tr><td>" << role << "</td><td>" << html_escape(s.name) << "</td><td class=\"mono\">" << html_escape(s.meta)
-       << "</td><td class=\"num\">" << fmt(s.min) << "</td><td class=\"num\">" << fmt(s.max) << "</td><td class=\"num\">"
-       << fmt(s.abs_max) << "</td>";
+       << "</td><td class=\"num\">" << value_text(s.min) << "</td><td class=\"num\">" << value_text(s.max) << "</td><td class=\"num\">"
+       << value_text(s.abs_max) << "</td>";
     count(s.nonfinite.nan);
     count(s.nonfinite.pos_inf);
     count(s.nonfinite.neg_inf);
@@ -363,8 +355,8 @@ std::string html_replay_report(const std::string& trace_name, const ReplayResult
       } else {
         kv(os, "differing elements", std::to_string(x.differing) + " of " + std::to_string(x.numel));
         kv(os, "first differing index",
-           std::to_string(x.first_index) + " (recorded " + fmt(x.first_expected) + ", replayed " + fmt(x.first_actual) + ")");
-        kv(os, "max |diff|", fmt(x.max_abs_diff));
+           std::to_string(x.first_index) + " (recorded " + value_text(x.first_expected) + ", replayed " + value_text(x.first_actual) + ")");
+        kv(os, "max |diff|", value_text(x.max_abs_diff));
         kv(os, "max ULP", std::to_string(x.max_ulp));
         if (x.nonfinite_mismatches) kv(os, "non-finite mismatches", std::to_string(x.nonfinite_mismatches));
       }

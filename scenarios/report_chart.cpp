@@ -26,15 +26,6 @@ std::string c(double v) {
   return buf;
 }
 
-// A value for a tooltip or a table.
-std::string value_text(double v) {
-  if (std::isnan(v)) return "NaN";
-  if (std::isinf(v)) return v > 0 ? "Inf" : "-Inf";
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.6g", v);
-  return buf;
-}
-
 // "1.5e+06" -> "1.5e6", "1e-04" -> "1e-4".
 std::string compact_exponent(std::string s) {
   const auto e = s.find('e');
@@ -162,6 +153,14 @@ YAxis make_axis(const std::vector<double>& values, ChartSeries series) {
 }
 
 }  // namespace
+
+std::string value_text(double v) {
+  if (std::isnan(v)) return "NaN";
+  if (std::isinf(v)) return v > 0 ? "Inf" : "-Inf";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6g", v);
+  return buf;
+}
 
 std::string step_chart_svg(const std::vector<StepPoint>& steps, ChartSeries series, const ChartMarks& marks) {
   std::ostringstream os;

@@ -50,6 +50,9 @@ std::string html_replay_report(const std::string& trace_name, const ReplayResult
 // other than tab and newline dropped, invalid UTF-8 replaced by U+FFFD.
 std::string html_escape(std::string_view text);
 
+// A value for a table or a tooltip: %.6g, or NaN, Inf, -Inf.
+std::string value_text(double v);
+
 enum class ChartSeries { kLoss, kGradNorm, kLossScale, kLr };
 
 struct ChartMarks {
