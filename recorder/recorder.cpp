@@ -40,9 +40,8 @@ nlohmann::json number(double v) {
 }
 
 // A stored copy later steps cannot change; for a CUDA tensor the copy to the host is still in
-// flight and the writer thread waits for it (snapshot_to_host).
-// A CUDA tensor's digest is the device one (as in digest mode, so that replay compares like with
-// like), queued before the snapshot.
+// flight and the writer thread waits for it (snapshot_to_host), and its digest is the device one
+// (as in digest mode, so that replay compares like with like), queued before the snapshot.
 TensorToWrite stored(const std::string& name, const at::Tensor& t, std::optional<Digest> d = std::nullopt) {
   std::function<Digest()> later;
   if (!d && t.is_cuda()) later = [p = digest_async(t)] { return p.get(); };
@@ -53,21 +52,37 @@ TensorToWrite stored(const std::string& name, const at::Tensor& t, std::optional
   return w;
 }
 
-// Digests of many tensors: contiguous CPU ones hashed on LibTorch's intra-op threads together
-// (the state and the gradients are hundreds of tensors each step), the rest one by one.
+// Bytes that can be hashed or copied where they lie: a contiguous CPU tensor, not a lazy conjugate
+// or negative view.
+bool plain_host_bytes(const at::Tensor& t) {
+  return t.defined() && t.is_cpu() && t.is_contiguous() && !t.is_conj() && !t.is_neg();
+}
+
+// Digests of many tensors: plain host ones hashed on LibTorch's intra-op threads together (the
+// state and the gradients are hundreds of tensors each step), the rest one by one.
 std::vector<PendingDigest> digest_all(const std::vector<NamedTensor>& tensors) {
   std::vector<PendingDigest> out(tensors.size());
   std::vector<char> done(tensors.size(), 0);
   at::parallel_for(0, static_cast<std::int64_t>(tensors.size()), 4, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end; ++i) {
-      const at::Tensor& t = tensors[i].tensor;
-      if (!t.defined() || !t.is_cpu() || !t.is_contiguous() || t.is_conj() || t.is_neg()) continue;
-      out[i] = PendingDigest(digest(t));  // the no-dispatch path of digest()
+      if (!plain_host_bytes(tensors[i].tensor)) continue;
+      out[i] = PendingDigest(digest(tensors[i].tensor));  // the no-dispatch path of digest()
       done[i] = 1;
     }
   });
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     if (!done[i]) out[i] = digest_async(tensors[i].tensor);
+  }
+  return out;
+}
+
+// Digest-only entries PREFIX + name for `tensors`.
+std::vector<TensorToWrite> digest_entries(const std::string& prefix, const std::vector<NamedTensor>& tensors) {
+  const std::vector<PendingDigest> digests = digest_all(tensors);
+  std::vector<TensorToWrite> out;
+  out.reserve(tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    out.push_back(TensorToWrite::digest_only(prefix + tensors[i].name, tensors[i].tensor, digests[i]));
   }
   return out;
 }
@@ -115,7 +130,7 @@ std::vector<TensorToWrite> snapshot(const std::vector<NamedTensor>& tensors, con
   std::size_t total = 0;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i].tensor;
-    if (!t.is_cpu() || !t.is_contiguous() || t.is_conj() || t.is_neg()) continue;
+    if (!plain_host_bytes(t)) continue;
     offsets[i] = total;
     total += (t.nbytes() + 63) / 64 * 64;
   }
@@ -317,6 +332,9 @@ struct Recorder::Impl {
     } catch (const Error& e) {
       disabled = true;
       stats.write_error = e.what();
+      // Nothing will be written any more: let go of the snapshots held for it.
+      ring.clear();
+      after_backward.clear();
     }
   }
 
@@ -496,10 +514,7 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
   } else if (m.unchanged_since_end(state)) {
     meta["state_as_step_end"] = m.end_state_step;  // same bits as that step_end's state digests
   } else {
-    const std::vector<PendingDigest> digests = digest_all(state);
-    for (std::size_t i = 0; i < state.size(); ++i) {
-      tensors.push_back(TensorToWrite::digest_only("state." + state[i].name, state[i].tensor, digests[i]));
-    }
+    for (TensorToWrite& w : digest_entries("state.", state)) tensors.push_back(std::move(w));
   }
   m.io([&] {
     m.writer->push(RecordType::kStepBegin, std::move(meta), std::move(tensors), m.stats);
@@ -531,10 +546,7 @@ void Recorder::after_backward(const at::Tensor& loss, const std::vector<NamedTen
   if (m.store_values()) {
     for (const NamedTensor& g : grads) m.after_backward.push_back(entry(g.name, g.tensor, true));
   } else {
-    const std::vector<PendingDigest> digests = digest_all(grads);
-    for (std::size_t i = 0; i < grads.size(); ++i) {
-      m.after_backward.push_back(TensorToWrite::digest_only(grads[i].name, grads[i].tensor, digests[i]));
-    }
+    for (TensorToWrite& w : digest_entries("", grads)) m.after_backward.push_back(std::move(w));
   }
 }
 
