@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fstream>
 #include <iostream>
 
 namespace retrace {
@@ -19,6 +20,21 @@ namespace retrace {
 namespace cli {
 namespace {
 std::string g_default_program;
+}
+
+void write_file(const std::string& path, std::string_view bytes, const std::string& what) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  f.close();  // a write error at close (a full disk) must not pass either
+  if (!f) throw Error("cannot write " + (what.empty() ? std::string() : what + " ") + "'" + path + "'");
+}
+
+void write_output(const std::string& path, std::string_view text, const std::string& what) {
+  if (path == "-") {
+    std::cout << text;
+    return;
+  }
+  write_file(path, text, what);
 }
 
 std::optional<boost::program_options::variables_map> parse_arguments(

@@ -7,6 +7,7 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace retrace::cli {
@@ -16,6 +17,12 @@ namespace retrace::cli {
 std::optional<boost::program_options::variables_map> parse_arguments(
     const std::vector<std::string>& args, const boost::program_options::options_description& options,
     const char* positional_name, std::string* positional);
+
+// Writes `bytes` to `path` (created or truncated) and closes it; throws retrace::Error
+// "cannot write WHAT 'PATH'" when any of it fails, a full disk at close included.
+void write_file(const std::string& path, std::string_view bytes, const std::string& what);
+// write_file, or standard output when `path` is "-" (--json -).
+void write_output(const std::string& path, std::string_view text, const std::string& what);
 
 int run_demo(const std::vector<std::string>& args);
 int run_record(const std::vector<std::string>& args);

@@ -9,7 +9,6 @@
 
 #include <boost/program_options.hpp>
 
-#include <fstream>
 #include <iostream>
 
 namespace retrace::cli {
@@ -43,14 +42,7 @@ int run_diagnose(const std::vector<std::string>& args) {
   const Diagnosis d = scenario ? diagnose_scenario(load_scenario(source), options) : diagnose_trace(source, options);
   std::ostream& out = json_path == "-" ? std::cerr : std::cout;
   out << d.report();
-  if (!json_path.empty()) {
-    if (json_path == "-") {
-      std::cout << d.to_json() << "\n";
-    } else {
-      std::ofstream f(json_path);
-      if (!(f << d.to_json() << "\n")) throw Error("cannot write --json file '" + json_path + "'");
-    }
-  }
+  if (!json_path.empty()) write_output(json_path, d.to_json() + "\n", "--json file");
   if (d.variants.empty()) return 0;  // nothing failed
   for (const VariantResult& v : d.variants) {
     if (v.fixes) return 0;

@@ -7,7 +7,6 @@
 #include <torch/serialize.h>
 
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 
 namespace retrace::cli {
@@ -64,8 +63,7 @@ int run_inspect(const std::vector<std::string>& args) {
         const std::string file = export_dir + "/" + std::to_string(i) + "_" + to_string(r.type) + "_step" +
                                  std::to_string(r.meta.value("step", -1)) + "_" + safe(r.meta.value("segment", "")) +
                                  (r.meta.contains("segment") ? "_" + safe(r.meta.value("phase", "")) + "_" : "") + safe(e.name) + ".pt";
-        std::ofstream f(file, std::ios::binary);
-        if (!f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()))) throw Error("cannot write '" + file + "'");
+        write_file(file, std::string_view(bytes.data(), bytes.size()), "");
         ++exported;
       }
     }

@@ -6,7 +6,6 @@
 
 #include <boost/program_options.hpp>
 
-#include <fstream>
 #include <iostream>
 
 namespace retrace::cli {
@@ -52,21 +51,10 @@ int run_replay(const std::vector<std::string>& args) {
   if (result.first_divergence) out << "first divergence: " << result.first_divergence->message() << "\n";
   if (result.first_nonfinite) out << result.first_nonfinite->message() << "\n";
   if (!report_path.empty()) {
-    std::ofstream f(report_path);
-    if (!(f << html_replay_report(trace_path, result, recorded_run(trace))) || (f.close(), !f)) {
-      throw Error("cannot write --report file '" + report_path + "'");
-    }
+    write_file(report_path, html_replay_report(trace_path, result, recorded_run(trace)), "--report file");
     out << "wrote the HTML report to " << report_path << "\n";
   }
-  if (!json_path.empty()) {
-    const std::string text = result.to_json().dump(2) + "\n";
-    if (json_path == "-") {
-      std::cout << text;
-    } else {
-      std::ofstream f(json_path);
-      if (!(f << text)) throw Error("cannot write --json file '" + json_path + "'");
-    }
-  }
+  if (!json_path.empty()) write_output(json_path, result.to_json().dump(2) + "\n", "--json file");
   return result.reproduced ? 0 : 1;
 }
 

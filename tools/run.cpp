@@ -115,10 +115,7 @@ int run_child(const std::string& source, const std::string& result_path, int thr
   options.trace_path = result_path + ".trace";
   const ScenarioResult r = bench ? bench_scenario(spec) : run_scenario(spec, options);
   ::unlink(options.trace_path.c_str());
-  std::ofstream out(result_path);
-  out << r.to_json() << "\n";
-  out.close();  // a write error at close (disk full) must not pass for a result
-  if (!out) throw Error("cannot write the result file '" + result_path + "'");
+  write_file(result_path, r.to_json() + "\n", "the result file");
   return 0;
 }
 
@@ -334,27 +331,16 @@ int run_run(const std::vector<std::string>& args) {
   say
             << results.size() << " scenarios, " << results.size() - failed << " as expected, " << failed << " not, in "
             << std::fixed << std::setprecision(1) << seconds << " s\n";
-  if (!junit_path.empty()) {
-    std::ofstream f(junit_path);
-    if (!(f << junit_xml(results, seconds))) throw Error("cannot write --junit file '" + junit_path + "'");
-  }
+  if (!junit_path.empty()) write_file(junit_path, junit_xml(results, seconds), "--junit file");
   if (!report_path.empty()) {
-    std::ofstream f(report_path);
-    if (!(f << html_run_report(results, seconds)) || (f.close(), !f)) {
-      throw Error("cannot write --report file '" + report_path + "'");
-    }
+    write_file(report_path, html_run_report(results, seconds), "--report file");
     say << "wrote the HTML report to " << report_path << "\n";
   }
   if (!json_path.empty()) {
     nlohmann::json all_results = nlohmann::json::array();
     for (const ScenarioResult& r : results) all_results.push_back(nlohmann::json::parse(r.to_json()));
     const std::string out = nlohmann::json{{"scenarios", all_results}, {"failed", failed}, {"seconds", seconds}}.dump(2) + "\n";
-    if (json_path == "-") {
-      std::cout << out;
-    } else {
-      std::ofstream f(json_path);
-      if (!(f << out)) throw Error("cannot write --json file '" + json_path + "'");
-    }
+    write_output(json_path, out, "--json file");
   }
   return failed == 0 ? 0 : 1;
 }
