@@ -54,8 +54,10 @@ class ByteReader {
   }
   std::size_t offset() const { return offset_; }
   std::size_t remaining() const { return size_ - offset_; }
-  [[noreturn]] void fail(const std::string& message) const {
-    throw Error(what_ + ": " + message + " at byte offset " + std::to_string(offset_));
+  [[noreturn]] void fail(const std::string& message) const { fail_at(offset_, message); }
+  // For a field already read: names where it starts.
+  [[noreturn]] void fail_at(std::size_t offset, const std::string& message) const {
+    throw Error(what_ + ": " + message + " at byte offset " + std::to_string(offset));
   }
 
  private:

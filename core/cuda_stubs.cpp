@@ -7,6 +7,17 @@ namespace retrace::detail {
 
 bool cuda_stream_capturing(c10::DeviceIndex) { return false; }
 
+std::uint64_t cuda_capture_id(c10::DeviceIndex) { return 0; }
+
+// Unreachable: without CUDA sources no stream is ever seen capturing.
+GraphRngPosition cuda_graph_rng_position(const at::Generator&, c10::DeviceIndex) {
+  throw Error("retrace::RngState: this build of retrace has no CUDA support");
+}
+
+void cuda_graph_rng_rewind(at::Generator, c10::DeviceIndex, const GraphRngPosition&) {
+  throw Error("retrace::RngState: this build of retrace has no CUDA support");
+}
+
 Digest cuda_digest(const at::Tensor&, const Digest&) {
   throw Error("retrace::digest: this build of retrace has no CUDA support; rebuild with the CUDA toolkit present (RETRACE_CUDA=ON)");
 }

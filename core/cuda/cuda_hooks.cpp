@@ -1,14 +1,17 @@
-// CUDA side of core/cuda_hooks.h: stream-capture queries and the device digest launcher.
+// CUDA side of core/cuda_hooks.h: stream-capture queries, the default generators under graph
+// capture, the device digest launcher and host snapshots.
 #include "../cuda_hooks.h"
 
 #include "digest_kernel.h"
 
 #include <retrace/error.h>
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/cuda/EmptyTensor.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -24,14 +27,91 @@ bool cuda_stream_capturing(c10::DeviceIndex device) {
   return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
 }
 
+std::uint64_t cuda_capture_id(c10::DeviceIndex device) {
+  c10::cuda::CUDAGuard guard(device);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  C10_CUDA_CHECK(cudaStreamGetCaptureInfo(c10::cuda::getCurrentCUDAStream(device).stream(), &status, &id));
+  return status == cudaStreamCaptureStatusActive ? id : 0;
+}
+
+// How PyTorch keeps RNG right in a graph (torch 2.11, ATen/cuda/CUDAGeneratorImpl.{h,cpp},
+// CUDAGraph.cpp): capture_begin() registers the current device's default generator state with
+// the graph, and capture_prologue() marks it capturing. A random kernel captured then reads seed
+// and base offset from two device slots of that state plus an offset counted from the start of
+// the capture (offset_intragraph_); capture_end() takes that count as the graph's increment, and
+// each replay() fills the slots with the generator's seed and offset before launching, then
+// advances the offset by the increment. torch.compile's checkpointing under CUDA graphs (Note
+// [CUDA Graph Safe RNG Functionalization], torch/_functorch/partitioners.py) swaps state objects
+// with graphsafe_set_state() for the same reason: it is the one way to change what the
+// generator draws that is legal during capture.
+
+GraphRngPosition cuda_graph_rng_position(const at::Generator& generator, c10::DeviceIndex device) {
+  c10::cuda::CUDAGuard guard(device);  // philox_cuda_state() asks the current device's stream
+  auto* impl = generator.get<at::CUDAGeneratorImpl>();
+  at::PhiloxCudaState philox;
+  try {
+    // Increment 0 advances nothing; during capture the answer carries the offset counted from
+    // the start of the capture. It throws for a state the capturing graph did not register.
+    philox = impl->philox_cuda_state(0);
+  } catch (const c10::Error& e) {
+    throw Error("retrace::RngState::capture: cuda:" + std::to_string(device) +
+                "'s generator is not part of the CUDA graph being captured (at::cuda::CUDAGraph registers the "
+                "default generator of the device current at capture_begin(); register others with "
+                "register_generator_state()): " + e.what_without_backtrace());
+  }
+  TORCH_INTERNAL_ASSERT(philox.captured_, "the generator of cuda:", static_cast<int>(device),
+                        " answered outside a graph capture");
+  return {generator.graphsafe_get_state(), cuda_capture_id(device), philox.offset_intragraph_};
+}
+
+void cuda_graph_rng_rewind(at::Generator generator, c10::DeviceIndex device, const GraphRngPosition& position) {
+  c10::cuda::CUDAGuard guard(device);
+  auto* source = position.state.get<at::CUDAGeneratorImpl>();
+  // The registered state's device slots, which every random kernel of this capture reads and
+  // each replay fills.
+  const at::PhiloxCudaState slots = source->philox_cuda_state(0);
+  TORCH_INTERNAL_ASSERT(slots.captured_, "the generator of cuda:", static_cast<int>(device),
+                        " answered outside a graph capture");
+  // A state object of our own, as capture_prologue() leaves a registered one but at the captured
+  // offset, reading the same slots (views: the registered state keeps owning them). Rewinding
+  // the registered object instead is impossible (no setter is legal during capture) and would be
+  // wrong: its count is the graph's increment, which must cover every draw made in the capture.
+  auto state = c10::make_intrusive<at::CUDAGeneratorState>(source->current_seed(), source->philox_offset_per_thread(),
+                                                           position.offset);
+  state->capturing_ = true;
+  const auto view = [device](std::int64_t* slot) {
+    const at::TensorOptions options = at::TensorOptions().dtype(at::kLong).device(at::kCUDA, device);
+    // target_device: for_blob would otherwise ask the driver which device owns the pointer.
+    return at::for_blob(slot, {1}).options(options).target_device(options.device()).make_tensor();
+  };
+  state->seed_extragraph_ = view(slots.seed_.ptr);
+  state->offset_extragraph_ = view(slots.offset_.ptr);
+  generator.graphsafe_set_state(at::make_generator<at::CUDAGeneratorImpl>(device, std::move(state)));
+}
 
 namespace {
+
+// Buffers overwritten in full before anything reads them. While deterministic algorithms are on,
+// at::empty NaN-fills every new tensor (Context::deterministicFillUninitializedMemory): a host
+// pass over each pinned snapshot buffer on the training thread, an extra kernel for a device one.
+// at::detail's allocation, which at::empty runs before the fill, takes the same allocators (the
+// caching host allocator for pinned memory) without it. Turning the global flag off around
+// at::empty instead would also skip the fill for other threads' allocations meanwhile.
+at::Tensor unfilled_pinned(at::IntArrayRef sizes, at::ScalarType dtype) {
+  return at::detail::empty_cpu(sizes, dtype, /*pin_memory=*/true);
+}
+
+at::Tensor unfilled_on_device(at::IntArrayRef sizes, at::ScalarType dtype, c10::Device device) {
+  return at::detail::empty_cuda(sizes, dtype, device, std::nullopt);
+}
 
 // Launches the digest kernel over `contiguous` on the current stream; returns the device lanes.
 at::Tensor launch_lanes(const at::Tensor& contiguous) {
   at::Tensor t = contiguous;
   if (reinterpret_cast<std::uintptr_t>(t.const_data_ptr()) % 8 != 0) t = t.clone();  // a view at an odd offset
-  at::Tensor lanes = at::zeros({2}, t.options().dtype(at::kLong));
+  at::Tensor lanes = unfilled_on_device({2}, at::kLong, t.device());
+  lanes.zero_();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int err = launch_digest_lanes(t.const_data_ptr(), t.nbytes(),
                                       reinterpret_cast<std::uint64_t*>(lanes.mutable_data_ptr<std::int64_t>()),
@@ -71,7 +151,7 @@ std::function<Digest()> cuda_digest_async(const at::Tensor& contiguous, const Di
   const at::Tensor lanes = launch_lanes(contiguous);
   // 16 bytes into pinned memory on the same stream (LibTorch's caching host allocator keeps the
   // block until the copy is done), then an event the finisher waits on: no host sync here.
-  at::Tensor host = at::empty({2}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  at::Tensor host = unfilled_pinned({2}, at::kLong);
   host.copy_(lanes, /*non_blocking=*/true);
   auto done = std::make_shared<at::cuda::CUDAEvent>();
   done->record(c10::cuda::getCurrentCUDAStream());
@@ -88,12 +168,14 @@ CudaHostCopy cuda_copy_to_host_async(const at::Tensor& tensor) {
   // A device-side copy first, ordered on the producing stream: an in-place update queued after
   // this call can no longer reach the bytes being snapshotted, and the training stream never
   // waits for the (much slower) device-to-host leg.
-  at::Tensor staged = tensor.detach().resolve_conj().resolve_neg().clone(at::MemoryFormat::Contiguous);
+  const at::Tensor source = tensor.detach().resolve_conj().resolve_neg();
+  at::Tensor staged = unfilled_on_device(source.sizes(), source.scalar_type(), source.device());
+  staged.copy_(source);
   at::cuda::CUDAEvent staged_ready;
   staged_ready.record(producer);
   const c10::cuda::CUDAStream side = side_stream(tensor.device().index());
   staged_ready.block(side);
-  at::Tensor host = at::empty(staged.sizes(), staged.options().device(at::kCPU).pinned_memory(true));
+  at::Tensor host = unfilled_pinned(staged.sizes(), staged.scalar_type());
   {
     c10::cuda::CUDAStreamGuard on_side(side);
     host.copy_(staged, /*non_blocking=*/true);

@@ -18,7 +18,9 @@ struct HostSnapshot {
 // queued afterwards cannot tear the snapshot), then the device-to-host copy into pinned memory
 // from LibTorch's caching host allocator on a side stream, ordered after the clone by an event.
 // wait() blocks on that copy's event only. The clone holds device memory until the copy is
-// done. Throws retrace::Error for a CUDA tensor in a build without CUDA.
+// done. Both buffers skip the NaN fill that at::empty does under DeterministicGuard: they are
+// overwritten in full, and the fill would cost a host pass over every snapshot on the training
+// thread. Throws retrace::Error for a CUDA tensor in a build without CUDA.
 HostSnapshot snapshot_to_host(const at::Tensor& tensor);
 
 }  // namespace retrace

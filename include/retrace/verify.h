@@ -11,10 +11,10 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <mutex>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 namespace retrace {
@@ -52,13 +52,31 @@ struct VerifyOptions {
   // Keep a copy of each forward output until its recompute, so a mismatch carries the full
   // DiffReport. Costs the memory that checkpointing saved; for debugging.
   bool keep_values = false;
+  // How outputs are digested; empty means digest_async(). A substitute whose digests are not
+  // ready at once takes the device path below on any tensor (the tests run it on the CPU).
+  std::function<PendingDigest(const at::Tensor&)> digest;
 };
 
 // Thread-safe. Attach with ObserverScope. A forward whose backward never runs leaves an entry
 // behind; reset() drops them (the recorder calls it per step).
+//
+// When it compares. Digests are taken with digest_async(), so the training thread never waits
+// for the device per segment, neither at forward nor at recompute. A segment whose digests are
+// ready (CPU tensors) is compared in on_recompute, and kThrow throws from that recompute. One
+// whose digests are still on a device (CUDA) is compared at the end of the backward pass that
+// recomputed it, in an autograd final callback, after all of backward's work is queued: one wait
+// per backward pass instead of two per segment. kThrow then throws RecomputeMismatchError from
+// backward() as well, once the pass's work is done (the gradients are already accumulated), naming
+// the first mismatching segment in recompute order; kWarn prints there. A recompute outside any
+// backward pass (a direct on_recompute call) is compared at once. mismatches() and
+// verified_outputs() first finish comparisons still outstanding (another thread's backward in
+// flight); they record, never throw.
 class RecomputeVerifier : public SegmentObserver {
  public:
   explicit RecomputeVerifier(VerifyOptions options = {});
+  ~RecomputeVerifier() override;
+  RecomputeVerifier(const RecomputeVerifier&) = delete;
+  RecomputeVerifier& operator=(const RecomputeVerifier&) = delete;
 
   void on_forward(SegmentEvent& event) override;
   void on_recompute(SegmentEvent& event) override;
@@ -66,19 +84,14 @@ class RecomputeVerifier : public SegmentObserver {
   std::vector<RecomputeMismatch> mismatches() const;
   std::size_t verified_outputs() const;   // outputs compared so far
   std::size_t pending_segments() const;   // forwards still waiting for their recompute
+  // Drops pending forwards, outstanding comparisons and the results so far.
   void reset();
 
  private:
-  struct Expected {
-    std::vector<Digest> digests;
-    std::vector<std::string> meta;
-    std::vector<at::Tensor> values;  // keep_values only
-  };
-  VerifyOptions options_;
-  mutable std::mutex mutex_;
-  std::unordered_map<std::uint64_t, Expected> pending_;
-  std::vector<RecomputeMismatch> mismatches_;
-  std::size_t verified_ = 0;
+  struct State;
+  // Shared with the final callbacks queued on backward passes, which hold it weakly: a verifier
+  // destroyed before its callback runs is skipped, not used after free.
+  std::shared_ptr<State> state_;
 };
 
 // "Float[4, 8]"

@@ -152,6 +152,120 @@ TEST(RngState, TruncatedOrCorruptBytesGiveAnErrorNamingTheOffset) {
   EXPECT_THROW(RngState::deserialize(bad.data(), bad.size()), Error);
 }
 
+// An RNG state buffer with the CPU generator's state followed by one hand-made generator entry.
+std::vector<std::uint8_t> with_generator(std::int8_t type, std::int8_t index, const std::vector<std::uint8_t>& state) {
+  std::vector<std::uint8_t> bytes = RngState::capture().serialize();  // magic, version, count 1, CPU
+  const std::uint32_t count = 2;
+  std::memcpy(bytes.data() + 6, &count, sizeof count);
+  bytes.push_back(static_cast<std::uint8_t>(type));
+  bytes.push_back(static_cast<std::uint8_t>(index));
+  const auto n = static_cast<std::uint32_t>(state.size());
+  const auto* p = reinterpret_cast<const std::uint8_t*>(&n);
+  bytes.insert(bytes.end(), p, p + sizeof n);
+  bytes.insert(bytes.end(), state.begin(), state.end());
+  return bytes;
+}
+
+// seed, then Philox offset, as CUDAGeneratorImpl::get_state() writes them.
+std::vector<std::uint8_t> cuda_state(std::uint64_t seed, std::int64_t offset) {
+  std::vector<std::uint8_t> s(16);
+  std::memcpy(s.data(), &seed, 8);
+  std::memcpy(s.data() + 8, &offset, 8);
+  return s;
+}
+
+std::string deserialize_error(const std::vector<std::uint8_t>& bytes) {
+  try {
+    RngState::deserialize(bytes.data(), bytes.size());
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+constexpr std::int8_t kCpuType = static_cast<std::int8_t>(c10::kCPU);
+constexpr std::int8_t kCudaType = static_cast<std::int8_t>(c10::kCUDA);
+
+// A CUDA generator takes exactly its 16 bytes (seed, offset), the offset a multiple of 4; LibTorch
+// would answer anything else with its own error at restore, or accept 8 bytes as a bare seed.
+TEST(RngState, CudaStateOfAnyOtherSizeOrOffsetIsRejectedNamingTheOffset) {
+  const std::vector<std::uint8_t> valid = with_generator(kCudaType, 0, cuda_state(7, 12));
+  const RngState parsed = RngState::deserialize(valid.data(), valid.size());  // control: accepted
+  ASSERT_EQ(parsed.generators().size(), 2u);
+  EXPECT_EQ(parsed.generators()[1].device, c10::Device(c10::kCUDA, 0));
+  EXPECT_EQ(parsed.generators()[1].bytes, cuda_state(7, 12));
+  EXPECT_EQ(parsed.serialize(), valid);
+
+  std::vector<std::uint8_t> short_state = cuda_state(7, 12);
+  short_state.pop_back();
+  std::vector<std::uint8_t> long_state = cuda_state(7, 12);
+  long_state.push_back(0);
+  for (const auto& state : {short_state, long_state, std::vector<std::uint8_t>(8)}) {
+    SCOPED_TRACE(state.size());
+    const std::string what = deserialize_error(with_generator(kCudaType, 0, state));
+    EXPECT_NE(what.find("a CUDA generator state is 16 bytes"), std::string::npos) << what;
+    EXPECT_NE(what.find("at byte offset"), std::string::npos) << what;
+  }
+  const std::size_t offset_field = valid.size() - 8;
+  const std::string odd = deserialize_error(with_generator(kCudaType, 0, cuda_state(7, 13)));
+  EXPECT_NE(odd.find("not a multiple of 4 at byte offset " + std::to_string(offset_field)), std::string::npos) << odd;
+  const std::string bad_index = deserialize_error(with_generator(kCudaType, -1, cuda_state(7, 12)));
+  EXPECT_NE(bad_index.find("CUDA device index -1 is invalid"), std::string::npos) << bad_index;
+}
+
+TEST(RngState, CpuStateOfAnyOtherSizeIsRejected) {
+  const std::vector<std::uint8_t> cpu = RngState::capture().generators()[0].bytes;
+  ASSERT_EQ(cpu.size(), 5056u);
+  EXPECT_EQ(deserialize_error(with_generator(kCpuType, -1, cpu)), "");  // control: accepted
+  std::vector<std::uint8_t> short_state(cpu.begin(), cpu.end() - 1);
+  std::vector<std::uint8_t> legacy(cpu.begin(), cpu.begin() + 5048);  // set_state's old layout: never written
+  std::vector<std::uint8_t> long_state = cpu;
+  long_state.push_back(0);
+  for (const auto& state : {short_state, legacy, long_state}) {
+    SCOPED_TRACE(state.size());
+    const std::string what = deserialize_error(with_generator(kCpuType, -1, state));
+    EXPECT_NE(what.find("a CPU generator state is 5056 bytes"), std::string::npos) << what;
+  }
+  const std::string bad_index = deserialize_error(with_generator(kCpuType, 3, cpu));
+  EXPECT_NE(bad_index.find("CPU device index 3 is invalid"), std::string::npos) << bad_index;
+}
+
+// A well-formed state that the generator itself rejects (here an mt19937 block never seeded) is a
+// retrace::Error naming the device, not LibTorch's error.
+TEST(RngState, StateTheGeneratorRejectsIsARetraceErrorAtRestore) {
+  torch::manual_seed(8);
+  const RngState good = RngState::capture();
+  const std::vector<std::uint8_t> zeros = with_generator(kCpuType, -1, std::vector<std::uint8_t>(5056, 0));
+  const RngState bad = RngState::deserialize(zeros.data(), zeros.size());
+  try {
+    bad.restore();
+    ADD_FAILURE() << "an unseeded mt19937 state was restored";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the generator of cpu rejected the state"), std::string::npos) << e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not a retrace::Error: " << e.what();
+  }
+  EXPECT_NO_THROW(good.restore());  // control: a valid state restores
+  EXPECT_EQ(RngState::capture(), good);
+}
+
+// A trace recorded on a machine with more GPUs than this one.
+TEST(RngState, CudaStateForADeviceThatIsNotVisibleIsARetraceErrorAtRestore) {
+  const auto beyond = static_cast<std::int8_t>(torch::cuda::device_count());
+  const std::vector<std::uint8_t> bytes = with_generator(kCudaType, beyond, cuda_state(7, 12));
+  const RngState state = RngState::deserialize(bytes.data(), bytes.size());
+  const std::string device = "cuda:" + std::to_string(beyond);
+  try {
+    state.restore();
+    ADD_FAILURE() << device << " was restored";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the state is for " + device + " but this process sees"), std::string::npos)
+        << e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not a retrace::Error: " << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace retrace
 

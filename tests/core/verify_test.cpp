@@ -8,6 +8,10 @@
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
+#include <atomic>
+#include <functional>
+#include <memory>
+
 namespace retrace {
 namespace {
 
@@ -139,6 +143,106 @@ TEST(RecomputeVerifier, AutocastNotRestoredIsCaught) {
       EXPECT_EQ(verifier.mismatches()[0].recompute_meta, "Float[4, 8]");
     }
   }
+}
+
+// Digests that behave like the device's: not ready when taken, finished (and counted) on get().
+// They digest the values as they were when taken, as the device kernel does.
+struct DeferredDigests {
+  std::shared_ptr<std::atomic<int>> finished = std::make_shared<std::atomic<int>>(0);
+  std::function<PendingDigest(const at::Tensor&)> function() const {
+    return [finished = finished](const at::Tensor& t) {
+      return PendingDigest([finished, value = t.detach().clone()] {
+        ++*finished;
+        return digest(value);
+      });
+    };
+  }
+};
+
+// Notes, at each recompute, how many digests the verifier attached before it has waited for.
+class WaitProbe : public SegmentObserver {
+ public:
+  explicit WaitProbe(std::shared_ptr<std::atomic<int>> finished) : finished_(std::move(finished)) {}
+  void on_recompute(SegmentEvent&) override { seen.push_back(finished_->load()); }
+  std::vector<int> seen;
+
+ private:
+  std::shared_ptr<std::atomic<int>> finished_;
+};
+
+// The device path, on the CPU: no wait per segment during backward; everything compared once
+// backward's work is done.
+TEST(RecomputeVerifier, DeviceDigestsAreComparedOnceAtTheEndOfBackward) {
+  auto model = make_gpt();
+  const DeferredDigests digests;
+  RecomputeVerifier verifier({VerifyPolicy::kThrow, false, digests.function()});
+  WaitProbe probe(digests.finished);
+  ObserverScope first(verifier);
+  ObserverScope second(probe);
+  model.loss(model.make_batch(1), {4, {}}).backward();
+  EXPECT_EQ(probe.seen, (std::vector<int>{0, 0, 0, 0}));  // nothing waited for while recomputing
+  EXPECT_EQ(digests.finished->load(), 8);                 // 4 forward + 4 recompute, by backward's end
+  EXPECT_EQ(verifier.verified_outputs(), 4u);
+  EXPECT_TRUE(verifier.mismatches().empty());
+  EXPECT_EQ(verifier.pending_segments(), 0u);
+}
+
+// kThrow on the device path: backward() throws, after every segment was recomputed, naming the
+// perturbed one. Control: the same step without the perturbation passes (test above).
+TEST(RecomputeVerifier, DeviceDigestMismatchThrowsFromBackwardNamingTheSegment) {
+  auto model = make_gpt();
+  const DeferredDigests digests;
+  PerturbRecompute perturb("block2..block3");
+  RecomputeVerifier verifier({VerifyPolicy::kThrow, /*keep_values=*/true, digests.function()});
+  WaitProbe probe(digests.finished);
+  ObserverScope first(perturb);
+  ObserverScope second(verifier);
+  ObserverScope third(probe);
+  at::Tensor loss = model.loss(model.make_batch(1), {2, {}});
+  std::string msg;
+  try {
+    loss.backward();
+    ADD_FAILURE() << "backward did not throw";
+  } catch (const RecomputeMismatchError& e) {
+    msg = e.what();
+    EXPECT_EQ(e.mismatch().segment, "block2..block3");
+  }
+  EXPECT_EQ(probe.seen.size(), 2u);  // both segments were recomputed before the comparison
+  EXPECT_NE(msg.find("segment 'block2..block3'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("1 of 2048 elements differ"), std::string::npos) << msg;
+  ASSERT_EQ(verifier.mismatches().size(), 1u);
+}
+
+// kWarn and kRecord on the device path record the mismatch and let backward finish.
+TEST(RecomputeVerifier, DeviceDigestMismatchIsRecordedInRecordMode) {
+  auto model = make_gpt();
+  const DeferredDigests digests;
+  PerturbRecompute perturb("block0..block1");
+  RecomputeVerifier verifier({VerifyPolicy::kRecord, false, digests.function()});
+  ObserverScope first(perturb);
+  ObserverScope second(verifier);
+  EXPECT_NO_THROW(model.loss(model.make_batch(1), {2, {}}).backward());
+  ASSERT_EQ(verifier.mismatches().size(), 1u);
+  EXPECT_EQ(verifier.mismatches()[0].segment, "block0..block1");
+  EXPECT_EQ(verifier.verified_outputs(), 2u);
+}
+
+// Outside a backward pass there is no end to wait for: the comparison is made at once.
+TEST(RecomputeVerifier, DeviceDigestsOutsideBackwardAreComparedAtOnce) {
+  const DeferredDigests digests;
+  RecomputeVerifier verifier({VerifyPolicy::kRecord, false, digests.function()});
+  const std::string name = "direct";
+  const std::vector<at::Tensor> inputs;
+  std::vector<at::Tensor> forward_out{torch::ones({4})};
+  SegmentEvent forward{name, 1, SegmentPhase::kForward, inputs, forward_out, true};
+  verifier.on_forward(forward);
+  EXPECT_EQ(digests.finished->load(), 0);
+  std::vector<at::Tensor> recompute_out{torch::full({4}, 2.0f)};  // differs: the check can fail
+  SegmentEvent recompute{name, 1, SegmentPhase::kRecompute, inputs, recompute_out, false};
+  verifier.on_recompute(recompute);
+  EXPECT_EQ(digests.finished->load(), 2);
+  ASSERT_EQ(verifier.mismatches().size(), 1u);
+  EXPECT_EQ(verifier.mismatches()[0].segment, "direct");
 }
 
 TEST(RecomputeVerifier, ParsesPolicies) {

@@ -12,21 +12,38 @@
 #include <retrace/scenario.h>
 #include <retrace/snapshot.h>
 #include <retrace/trainer.h>
+#include <retrace/verify.h>
 #include <retrace/version.h>
 
 #include <torch/torch.h>
+#if RETRACE_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <unistd.h>
 
 namespace retrace {
 namespace {
 
-#define RETRACE_REQUIRE_CUDA()                                                        \
-  do {                                                                                \
-    if (!kBuiltWithCuda) GTEST_SKIP() << "retrace was built without CUDA sources";    \
-    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device is visible";    \
+// On the GPU machine scripts/gpu-check sets RETRACE_REQUIRE_GPU=1: there a GPU test that would
+// skip fails instead, so a green run cannot hide an untested GPU path.
+bool gpu_required() {
+  const char* v = std::getenv("RETRACE_REQUIRE_GPU");
+  return v != nullptr && std::string(v) == "1";
+}
+
+#define RETRACE_REQUIRE_CUDA()                                                                        \
+  do {                                                                                                \
+    const char* why = !kBuiltWithCuda                   ? "retrace was built without CUDA sources"   \
+                      : !torch::cuda::is_available()    ? "no CUDA device is visible"                \
+                                                        : nullptr;                                   \
+    if (why != nullptr && gpu_required()) FAIL() << why << " (RETRACE_REQUIRE_GPU=1)";               \
+    if (why != nullptr) GTEST_SKIP() << why;                                                          \
   } while (0)
 
 TEST(CudaDigest, EqualTensorsDigestEqualOnDevice) {
@@ -131,6 +148,287 @@ TEST(CudaSnapshot, TakenBeforeAnInPlaceUpdateHoldsTheOldValues) {
   const HostSnapshot after = snapshot_to_host(x);
   after.wait();
   EXPECT_BITWISE_EQ(torch::zeros_like(before), after.host);
+}
+
+// Under the determinism guard at::empty NaN-fills every new tensor; the snapshot's staging and
+// pinned buffers and the digest's lanes are allocated without that fill (they are overwritten in
+// full). They must still hold exactly the source's bytes.
+TEST(CudaSnapshot, UnderTheDeterminismGuardHoldsTheRightBytes) {
+  RETRACE_REQUIRE_CUDA();
+  ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+  DeterministicGuard deterministic;
+  // Control: the guard's fill is on, so a buffer that skipped its copy would read NaN.
+  EXPECT_TRUE(torch::empty({16}, torch::TensorOptions().pinned_memory(true)).isnan().all().item<bool>());
+  torch::manual_seed(6);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const at::Tensor x = torch::randn({1024, 257}, torch::kCUDA).to(dtype);
+    const at::Tensor expected = x.cpu();
+    const HostSnapshot snap = snapshot_to_host(x);
+    EXPECT_TRUE(snap.host.is_pinned());
+    ASSERT_TRUE(snap.wait);
+    snap.wait();
+    EXPECT_BITWISE_EQ(expected, snap.host);
+    const PendingDigest pending = digest_async(x);
+    EXPECT_EQ(pending.get(), digest(x));
+    EXPECT_EQ(pending.get(), digest(expected.cuda()));
+    EXPECT_NE(pending.get(), digest((x + 1).contiguous()));  // control: other values, other digest
+  }
+}
+
+// Changes one element of a named segment's output at recompute.
+class PerturbRecompute : public SegmentObserver {
+ public:
+  explicit PerturbRecompute(std::string segment) : segment_(std::move(segment)) {}
+  void on_recompute(SegmentEvent& e) override {
+    if (e.segment != segment_) return;
+    at::Tensor changed = e.outputs[0].clone();
+    {
+      torch::NoGradGuard no_grad;
+      changed.view(-1)[3].add_(1e-2);
+    }
+    e.outputs[0] = changed;
+  }
+
+ private:
+  std::string segment_;
+};
+
+// The verifier on CUDA digests asynchronously and compares at the end of backward: a correct
+// recompute verifies, and (controls) a perturbed one throws from backward() naming its segment,
+// and one without RNG preservation is reported. No determinism guard: the forward and its
+// recompute run the same kernels (no atomics) and agree bitwise without it.
+TEST(CudaVerify, RecomputeOnTheDeviceIsVerifiedAtTheEndOfBackward) {
+  RETRACE_REQUIRE_CUDA();
+  torch::manual_seed(0);
+  models::GptConfig c;
+  c.layers = 4;
+  c.dropout = 0.2;
+  models::TinyGpt model(c);
+  model.to(torch::kCUDA);
+  model.train();
+  models::Batch batch = model.make_batch(3);
+  batch.input = batch.input.cuda();
+  batch.target = batch.target.cuda();
+  {
+    RecomputeVerifier verifier({VerifyPolicy::kThrow, false});
+    ObserverScope scope(verifier);
+    EXPECT_NO_THROW(model.loss(batch, {2, {}}).backward());
+    EXPECT_EQ(verifier.verified_outputs(), 2u);
+    EXPECT_TRUE(verifier.mismatches().empty());
+  }
+  {
+    PerturbRecompute perturb("block2..block3");
+    RecomputeVerifier verifier({VerifyPolicy::kThrow, /*keep_values=*/true});
+    ObserverScope first(perturb);
+    ObserverScope second(verifier);
+    try {
+      model.loss(batch, {2, {}}).backward();
+      ADD_FAILURE() << "backward did not throw";
+    } catch (const RecomputeMismatchError& e) {
+      EXPECT_EQ(e.mismatch().segment, "block2..block3");
+      EXPECT_NE(std::string(e.what()).find("1 of "), std::string::npos) << e.what();
+    }
+  }
+  {
+    RecomputeVerifier verifier({VerifyPolicy::kRecord, false});
+    ObserverScope scope(verifier);
+    models::CheckpointPlan unpreserved{2, {}};
+    unpreserved.options.preserve_rng_state = false;  // control: other dropout masks on recompute
+    model.loss(batch, unpreserved).backward();
+    EXPECT_FALSE(verifier.mismatches().empty());
+  }
+}
+
+#if RETRACE_WITH_CUDA
+// Captures body() into `graph` on `stream` (capture cannot run on the default stream). A failure
+// ends the capture, so that it stays in this test instead of leaving the stream capturing for the
+// next one. Returns whether the graph can be replayed.
+bool capture_graph(at::cuda::CUDAGraph& graph, const c10::cuda::CUDAStream& stream, const std::function<void()>& body) {
+  c10::cuda::CUDAStreamGuard on_stream(stream);
+  graph.capture_begin();
+  bool ok = true;
+  try {
+    body();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "during capture: " << e.what();
+    ok = false;
+  }
+  try {
+    graph.capture_end();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "capture_end: " << e.what();
+    ok = false;
+  }
+  return ok;
+}
+
+// Runs f three times on `stream` before a capture, as CUDA graphs require (kernels load lazily,
+// the allocator warms up), with the device idle before and after.
+void warm_up(const c10::cuda::CUDAStream& stream, const std::function<void()>& f) {
+  torch::cuda::synchronize();
+  {
+    c10::cuda::CUDAStreamGuard on_stream(stream);
+    for (int i = 0; i < 3; ++i) f();
+  }
+  torch::cuda::synchronize();
+}
+#endif
+
+// Inside a CUDA graph, an RngState taken during the capture and restored inside an RngFork draws
+// the same dropout mask again on every replay, the masks are the ones eager execution draws from
+// the same generator state, and the generator advances by the graph's own draws only.
+TEST(CudaGraph, RngStateRestoredInsideACaptureRedrawsTheSameMask) {
+  RETRACE_REQUIRE_CUDA();
+#if RETRACE_WITH_CUDA
+  const c10::Device dev(torch::kCUDA, 0);
+  const at::Tensor ones = torch::ones({1 << 16}, dev);
+  const auto drop = [&] { return torch::dropout(ones, 0.5, /*train=*/true); };
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, dev.index());
+  warm_up(side, [&] {
+    const RngState s = RngState::capture({dev});
+    drop();
+    RngFork fork({dev});
+    s.restore();
+    drop();
+  });
+  torch::manual_seed(21);
+  torch::cuda::manual_seed_all(21);
+  at::Tensor first, again, next;  // written by each replay
+  at::cuda::CUDAGraph graph;
+  ASSERT_TRUE(capture_graph(graph, side, [&] {
+    const RngState state = RngState::capture({dev});
+    EXPECT_TRUE(state.generators().size() == 2 && state.generators()[1].graph.has_value());
+    first = drop();
+    {
+      RngFork fork({dev});
+      state.restore();
+      again = drop();
+    }
+    next = drop();  // the fork put the graph's own generator state back: this continues after `first`
+  }));
+  for (int replay = 0; replay < 2; ++replay) {
+    SCOPED_TRACE("replay " + std::to_string(replay));
+    torch::cuda::synchronize();
+    const RngState before = RngState::capture({dev});
+    graph.replay();
+    torch::cuda::synchronize();
+    const RngState after = RngState::capture({dev});
+    const at::Tensor f = first.cpu(), a = again.cpu(), n = next.cpu();
+    EXPECT_BITWISE_EQ(f, a);
+    EXPECT_FALSE(f.equal(n)) << "consecutive draws were equal: the comparison above proves nothing";
+    before.restore();
+    EXPECT_BITWISE_EQ(drop().cpu(), f);
+    EXPECT_BITWISE_EQ(drop().cpu(), n);
+    EXPECT_TRUE(RngState::capture({dev}) == after) << "the replay advanced the generator by other than its two draws";
+  }
+  // Control: the same capture without restoring draws another mask.
+  at::Tensor control_first, control_again;
+  at::cuda::CUDAGraph control;
+  ASSERT_TRUE(capture_graph(control, side, [&] {
+    control_first = drop();
+    RngFork fork({dev});
+    control_again = drop();
+  }));
+  control.replay();
+  torch::cuda::synchronize();
+  EXPECT_FALSE(control_first.cpu().equal(control_again.cpu()));
+#endif
+}
+
+// A capture-time state has no meaning outside its capture, and restoring it needs a fork.
+TEST(CudaGraph, CaptureTimeStateRestoresOnlyInItsCaptureInsideAFork) {
+  RETRACE_REQUIRE_CUDA();
+#if RETRACE_WITH_CUDA
+  const c10::Device dev(torch::kCUDA, 0);
+  const at::Tensor ones = torch::ones({1024}, dev);
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, dev.index());
+  warm_up(side, [&] { torch::dropout(ones, 0.5, true); });
+  RngState taken;
+  std::string without_fork, serialized;
+  at::Tensor out;
+  at::cuda::CUDAGraph graph;
+  ASSERT_TRUE(capture_graph(graph, side, [&] {
+    taken = RngState::capture({dev});
+    out = torch::dropout(ones, 0.5, true);
+    try {
+      taken.restore();
+    } catch (const Error& e) {
+      without_fork = e.what();
+    }
+    try {
+      taken.serialize();
+    } catch (const Error& e) {
+      serialized = e.what();
+    }
+  }));
+  EXPECT_NE(without_fork.find("only inside a retrace::RngFork"), std::string::npos) << without_fork;
+  EXPECT_NE(serialized.find("cannot be serialized"), std::string::npos) << serialized;
+  std::string outside;
+  try {
+    taken.restore();
+  } catch (const Error& e) {
+    outside = e.what();
+  }
+  EXPECT_NE(outside.find("restores only during that same capture"), std::string::npos) << outside;
+  const RngState eager = RngState::capture({dev});  // control: a state taken outside restores
+  EXPECT_NO_THROW(eager.restore());
+  EXPECT_NO_THROW(graph.replay());
+  torch::cuda::synchronize();
+#endif
+}
+
+// A checkpointed dropout segment captured in a CUDA graph together with its backward: the
+// recompute inside the graph draws the forward's mask. With x = 1, y = dropout(x) and dy/dx = y,
+// so the gradient equals the output exactly when the masks agree. Control: without RNG
+// preservation the recompute draws another mask.
+TEST(CudaGraph, CheckpointedDropoutCapturedWithItsBackwardRecomputesTheForwardMask) {
+  RETRACE_REQUIRE_CUDA();
+#if RETRACE_WITH_CUDA
+  const c10::Device dev(torch::kCUDA, 0);
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, dev.index());
+  constexpr std::int64_t kSize = 1 << 16;
+  struct Replayed {
+    at::Tensor output, grad, eager_output;
+  };
+  const auto run = [&](bool preserve) {
+    CheckpointOptions options;
+    options.preserve_rng_state = preserve;
+    at::Tensor x = torch::ones({kSize}, torch::TensorOptions().device(dev).requires_grad(true));
+    at::Tensor y;
+    const auto step = [&] {
+      y = checkpoint("drop", [](const at::Tensor& in) { return torch::dropout(in, 0.5, /*train=*/true); }, x, options);
+      y.sum().backward();
+    };
+    warm_up(side, [&] {
+      x.mutable_grad().reset();
+      step();
+    });
+    x.mutable_grad().reset();  // the graph allocates the gradient from its own pool
+    Replayed r;
+    at::cuda::CUDAGraph graph;
+    if (!capture_graph(graph, side, step)) return r;
+    torch::cuda::synchronize();
+    const RngState before = RngState::capture({dev});
+    graph.replay();
+    torch::cuda::synchronize();
+    EXPECT_TRUE(x.grad().defined());
+    if (!x.grad().defined()) return r;
+    r.output = y.detach().cpu();
+    r.grad = x.grad().cpu();
+    before.restore();
+    r.eager_output = torch::dropout(torch::ones({kSize}, dev), 0.5, true).cpu();
+    return r;
+  };
+  const Replayed preserved = run(true);
+  ASSERT_TRUE(preserved.grad.defined());
+  EXPECT_BITWISE_EQ(preserved.output, preserved.eager_output);  // the graph's forward draws eager's mask
+  EXPECT_BITWISE_EQ(preserved.grad, preserved.output);           // the recompute drew it again
+  EXPECT_GT(preserved.output.eq(0).sum().item<std::int64_t>(), 0) << "dropout dropped nothing";
+  const Replayed unpreserved = run(false);
+  ASSERT_TRUE(unpreserved.grad.defined());
+  EXPECT_FALSE(unpreserved.grad.equal(unpreserved.output));
+#endif
 }
 
 std::string temp_trace(const std::string& name) {
