@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace retrace::detail {
 
@@ -41,6 +42,12 @@ Digest cuda_digest(const at::Tensor& contiguous, const Digest& header);
 // queued on the current stream behind an event; the returned function waits on that event and
 // finishes the digest (callable from any thread, any number of times).
 std::function<Digest()> cuda_digest_async(const at::Tensor& contiguous, const Digest& header);
+
+// cuda_digest_async for many contiguous tensors on one device, with one launch per 128 tensors,
+// one copy of all their lanes to the host and one event; each function finishes its tensor's
+// digest, equal to what cuda_digest_async gives for that tensor alone.
+std::vector<std::function<Digest()>> cuda_digest_async_many(const std::vector<at::Tensor>& contiguous,
+                                                            const std::vector<Digest>& headers);
 
 // An asynchronous snapshot of a CUDA tensor in pinned host memory (core/snapshot.cpp).
 struct CudaHostCopy {

@@ -24,6 +24,12 @@ Digest cuda_digest(const at::Tensor&, const Digest&) {
 
 std::function<Digest()> cuda_digest_async(const at::Tensor& t, const Digest& header) { return [d = cuda_digest(t, header)] { return d; }; }
 
+std::vector<std::function<Digest()>> cuda_digest_async_many(const std::vector<at::Tensor>& contiguous,
+                                                            const std::vector<Digest>& headers) {
+  if (contiguous.empty()) return {};
+  return {cuda_digest_async(contiguous.front(), headers.front())};  // throws: no CUDA support
+}
+
 CudaHostCopy cuda_copy_to_host_async(const at::Tensor&) {
   throw Error("retrace: this build of retrace has no CUDA support; rebuild with the CUDA toolkit present (RETRACE_CUDA=ON)");
 }

@@ -7,6 +7,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstdio>
 
 namespace retrace {
@@ -58,6 +59,36 @@ PendingDigest digest_async(const at::Tensor& tensor) {
   const at::Tensor t = digestable(tensor);
   const std::vector<std::uint8_t> header = header_bytes(t);
   return PendingDigest(detail::cuda_digest_async(t, digest_bytes(header.data(), header.size())));
+}
+
+std::vector<PendingDigest> digest_async_many(const std::vector<at::Tensor>& tensors) {
+  std::vector<PendingDigest> out(tensors.size());
+  // CUDA tensors by device, each device's in one batch on its current stream.
+  std::vector<c10::DeviceIndex> devices;
+  for (const at::Tensor& t : tensors) {
+    if (t.defined() && t.is_cuda() && std::find(devices.begin(), devices.end(), t.device().index()) == devices.end()) {
+      devices.push_back(t.device().index());
+    }
+  }
+  for (c10::DeviceIndex device : devices) {
+    std::vector<std::size_t> index;
+    std::vector<at::Tensor> contiguous;
+    std::vector<Digest> headers;
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      const at::Tensor& t = tensors[i];
+      if (!t.defined() || !t.is_cuda() || t.device().index() != device) continue;
+      index.push_back(i);
+      contiguous.push_back(digestable(t));
+      const std::vector<std::uint8_t> header = header_bytes(contiguous.back());
+      headers.push_back(digest_bytes(header.data(), header.size()));
+    }
+    std::vector<std::function<Digest()>> pending = detail::cuda_digest_async_many(contiguous, headers);
+    for (std::size_t k = 0; k < index.size(); ++k) out[index[k]] = PendingDigest(std::move(pending[k]));
+  }
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].defined() || !tensors[i].is_cuda()) out[i] = PendingDigest(digest(tensors[i]));
+  }
+  return out;
 }
 
 Digest digest(const at::Tensor& tensor) {

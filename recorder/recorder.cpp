@@ -59,7 +59,7 @@ bool plain_host_bytes(const at::Tensor& t) {
 }
 
 // Digests of many tensors: plain host ones hashed on LibTorch's intra-op threads together (the
-// state and the gradients are hundreds of tensors each step), the rest one by one.
+// state and the gradients are hundreds of tensors each step), the rest in device batches.
 std::vector<PendingDigest> digest_all(const std::vector<NamedTensor>& tensors) {
   std::vector<PendingDigest> out(tensors.size());
   std::vector<char> done(tensors.size(), 0);
@@ -70,9 +70,16 @@ std::vector<PendingDigest> digest_all(const std::vector<NamedTensor>& tensors) {
       done[i] = 1;
     }
   });
+  // The rest (CUDA tensors, above all) batched: one launch per 128 tensors instead of one each.
+  std::vector<std::size_t> rest;
+  std::vector<at::Tensor> rest_tensors;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    if (!done[i]) out[i] = digest_async(tensors[i].tensor);
+    if (done[i]) continue;
+    rest.push_back(i);
+    rest_tensors.push_back(tensors[i].tensor);
   }
+  std::vector<PendingDigest> batched = digest_async_many(rest_tensors);
+  for (std::size_t k = 0; k < rest.size(); ++k) out[rest[k]] = std::move(batched[k]);
   return out;
 }
 

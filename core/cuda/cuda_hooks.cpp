@@ -120,8 +120,9 @@ at::Tensor launch_lanes(const at::Tensor& contiguous) {
   return lanes;  // `t` may be freed now: the caching allocator orders its reuse after the kernel
 }
 
-Digest finish(const at::Tensor& host_lanes, const Digest& header, std::uint64_t nbytes) {
-  const auto* v = reinterpret_cast<const std::uint64_t*>(host_lanes.const_data_ptr<std::int64_t>());
+// The digest from lanes `index` of `host_lanes` (two int64 per tensor).
+Digest finish(const at::Tensor& host_lanes, const Digest& header, std::uint64_t nbytes, std::size_t index = 0) {
+  const auto* v = reinterpret_cast<const std::uint64_t*>(host_lanes.const_data_ptr<std::int64_t>()) + 2 * index;
   Digest d;
   d.algorithm = DigestAlgorithm::kDeviceLanes;
   finish_digest_lanes(v[0], v[1], header.lo, header.hi, nbytes, &d.lo, &d.hi);
@@ -160,6 +161,55 @@ std::function<Digest()> cuda_digest_async(const at::Tensor& contiguous, const Di
     done->synchronize();
     return finish(host, header, nbytes);
   };
+}
+
+std::vector<std::function<Digest()>> cuda_digest_async_many(const std::vector<at::Tensor>& contiguous,
+                                                            const std::vector<Digest>& headers) {
+  TORCH_INTERNAL_ASSERT(contiguous.size() == headers.size());
+  std::vector<std::function<Digest()>> out;
+  if (contiguous.empty()) return out;
+  const c10::Device device = contiguous.front().device();
+  c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const std::size_t n = contiguous.size();
+  // One zeroed lane buffer, one launch per kDigestBatchMax tensors, one copy to the host, one
+  // event: the per-tensor cost on the training thread is filling a slot of the launch's
+  // parameter block, not an allocation, a launch, a copy and an event each.
+  at::Tensor lanes = unfilled_on_device({static_cast<std::int64_t>(2 * n)}, at::kLong, device);
+  lanes.zero_();
+  auto* lane_ptr = reinterpret_cast<std::uint64_t*>(lanes.mutable_data_ptr<std::int64_t>());
+  std::vector<at::Tensor> realigned;  // views at an odd offset, copied; freed in stream order
+  DigestBatch batch;
+  std::size_t first = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const at::Tensor& t = contiguous[i];
+    TORCH_INTERNAL_ASSERT(t.device() == device, "cuda_digest_async_many: tensors on ", t.device(), " and ", device);
+    const void* data = t.const_data_ptr();
+    if (reinterpret_cast<std::uintptr_t>(data) % 8 != 0) {
+      realigned.push_back(t.clone());
+      data = realigned.back().const_data_ptr();
+    }
+    batch.data[batch.count] = data;
+    batch.nbytes[batch.count] = t.nbytes();
+    ++batch.count;
+    if (batch.count == kDigestBatchMax || i + 1 == n) {
+      C10_CUDA_CHECK(static_cast<cudaError_t>(launch_digest_lanes_many(batch, lane_ptr + 2 * first, stream)));
+      first = i + 1;
+      batch.count = 0;
+    }
+  }
+  at::Tensor host = unfilled_pinned({static_cast<std::int64_t>(2 * n)}, at::kLong);
+  host.copy_(lanes, /*non_blocking=*/true);
+  auto done = std::make_shared<at::cuda::CUDAEvent>();
+  done->record(c10::cuda::getCurrentCUDAStream());
+  out.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    out.push_back([done, host, header = headers[i], nbytes = static_cast<std::uint64_t>(contiguous[i].nbytes()), i] {
+      done->synchronize();
+      return finish(host, header, nbytes, i);
+    });
+  }
+  return out;
 }
 
 CudaHostCopy cuda_copy_to_host_async(const at::Tensor& tensor) {

@@ -72,7 +72,73 @@ __global__ void digest_lanes_kernel(const std::uint64_t* __restrict__ words, std
   }
 }
 
+// Many tensors in one launch: blockIdx.y picks the tensor, and within it the same grid-stride
+// sum as digest_lanes_kernel, so each pair of lanes is the one a launch of its own would give.
+__global__ void digest_lanes_many_kernel(DigestBatch batch, unsigned long long* out) {
+  const unsigned j = blockIdx.y;
+  const std::uint64_t* __restrict__ words = static_cast<const std::uint64_t*>(batch.data[j]);
+  const std::uint64_t nwords = batch.nbytes[j] / 8;
+  const unsigned tail_bytes = static_cast<unsigned>(batch.nbytes[j] % 8);
+  // Blocks beyond what this tensor needs leave at once (the grid is sized for the largest).
+  const std::uint64_t needed = (nwords + kThreads - 1) / kThreads;
+  if (blockIdx.x > 0 && blockIdx.x >= needed) return;
+  std::uint64_t a = 0, b = 0;
+  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
+  for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < nwords; i += stride) {
+    const std::uint64_t w = __ldg(words + i);
+    a += fmix64(w ^ (i * K1 + K2));
+    b += fmix64((w + K3) ^ ((i + 1) * K4));
+  }
+  if (tail_bytes && blockIdx.x == 0 && threadIdx.x == 0) {
+    const unsigned char* tail = reinterpret_cast<const unsigned char*>(words + nwords);
+    std::uint64_t w = 0;
+    for (unsigned k = 0; k < tail_bytes; ++k) w |= static_cast<std::uint64_t>(tail[k]) << (8 * k);
+    const std::uint64_t i = nwords;
+    a += fmix64(w ^ (i * K1 + K2));
+    b += fmix64((w + K3) ^ ((i + 1) * K4));
+  }
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    a += __shfl_down_sync(0xffffffffu, a, offset);
+    b += __shfl_down_sync(0xffffffffu, b, offset);
+  }
+  __shared__ std::uint64_t sa[kThreads / 32], sb[kThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    sa[warp] = a;
+    sb[warp] = b;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    a = lane < kThreads / 32 ? sa[lane] : 0;
+    b = lane < kThreads / 32 ? sb[lane] : 0;
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      a += __shfl_down_sync(0xffffffffu, a, offset);
+      b += __shfl_down_sync(0xffffffffu, b, offset);
+    }
+    if (lane == 0) {
+      atomicAdd(out + 2 * j, static_cast<unsigned long long>(a));
+      atomicAdd(out + 2 * j + 1, static_cast<unsigned long long>(b));
+    }
+  }
+}
+
 }  // namespace
+
+int launch_digest_lanes_many(const DigestBatch& batch, std::uint64_t* out, void* stream) {
+  if (batch.count <= 0 || batch.count > kDigestBatchMax) return static_cast<int>(cudaErrorInvalidValue);
+  std::uint64_t largest = 0;
+  for (int j = 0; j < batch.count; ++j) largest = batch.nbytes[j] / 8 > largest ? batch.nbytes[j] / 8 : largest;
+  std::uint64_t blocks = (largest + kThreads - 1) / kThreads;
+  if (blocks < 1) blocks = 1;
+  // Fewer than the single-tensor launch: the grid is this many blocks for every tensor of the
+  // batch, and most tensors need far fewer (their extra blocks return at once).
+  if (blocks > 1024) blocks = 1024;
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(batch.count));
+  digest_lanes_many_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      batch, reinterpret_cast<unsigned long long*>(out));
+  return static_cast<int>(cudaGetLastError());
+}
 
 int launch_digest_lanes(const void* data, std::uint64_t nbytes, std::uint64_t* out, void* stream) {
   const std::uint64_t nwords = nbytes / 8;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace retrace {
 
@@ -63,6 +64,13 @@ class PendingDigest {
 // never synchronizes (the recorder's digest mode: no host sync per segment, the writer thread
 // collects the results). Other tensors: digested now. Equal to digest(tensor) once finished.
 PendingDigest digest_async(const at::Tensor& tensor);
+
+// digest_async for many tensors at once: the CUDA ones of each device in one batch (one launch
+// per 128 tensors, one copy of the results, one event), the others digested now. The recorder
+// digests the whole state and every gradient each step this way: one by one, the per-tensor
+// launches, allocations and events cost more than the hashing. Each result equals
+// digest(tensors[i]) once finished.
+std::vector<PendingDigest> digest_async_many(const std::vector<at::Tensor>& tensors);
 
 // The host algorithm on raw bytes, exposed for tests and for trace payloads.
 Digest digest_bytes(const void* data, std::size_t size);

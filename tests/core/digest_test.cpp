@@ -79,6 +79,22 @@ TEST(Digest, RejectsWhatItCannotDigest) {
   EXPECT_THROW(digest(torch::eye(3).to_sparse()), Error);
 }
 
+// The CPU side of digest_async_many: each result is digest() of its tensor, in order (the CUDA
+// batch is tested in tests/cuda). Control: the digests differ where the tensors do.
+TEST(Digest, ManyAtOnceEqualsOneByOneOnTheCpu) {
+  torch::manual_seed(6);
+  std::vector<at::Tensor> tensors = {torch::randn({5, 7}), torch::randn({3}).to(at::kHalf), torch::randn({4, 4}).t(),
+                                     torch::empty({0})};
+  const std::vector<PendingDigest> many = digest_async_many(tensors);
+  ASSERT_EQ(many.size(), tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    EXPECT_TRUE(many[i].ready());
+    EXPECT_EQ(many[i].get(), digest(tensors[i])) << i;
+  }
+  EXPECT_NE(many[0].get(), many[2].get());
+  EXPECT_TRUE(digest_async_many({}).empty());
+}
+
 TEST(Digest, RawBytes) {
   const char data[] = "retrace";
   EXPECT_EQ(digest_bytes(data, 7), digest_bytes(data, 7));
