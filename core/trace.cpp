@@ -293,17 +293,63 @@ const TensorEntry* Record::find(const std::string& name) const {
 
 // --- writer ----------------------------------------------------------------------------------
 
+namespace {
+
+// Nesting of a JSON value as the reader's parse callback counts it: a scalar 0, a container one more
+// than its deepest element.
+int json_depth(const nlohmann::json& j) {
+  if (!j.is_structured()) return 0;
+  int deepest = 0;
+  for (const nlohmann::json& v : j) deepest = std::max(deepest, json_depth(v));
+  return deepest + 1;
+}
+
+// What the default reader would refuse is never written (ReaderOptions' defaults are the
+// contract): the metadata's nesting and each tensor's declared size, before anything is written.
+void check_readable(RecordType type, const nlohmann::json& meta, const std::vector<TensorEntry>& tensors) {
+  const ReaderOptions reader;
+  const int depth = std::max(json_depth(meta), tensors.empty() ? 0 : 4);  // the tensor table nests 4 deep
+  if (depth > reader.max_meta_depth) {
+    throw Error("retrace::TraceWriter: a " + std::string(to_string(type)) + " record's metadata nests " +
+                std::to_string(depth) + " levels deep, over the reader's cap of " + std::to_string(reader.max_meta_depth) +
+                " (ReaderOptions::max_meta_depth); flatten what the program puts there (its config)");
+  }
+  for (const TensorEntry& e : tensors) {
+    if (e.raw_bytes > reader.max_tensor_bytes) {
+      throw Error("retrace::TraceWriter: tensor '" + e.name + "' is " + std::to_string(e.raw_bytes) +
+                  " bytes, over the reader's cap of " + std::to_string(reader.max_tensor_bytes) +
+                  " for one tensor (ReaderOptions::max_tensor_bytes), so the trace could not be read back");
+    }
+  }
+}
+
+void check_meta_size(RecordType type, std::size_t meta_bytes) {
+  const ReaderOptions reader;
+  if (meta_bytes > reader.max_meta_bytes) {
+    throw Error("retrace::TraceWriter: a " + std::string(to_string(type)) + " record's metadata would be " +
+                std::to_string(meta_bytes) + " bytes, over the reader's cap of " + std::to_string(reader.max_meta_bytes) +
+                " (ReaderOptions::max_meta_bytes); shorten what goes there (a scenario's description, a program's "
+                "config) or record fewer tensors per record");
+  }
+}
+
+}  // namespace
+
 TraceWriter::TraceWriter(std::string path, nlohmann::json header, WriterOptions options)
     : path_(std::move(path)), options_(options),
       fs_(options.fs ? options.fs : &io::posix_file_system()) {
+  header["format_version"] = kTraceFormatVersion;
+  header["writer"] = std::string("retrace ") + kVersion;
+  // A header the reader would refuse (a huge or deeply nested program config or description) fails
+  // here, before the file exists and before any training.
+  check_readable(RecordType::kHeader, header, {});
+  check_meta_size(RecordType::kHeader, header.dump().size());
   file_ = fs_->create(incomplete_path());
   unsigned char head[kFileHeaderBytes];
   std::memcpy(head, kTraceMagic, 8);
   const std::uint32_t version = kTraceFormatVersion;
   std::memcpy(head + 8, &version, 4);
   file_->append(head, sizeof head);
-  header["format_version"] = kTraceFormatVersion;
-  header["writer"] = std::string("retrace ") + kVersion;
   write_record(RecordType::kHeader, header, {}, {});
 }
 
@@ -358,8 +404,10 @@ std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta,
   return offset;
 }
 
+
 void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, const std::string& blob,
                                const std::vector<TensorEntry>& tensors) {
+  check_readable(type, meta_in, tensors);
   // The tensor table is written as JSON text directly: building an nlohmann object per entry
   // cost the writer thread ~5 us per tensor, most of a digest-mode record's cost.
   std::string meta_text = meta_in.is_null() ? std::string("{}") : meta_in.dump();
@@ -391,8 +439,9 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
     table += ']';
     meta_text.insert(meta_text.size() - 1, table);
   }
+  check_meta_size(type, meta_text.size());
   const std::uint64_t payload_size = 4 + meta_text.size() + blob.size();
-  if (payload_size > std::uint64_t{0xffffffff}) {
+  if (payload_size > std::min<std::uint64_t>(ReaderOptions{}.max_record_bytes, 0xffffffffu)) {
     throw Error("a trace record would be " + std::to_string(payload_size) +
                 " bytes, over the format's 4 GiB limit; record fewer tensors per step (--mode digest)");
   }

@@ -4,6 +4,7 @@
 #include <retrace/cli.h>
 #include <retrace/error.h>
 #include <retrace/trainer.h>
+#include <retrace/trace.h>
 #include <retrace/version.h>
 
 #include <boost/program_options.hpp>
@@ -95,7 +96,7 @@ int main(int argc, char** argv) {
   const std::string first = argv[1];
   if (first == "--version" || first == "version") {
     std::cout << "retrace " << kVersion << " (LibTorch " << TORCH_VERSION << ", CUDA sources "
-              << (kBuiltWithCuda ? "built" : "not built") << ", trace format " << 1 << ")\n";
+              << (kBuiltWithCuda ? "built" : "not built") << ", writes trace format " << kTraceFormatVersion << ")\n";
     return 0;
   }
   if (first == "--help" || first == "-h" || first == "help") {

@@ -180,8 +180,13 @@ class TraceError : public Error {
   std::uint64_t offset_;
 };
 
+// The reader's caps. TraceWriter refuses to write what the default ReaderOptions would refuse to
+// read (a clear retrace::Error when the record is appended; the header's, when the writer is
+// created, before any training), so every trace retrace writes reads back with the defaults.
 struct ReaderOptions {
-  std::uint64_t max_record_bytes = std::uint64_t{1} << 30;  // 1 GiB
+  // Every record's length is a u32: by default the format's own limit (a full-mode snapshot of a
+  // 100 M-parameter model with AdamW is over 1 GiB). A reader of untrusted files may set less.
+  std::uint64_t max_record_bytes = 0xffffffffu;
   std::uint64_t max_tensor_bytes = std::uint64_t{4} << 30;  // decoded size of one tensor
   std::uint32_t max_meta_bytes = 16u << 20;
   int max_meta_depth = 32;  // JSON nesting

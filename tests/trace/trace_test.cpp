@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <unistd.h>
 
 namespace retrace {
@@ -288,18 +289,22 @@ TEST(Trace, EveryBitFlipIsDetected) {
   fs::remove(flip_path);
 }
 
+// A reader with a cap below what a trace declares refuses it before allocating (the writer never
+// writes past the default caps: Trace.TheWriterRefusesWhatTheReaderWouldRefuse).
 TEST(Trace, DeclaredSizesNeverDriveAnAllocationBeyondTheCap) {
   const std::string path = temp_path("huge");
   {
     TraceWriter w(path, nlohmann::json::object());
-    const at::Tensor huge = torch::empty({std::int64_t{1} << 40}, torch::TensorOptions().device(torch::kMeta));
+    const at::Tensor huge = torch::empty({std::int64_t{2} << 30}, torch::TensorOptions().device(torch::kMeta).dtype(torch::kByte));
     w.append(RecordType::kEvent, {{"event", "huge"}}, {{"h", huge, false, Digest{1, 2, DigestAlgorithm::kXxh3_128}}});
     w.close();
   }
+  ReaderOptions one_gib;
+  one_gib.max_tensor_bytes = std::uint64_t{1} << 30;
   try {
-    const TraceReader r(path);  // opening parses every record's tensor table
+    const TraceReader r(path, one_gib);  // opening parses every record's tensor table
     r.read(0);
-    ADD_FAILURE() << "a 4 TiB tensor was accepted";
+    ADD_FAILURE() << "a 2 GiB tensor was accepted under a 1 GiB cap";
   } catch (const TraceError& e) {
     EXPECT_EQ(e.kind(), TraceError::Kind::kTooLarge);
     EXPECT_NE(std::string(e.what()).find("max_tensor_bytes"), std::string::npos) << e.what();
@@ -398,6 +403,57 @@ TEST(Trace, AppendAfterCloseIsAnError) {
   w.close();
   w.close();  // idempotent
   EXPECT_THROW(w.append(RecordType::kEvent, {}, {}), Error);
+  fs::remove(path);
+}
+
+// The writer never writes what the default reader refuses: a header whose metadata is over the
+// 16 MiB cap (a long scenario description) or nests past 32 levels fails before the file exists,
+// a record declaring a tensor over the 4 GiB cap fails at append. Controls: just under each cap,
+// the trace is written and reads back with the default ReaderOptions.
+TEST(Trace, TheWriterRefusesWhatTheReaderWouldRefuse) {
+  const ReaderOptions caps;
+  const std::string path = temp_path("caps");
+  const auto message = [&](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(written)");
+  };
+  // Metadata size: the description alone is the cap.
+  const std::string huge(caps.max_meta_bytes, 'x');
+  EXPECT_NE(message([&] { TraceWriter w(path, {{"description", huge}}); }).find("ReaderOptions::max_meta_bytes"), std::string::npos);
+  EXPECT_FALSE(fs::exists(path + ".incomplete")) << "a refused header left a file behind";
+  // Nesting: 33 levels.
+  nlohmann::json deep = 1;
+  for (int i = 0; i < caps.max_meta_depth; ++i) deep = nlohmann::json::array({deep});
+  EXPECT_NE(message([&] { TraceWriter w(path, {{"config", deep}}); }).find("ReaderOptions::max_meta_depth"), std::string::npos);
+  EXPECT_FALSE(fs::exists(path + ".incomplete"));
+  // A digest-only entry declaring 5 GiB.
+  {
+    TraceWriter w(path, nlohmann::json::object());
+    TensorToWrite big;
+    big.name = "big";
+    big.dtype = at::kByte;
+    big.shape = {std::int64_t{5} << 30};
+    big.digest = Digest{1, 2, DigestAlgorithm::kXxh3_128};
+    EXPECT_NE(message([&] { w.append(RecordType::kEvent, {}, {big}); }).find("ReaderOptions::max_tensor_bytes"), std::string::npos);
+    big.shape = {std::int64_t{1} << 30};  // control: 1 GiB declared is fine
+    EXPECT_EQ(message([&] { w.append(RecordType::kEvent, {}, {big}); }), "(written)");
+    w.close();
+  }
+  EXPECT_EQ(TraceReader(path).records().size(), 1u);  // the event (the header and the index are not listed)
+  // Controls: just under the size and depth caps, written and read back.
+  nlohmann::json deep_ok = 1;
+  for (int i = 0; i < caps.max_meta_depth - 2; ++i) deep_ok = nlohmann::json::array({deep_ok});
+  const std::string long_text(caps.max_meta_bytes - 1024, 'x');
+  {
+    TraceWriter w(path, {{"description", long_text}, {"config", deep_ok}});
+    w.close();
+  }
+  const TraceReader back(path);
+  EXPECT_EQ(back.header()["description"].get<std::string>().size(), long_text.size());
   fs::remove(path);
 }
 
