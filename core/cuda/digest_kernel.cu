@@ -28,9 +28,10 @@ __host__ __device__ __forceinline__ std::uint64_t fmix64(std::uint64_t k) {
 
 constexpr int kThreads = 256;
 
-__global__ void digest_lanes_kernel(const std::uint64_t* __restrict__ words, std::uint64_t nwords,
-                                    const unsigned char* __restrict__ tail, unsigned tail_bytes,
-                                    unsigned long long* out) {
+// One block's share of a tensor's lanes: the grid-stride sum over its 8-byte words (block 0 also
+// takes the tail bytes), reduced over the block and added to out[0], out[1] by one atomic pair.
+__device__ __forceinline__ void block_lanes(const std::uint64_t* __restrict__ words, std::uint64_t nwords,
+                                            unsigned tail_bytes, unsigned long long* out) {
   std::uint64_t a = 0, b = 0;
   const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
   for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -40,6 +41,7 @@ __global__ void digest_lanes_kernel(const std::uint64_t* __restrict__ words, std
     b += fmix64((w + K3) ^ ((i + 1) * K4));
   }
   if (tail_bytes && blockIdx.x == 0 && threadIdx.x == 0) {
+    const unsigned char* tail = reinterpret_cast<const unsigned char*>(words + nwords);
     std::uint64_t w = 0;
     for (unsigned j = 0; j < tail_bytes; ++j) w |= static_cast<std::uint64_t>(tail[j]) << (8 * j);
     const std::uint64_t i = nwords;
@@ -72,55 +74,21 @@ __global__ void digest_lanes_kernel(const std::uint64_t* __restrict__ words, std
   }
 }
 
+__global__ void digest_lanes_kernel(const std::uint64_t* __restrict__ words, std::uint64_t nwords,
+                                    unsigned tail_bytes, unsigned long long* out) {
+  block_lanes(words, nwords, tail_bytes, out);
+}
+
 // Many tensors in one launch: blockIdx.y picks the tensor, and within it the same grid-stride
 // sum as digest_lanes_kernel, so each pair of lanes is the one a launch of its own would give.
 __global__ void digest_lanes_many_kernel(DigestBatch batch, unsigned long long* out) {
   const unsigned j = blockIdx.y;
-  const std::uint64_t* __restrict__ words = static_cast<const std::uint64_t*>(batch.data[j]);
   const std::uint64_t nwords = batch.nbytes[j] / 8;
-  const unsigned tail_bytes = static_cast<unsigned>(batch.nbytes[j] % 8);
-  // Blocks beyond what this tensor needs leave at once (the grid is sized for the largest).
-  const std::uint64_t needed = (nwords + kThreads - 1) / kThreads;
-  if (blockIdx.x > 0 && blockIdx.x >= needed) return;
-  std::uint64_t a = 0, b = 0;
-  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
-  for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < nwords; i += stride) {
-    const std::uint64_t w = __ldg(words + i);
-    a += fmix64(w ^ (i * K1 + K2));
-    b += fmix64((w + K3) ^ ((i + 1) * K4));
-  }
-  if (tail_bytes && blockIdx.x == 0 && threadIdx.x == 0) {
-    const unsigned char* tail = reinterpret_cast<const unsigned char*>(words + nwords);
-    std::uint64_t w = 0;
-    for (unsigned k = 0; k < tail_bytes; ++k) w |= static_cast<std::uint64_t>(tail[k]) << (8 * k);
-    const std::uint64_t i = nwords;
-    a += fmix64(w ^ (i * K1 + K2));
-    b += fmix64((w + K3) ^ ((i + 1) * K4));
-  }
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    a += __shfl_down_sync(0xffffffffu, a, offset);
-    b += __shfl_down_sync(0xffffffffu, b, offset);
-  }
-  __shared__ std::uint64_t sa[kThreads / 32], sb[kThreads / 32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) {
-    sa[warp] = a;
-    sb[warp] = b;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    a = lane < kThreads / 32 ? sa[lane] : 0;
-    b = lane < kThreads / 32 ? sb[lane] : 0;
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      a += __shfl_down_sync(0xffffffffu, a, offset);
-      b += __shfl_down_sync(0xffffffffu, b, offset);
-    }
-    if (lane == 0) {
-      atomicAdd(out + 2 * j, static_cast<unsigned long long>(a));
-      atomicAdd(out + 2 * j + 1, static_cast<unsigned long long>(b));
-    }
-  }
+  // Blocks beyond what this tensor needs leave at once (the grid is sized for the largest). The
+  // whole block leaves together, before block_lanes' __syncthreads.
+  if (blockIdx.x > 0 && blockIdx.x >= (nwords + kThreads - 1) / kThreads) return;
+  block_lanes(static_cast<const std::uint64_t*>(batch.data[j]), nwords, static_cast<unsigned>(batch.nbytes[j] % 8),
+              out + 2 * j);
 }
 
 }  // namespace
@@ -148,8 +116,7 @@ int launch_digest_lanes(const void* data, std::uint64_t nbytes, std::uint64_t* o
   if (blocks > 4096) blocks = 4096;  // grid-stride beyond that; enough to fill any current GPU
   digest_lanes_kernel<<<static_cast<unsigned>(blocks), kThreads, 0,
                         static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const std::uint64_t*>(data), nwords,
-      static_cast<const unsigned char*>(data) + nwords * 8, tail_bytes,
+      static_cast<const std::uint64_t*>(data), nwords, tail_bytes,
       reinterpret_cast<unsigned long long*>(out));
   return static_cast<int>(cudaGetLastError());
 }

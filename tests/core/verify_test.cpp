@@ -1,5 +1,7 @@
 // The live recompute verifier: silent on a correct recompute, and it catches every way a
 // recompute can go wrong (RNG, autocast, a perturbed value) naming the segment.
+#include "../support/perturb.h"
+
 #include <retrace/checkpoint.h>
 #include <retrace/gtest.h>
 #include <retrace/models.h>
@@ -15,23 +17,7 @@
 namespace retrace {
 namespace {
 
-// Changes one element of a named segment's output at recompute.
-class PerturbRecompute : public SegmentObserver {
- public:
-  explicit PerturbRecompute(std::string segment) : segment_(std::move(segment)) {}
-  void on_recompute(SegmentEvent& e) override {
-    if (e.segment != segment_) return;
-    at::Tensor changed = e.outputs[0].clone();
-    {
-      torch::NoGradGuard no_grad;
-      changed.view(-1)[3].add_(1e-3);
-    }
-    e.outputs[0] = changed;
-  }
-
- private:
-  std::string segment_;
-};
+using test::PerturbRecompute;
 
 models::TinyGpt make_gpt() {
   torch::manual_seed(0);

@@ -1,5 +1,6 @@
 // GPU tests: each skips, saying why, where no CUDA device is visible. scripts/gpu-check runs them
 // on a GPU machine.
+#include "../support/perturb.h"
 #include "../support/training.h"
 
 #include <retrace/checkpoint.h>
@@ -216,23 +217,7 @@ TEST(CudaSnapshot, UnderTheDeterminismGuardHoldsTheRightBytes) {
   }
 }
 
-// Changes one element of a named segment's output at recompute.
-class PerturbRecompute : public SegmentObserver {
- public:
-  explicit PerturbRecompute(std::string segment) : segment_(std::move(segment)) {}
-  void on_recompute(SegmentEvent& e) override {
-    if (e.segment != segment_) return;
-    at::Tensor changed = e.outputs[0].clone();
-    {
-      torch::NoGradGuard no_grad;
-      changed.view(-1)[3].add_(1e-2);
-    }
-    e.outputs[0] = changed;
-  }
-
- private:
-  std::string segment_;
-};
+using test::PerturbRecompute;
 
 // The verifier on CUDA digests asynchronously and compares at the end of backward: a correct
 // recompute verifies, and (controls) a perturbed one throws from backward() naming its segment,
@@ -258,7 +243,7 @@ TEST(CudaVerify, RecomputeOnTheDeviceIsVerifiedAtTheEndOfBackward) {
     EXPECT_TRUE(verifier.mismatches().empty());
   }
   {
-    PerturbRecompute perturb("block2..block3");
+    PerturbRecompute perturb("block2..block3", 1e-2);
     RecomputeVerifier verifier({VerifyPolicy::kThrow, /*keep_values=*/true});
     ObserverScope first(perturb);
     ObserverScope second(verifier);
