@@ -3,7 +3,6 @@
 #include <retrace/checkpoint.h>
 #include <retrace/error.h>
 
-#include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -26,33 +25,6 @@ std::string shown(const std::string& text) {
     out += (c == '\n' || c == '\r' || c == '\t') ? ' ' : c;
   }
   return out;
-}
-
-// ":LINE" for a position yaml-cpp knows, nothing for one it does not (its marks are 0-based, and
-// -1 where it has none).
-std::string line_of(const YAML::Mark& mark) { return mark.line >= 0 ? ":" + std::to_string(mark.line + 1) : std::string(); }
-
-// YAML keeps one of two equal keys in a mapping and lookups see the first, so a repeated section or
-// key (a second `model:`, `{steps: 2, steps: 3}`) would silently lose what the user wrote last.
-// Every mapping of the document is checked, at any depth, before anything is read from it.
-void reject_duplicate_keys(const YAML::Node& node, const std::string& path, const std::string& origin) {
-  if (node.IsMap()) {
-    std::map<std::string, int> seen;  // key -> its 0-based line
-    for (auto it = node.begin(); it != node.end(); ++it) {
-      if (!it->first.IsScalar()) continue;  // Parser::keys() reports a non-scalar key with its path
-      const std::string& key = it->first.Scalar();
-      const std::string full = path.empty() ? key : path + "." + key;
-      const auto [first, inserted] = seen.emplace(key, it->first.Mark().line);
-      if (!inserted) {
-        throw Error(origin + line_of(it->first.Mark()) + ": key '" + shown(full) + "': " +
-                    (path.empty() ? "the section" : "the key") + " appears twice (first on line " +
-                    std::to_string(first->second + 1) + "); YAML would keep only one of them: merge the two into one");
-      }
-      reject_duplicate_keys(it->second, full, origin);
-    }
-  } else if (node.IsSequence()) {
-    for (std::size_t i = 0; i < node.size(); ++i) reject_duplicate_keys(node[i], path + "[" + std::to_string(i) + "]", origin);
-  }
 }
 
 class Parser {
@@ -434,29 +406,17 @@ ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
 }  // namespace
 
 ScenarioSpec parse_scenario_text(const std::string& text, const std::string& origin) {
-  std::vector<YAML::Node> documents;
+  YAML::Node root;
   try {
-    documents = YAML::LoadAll(text);
-  } catch (const YAML::DeepRecursion& e) {
-    throw Error(origin + line_of(e.mark) + ": not valid YAML: nested " + std::to_string(e.depth()) +
-                " levels deep here, past the YAML reader's limit; a scenario nests at most 4 levels "
-                "(section, key, list, mapping): look for brackets left open or nested by mistake");
+    root = YAML::Load(text);
   } catch (const YAML::Exception& e) {
-    throw Error(origin + line_of(e.mark) + ": not valid YAML: " + e.msg);
+    throw Error(origin + ":" + std::to_string(e.mark.line + 1) + ": not valid YAML: " + e.msg);
   }
-  // One scenario a file: a document after `---` would be dropped, injections and all.
-  for (std::size_t i = 1; i < documents.size(); ++i) {
-    if (documents[i].IsDefined() && !documents[i].IsNull()) {
-      throw Error(origin + line_of(documents[i].Mark()) + ": a second YAML document starts here (after a '---' line); "
-                  "a scenario file holds exactly one: remove the '---' or move that document to a file of its own");
-    }
-  }
-  const YAML::Node root = documents.empty() ? YAML::Node() : documents.front();
   try {
-    reject_duplicate_keys(root, "", origin);
     return parse(root, origin);
   } catch (const YAML::Exception& e) {  // a shape the checks above did not foresee
-    throw Error(origin + line_of(e.mark) + ": cannot read the scenario: " + e.msg);
+    throw Error(origin + (e.mark.line >= 0 ? ":" + std::to_string(e.mark.line + 1) : std::string()) +
+                ": cannot read the scenario: " + e.msg);
   }
 }
 

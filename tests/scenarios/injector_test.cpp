@@ -387,40 +387,6 @@ TEST(Runner, AnInjectionThatNeverFiresFailsTheScenario) {
   for (const ExpectationCheck& c : r.checks) EXPECT_NE(c.name, "injection_fired");  // it fired at step 2
 }
 
-// What YAML would silently drop is an error: a repeated section or key (YAML keeps one), a second
-// document, nesting past the reader's limit. Controls: the same files without the repetition parse.
-TEST(Schema, DuplicateKeysSecondDocumentsAndDeepNestingAreErrorsWithTheirLine) {
-  const auto message = [](const std::string& text) {
-    try {
-      parse_scenario_text(text, "f.yaml");
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("(parsed)");
-  };
-  const std::string m = "model: {type: mlp}\n";
-  EXPECT_EQ(message(m + "model: {type: lstm}\n"),
-            "f.yaml:2: key 'model': the section appears twice (first on line 1); YAML would keep only one of them: merge "
-            "the two into one");
-  EXPECT_EQ(message(m + "training:\n  steps: 2\n  lr: 0.1\n  steps: 3\n"),
-            "f.yaml:5: key 'training.steps': the key appears twice (first on line 3); YAML would keep only one of "
-            "them: merge the two into one");
-  EXPECT_NE(message(m + "injections:\n  - {type: nan_grad, step: 1, step: 2}\n").find("f.yaml:3: key 'injections[0].step': the key appears twice"),
-            std::string::npos);
-  EXPECT_EQ(message(m + "training: {steps: 2}\n---\ninjections: [{type: nan_grad, step: 1}]\n"),
-            "f.yaml:4: a second YAML document starts here (after a '---' line); a scenario file holds exactly one: "
-            "remove the '---' or move that document to a file of its own");
-  const std::string deep = m + "data: " + std::string(3000, '[') + std::string(3000, ']') + "\n";
-  const std::string deep_message = message(deep);
-  EXPECT_EQ(deep_message.rfind("f.yaml:2: not valid YAML: nested ", 0), 0u) << deep_message;
-  EXPECT_NE(deep_message.find("brackets left open"), std::string::npos) << deep_message;
-  // Controls: without the repetition, with an empty document after '---' (nothing is lost), and
-  // nested as deep as a scenario goes, each parses.
-  EXPECT_EQ(message(m + "training:\n  steps: 2\n  lr: 0.1\n"), "(parsed)");
-  EXPECT_EQ(message("---\n" + m + "training: {steps: 2}\n---\n"), "(parsed)");
-  EXPECT_EQ(message(m + "injections:\n  - {type: loss_spike, step: 1}\n  - {type: loss_spike, step: 2}\n"), "(parsed)");
-}
-
 TEST(Schema, KeysAndSegmentsThatCannotWorkAreErrors) {
   // (kGpt has model, data and training already: the extra text uses other sections.)
   expect_error("defenses: {[a]: 1}\n", "test.yaml:6: key 'defenses.?': a key must be a plain name");
