@@ -1,4 +1,5 @@
 #include <retrace/diff.h>
+#include <retrace/number.h>
 
 #include <ATen/ops/view_as_real.h>
 #include <c10/util/BFloat16.h>
@@ -185,8 +186,8 @@ std::string DiffReport::summary() const {
   if (differing == 0) return "bitwise equal (" + std::to_string(numel) + " elements)";
   std::ostringstream os;
   os << std::setprecision(9) << differing << " of " << numel << " elements differ; first at "
-     << sizes_string(first_position) << " expected " << first_expected << " got " << first_actual
-     << "; max |diff| " << max_abs_diff << ", max " << max_ulp << " ULP";
+     << sizes_string(first_position) << " expected " << number_text(first_expected, 9) << " got "
+     << number_text(first_actual, 9) << "; max |diff| " << number_text(max_abs_diff, 9) << ", max " << max_ulp << " ULP";
   if (nonfinite_mismatches) os << ", " << nonfinite_mismatches << " non-finite mismatches";
   return os.str();
 }

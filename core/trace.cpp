@@ -3,6 +3,7 @@
 #include <retrace/version.h>
 
 #include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
 #include <blosc.h>
 #include <xxhash.h>
 #define ZSTD_STATIC_LINKING_ONLY  // ZSTD_getFrameHeader: checks the frame carries its checksum
@@ -263,6 +264,26 @@ const char* to_string(RecordType type) {
     case RecordType::kIndex: return "index";
   }
   return "unknown";
+}
+
+nlohmann::json ExceptionEvent::to_meta() const {
+  nlohmann::json meta = {{"event", "exception"}, {"what", what}, {"step", step}};
+  if (raised_by_step) meta["raised_by_step"] = true;
+  return meta;
+}
+
+std::optional<ExceptionEvent> ExceptionEvent::from_meta(const nlohmann::json& meta) {
+  if (!meta.is_object() || meta.value("event", nlohmann::json()) != "exception") return std::nullopt;
+  ExceptionEvent e;
+  if (const auto it = meta.find("step"); it != meta.end() && it->is_number_integer()) e.step = it->get<std::int64_t>();
+  if (const auto it = meta.find("what"); it != meta.end() && it->is_string()) e.what = it->get<std::string>();
+  if (const auto it = meta.find("raised_by_step"); it != meta.end() && it->is_boolean()) e.raised_by_step = it->get<bool>();
+  return e;
+}
+
+std::string exception_message(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
+  return e.what();
 }
 
 TensorToWrite TensorToWrite::digest_only(std::string name, const at::Tensor& t, const Digest& d) {

@@ -186,16 +186,19 @@ void Injector::begin_step(std::int64_t step) {
   segment_done_.assign(specs_.size(), 0);
 }
 
-bool Injector::fires(std::size_t index) const {
-  const InjectionSpec& s = specs_[index];
-  if (step_ < s.step || step_ >= s.step + s.duration) return false;
+bool Injector::scheduled(std::size_t index, std::int64_t step) const {
+  const InjectionSpec& s = specs_.at(index);
+  if (step < s.step || step >= s.step + s.duration) return false;
   if (s.probability >= 1.0) return true;
-  auto gen = rng_for(s.seed, step_, index, 1);
+  auto gen = rng_for(s.seed, step, index, 1);
   return uniform01(gen) < s.probability;
 }
 
+bool Injector::fires(std::size_t index) const { return scheduled(index, step_); }
+
 void Injector::note(const InjectionSpec& spec, std::string where, std::string detail) {
-  fired_.push_back({step_, to_string(spec.type), std::move(where), std::move(detail)});
+  const auto entry = static_cast<std::size_t>(&spec - specs_.data());  // every caller passes one of specs_
+  fired_.push_back({step_, to_string(spec.type), std::move(where), std::move(detail), entry});
 }
 
 std::vector<InjectionEvent> Injector::fired() const {

@@ -2,6 +2,7 @@
 
 #include <retrace/digest.h>
 #include <retrace/environment.h>
+#include <retrace/number.h>
 #include <retrace/rng.h>
 #include <retrace/snapshot.h>
 
@@ -18,6 +19,7 @@
 #include <deque>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unistd.h>
 #include <unordered_map>
@@ -31,13 +33,6 @@ RecordMode parse_record_mode(const std::string& text) {
 }
 
 namespace {
-
-// JSON has no NaN or infinity: non-finite numbers are stored as strings.
-nlohmann::json number(double v) {
-  if (std::isfinite(v)) return v;
-  if (std::isnan(v)) return "nan";
-  return v > 0 ? "inf" : "-inf";
-}
 
 // A stored copy later steps cannot change; for a CUDA tensor the copy to the host is still in
 // flight and the writer thread waits for it (snapshot_to_host), and its digest is the device one
@@ -485,6 +480,13 @@ Recorder::~Recorder() {
 
 const std::string& Recorder::path() const { return impl_->path; }
 
+const RecorderOptions& Recorder::options() const { return impl_->options; }
+
+void Recorder::note_state_check(StateCheckResult result) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
+  impl_->stats.state_check = std::move(result);
+}
+
 void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& state,
                           const std::vector<NamedTensor>& batch, double lr, double loss_scale) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
@@ -497,7 +499,7 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
   m.after_backward.clear();
   const bool full = m.full_now(step);
   const bool ring = m.options.ring > 0;
-  nlohmann::json meta = {{"step", step}, {"lr", number(lr)}, {"loss_scale", number(loss_scale)}, {"full", full}};
+  nlohmann::json meta = {{"step", step}, {"lr", json_number(lr)}, {"loss_scale", json_number(loss_scale)}, {"full", full}};
   const std::vector<std::uint8_t> rng = RngState::capture_all().serialize();
   at::Tensor rng_tensor = at::empty({static_cast<std::int64_t>(rng.size())}, at::kByte);
   std::memcpy(rng_tensor.data_ptr(), rng.data(), rng.size());
@@ -566,10 +568,10 @@ void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std
     return;
   }
   nlohmann::json meta = {{"step", step},
-                         {"loss", number(outcome.loss)},
-                         {"grad_norm", number(outcome.grad_norm)},
-                         {"loss_scale", number(outcome.loss_scale)},
-                         {"lr", number(outcome.lr)},
+                         {"loss", json_number(outcome.loss)},
+                         {"grad_norm", json_number(outcome.grad_norm)},
+                         {"loss_scale", json_number(outcome.loss_scale)},
+                         {"lr", json_number(outcome.lr)},
                          {"skipped", outcome.skipped},
                          {"finite", outcome.finite()}};
   if (!outcome.skip_reason.empty()) meta["skip_reason"] = outcome.skip_reason;
@@ -612,11 +614,12 @@ void Recorder::dump_ring(const std::string& reason) {
   if (!impl_->closed) impl_->dump_ring(reason);
 }
 
-void Recorder::note_exception(const std::string& what) {
+void Recorder::note_exception(const std::string& what, bool raised_by_step) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
   Impl& m = *impl_;
   if (m.closed || m.disabled) return;
-  m.io([&] { m.writer->push(RecordType::kEvent, {{"event", "exception"}, {"what", what}, {"step", m.step}}, {}, m.stats); });
+  const ExceptionEvent event{m.step, what, raised_by_step && m.step >= 0};
+  m.io([&] { m.writer->push(RecordType::kEvent, event.to_meta(), {}, m.stats); });
   m.dump_ring("exception: " + what);
   m.io([&] { m.writer->flush(/*sync=*/true); });
 }
@@ -676,25 +679,46 @@ std::vector<StepOutcome> record_run(Program& program, Recorder& recorder, std::i
   // Fault point for crash-consistency tests: die by SIGKILL right after step N's begin record.
   const char* kill_env = std::getenv("RETRACE_FAULT_KILL_AT_STEP");
   const std::int64_t kill_at = kill_env ? std::atoll(kill_env) : -1;
+  const bool check_state = recorder.options().state_check;
   for (std::int64_t s = 1; s <= steps; ++s) {
+    bool in_step = false;  // the exception, if any, left Program::step (not the loader or the recorder)
     try {
       const std::vector<NamedTensor> batch = program.batch(s);
+      // Before begin_step: the copy's step runs between the recorder's steps (it ignores its
+      // segment events), and the RNG state begin_step captures is the one the check restored.
+      std::optional<StateCheck> state_check;
+      if (check_state && s == kStateCheckStep) state_check.emplace(program, s, batch);
       recorder.begin_step(s, program.state(), batch, program.lr(), program.loss_scale());
       if (s == kill_at) ::raise(SIGKILL);
+      in_step = true;
       const StepOutcome outcome = program.step(s, batch, &recorder);
+      in_step = false;
       recorder.end_step(s, outcome, program.state());
       outcomes.push_back(outcome);
+      if (state_check) {
+        StateCheckResult result = state_check->finish(outcome, program.state());
+        recorder.note_state_check(result);
+        if (result.status == StateCheckResult::Status::kFailed) throw StateCheckError(std::move(result));
+      }
       if (after_step) after_step(s, outcome);
       if (!outcome.finite() && !outcome.skipped && stop_on_nonfinite) break;  // a skipped one was handled
     } catch (const std::exception& e) {
       try {
-        recorder.note_exception(e.what());
+        recorder.note_exception(exception_message(e), in_step);
         recorder.close();
       } catch (...) {
         // The step's exception is the one to report; a failing trace write must not replace it.
       }
       throw;
     }
+  }
+  if (check_state && recorder.stats().state_check.status == StateCheckResult::Status::kNotRun) {
+    StateCheckResult skipped;
+    skipped.status = StateCheckResult::Status::kSkipped;
+    skipped.step = kStateCheckStep;
+    skipped.message = "state round-trip self-check skipped: the run ended before step " + std::to_string(kStateCheckStep) +
+                      ", the first step whose start state is not the one the program's constructor made";
+    recorder.note_state_check(std::move(skipped));
   }
   return outcomes;
 }

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <string_view>
 #include <cmath>
+#include <limits>
 #include <mutex>
 
 namespace retrace {
@@ -29,6 +30,8 @@ TensorStats tensor_stats(const std::string& name, const at::Tensor& t) {
       s.min = finite.min().item<double>();
       s.max = finite.max().item<double>();
       s.abs_max = finite.abs().max().item<double>();
+    } else {  // no finite element: no min or max to show, not a 0 that looks like one
+      s.min = s.max = s.abs_max = std::numeric_limits<double>::quiet_NaN();
     }
   } else {
     s.min = d.min().item<double>();
@@ -43,6 +46,7 @@ namespace {
 struct Probe {
   std::mutex mutex;
   std::optional<NonFiniteOrigin> found;
+  std::atomic<bool> backward_ran{false};  // an autograd backward function has run in this step
   std::atomic<bool> after_backward{false};
 };
 Probe* g_probe = nullptr;
@@ -64,14 +68,34 @@ bool has_nan(const at::Tensor& t) {
   return at::isnan(t.detach()).any().item<bool>();
 }
 
+// In-place ops (trailing '_': copy_, add_, fill_, ...) write into their first input.
+bool is_in_place(std::string_view name) { return !name.empty() && name.back() == '_'; }
+
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
-  if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) ++t_backward_depth;
+  if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) {
+    ++t_backward_depth;
+    if (g_probe != nullptr) g_probe->backward_ran = true;
+  }
   if (t_inside || g_probe == nullptr) return nullptr;
   auto ctx = std::make_unique<ProbeContext>();
   for (const c10::IValue& v : fn.inputs()) {
     if (v.isTensor()) ctx->inputs.push_back(v.toTensor());
     else if (v.isDouble() && !std::isfinite(v.toDouble())) ctx->infinite_scalar = true;
     else if (v.isScalar() && v.toScalar().isFloatingPoint() && !std::isfinite(v.toScalar().toDouble())) ctx->infinite_scalar = true;
+  }
+  // An in-place op overwrites its first input (and any input sharing its storage): keep a copy of
+  // them as they are now, so that a report shows what the op was handed, not what it wrote.
+  if (is_in_place(fn.name()) && !fn.inputs().empty() && fn.inputs()[0].isTensor() && ctx->inputs[0].defined() &&
+      ctx->inputs[0].has_storage()) {
+    t_inside = true;
+    struct Reset {
+      ~Reset() { t_inside = false; }
+    } reset;
+    at::DisableRecordFunctionGuard no_recursion;
+    const c10::Storage destination = ctx->inputs[0].storage();
+    for (at::Tensor& in : ctx->inputs) {
+      if (in.defined() && in.has_storage() && in.storage().is_alias_of(destination)) in = in.detach().clone();
+    }
   }
   return ctx;
 }
@@ -112,7 +136,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
   bool bad = false;
   // A view op's output aliases its input: no new values were computed (and a view of a fresh
   // allocation shows uninitialized bytes). In-place ops (trailing '_') do compute into their input.
-  const bool in_place = !name.empty() && name.back() == '_';
+  const bool in_place = is_in_place(name);
   auto aliases_input = [&](const at::Tensor& t) {
     if (in_place || !raw || !t.has_storage()) return false;
     for (const at::Tensor& in : static_cast<ProbeContext*>(raw)->inputs) {
@@ -135,8 +159,18 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
     origin.segment = active.segment;
     origin.phase = to_string(active.phase);
   }
+  // Outside segments: before backward, forward; after autograd's backward and before the
+  // program's after_backward call, post-backward (gradient faults and hooks) -- unless the op
+  // builds an autograd graph, as a next micro-batch's forward does; after that call, optimizer.
+  const auto builds_graph = [&] {
+    for (const at::Tensor& t : outputs) {
+      if (t.defined() && t.requires_grad()) return true;
+    }
+    return false;
+  };
   if (backward_scope || t_backward_depth > 0) origin.phase = "backward";
-  else if (origin.phase.empty()) origin.phase = g_probe->after_backward ? "optimizer" : "forward";
+  else if (origin.phase.empty() && g_probe->after_backward) origin.phase = "optimizer";
+  else if (origin.phase.empty()) origin.phase = g_probe->backward_ran && !builds_graph() ? "post-backward" : "forward";
   if (auto* ctx = static_cast<ProbeContext*>(raw)) {
     for (std::size_t i = 0; i < ctx->inputs.size(); ++i) {
       origin.inputs.push_back(tensor_stats("input " + std::to_string(i), ctx->inputs[i]));
@@ -170,6 +204,8 @@ std::optional<NonFiniteOrigin> find_first_nonfinite(Program& program, std::int64
   try {
     // Inputs that are already non-finite are reported as such by the first op that reads them.
     program.step(step, batch, &flag);
+  } catch (const std::exception&) {
+    // The step raised (as it did when replayed): what went non-finite before that still counts.
   } catch (...) {
     at::removeCallback(handle);
     g_probe = nullptr;

@@ -11,7 +11,9 @@ namespace retrace {
 // Runs program.step(step, batch) with an at::RecordFunction callback on every op (forward,
 // recompute, autograd backward functions, optimizer) and returns the first op whose output holds
 // NaN or Inf, attributed to its checkpointed segment and phase, with stats of its inputs and
-// outputs. The caller restores state and RNG first. Costs a non-finite scan of every op output.
+// outputs. The caller restores state and RNG first. Costs a non-finite scan of every op output
+// and a copy of every in-place op's destination (its inputs are reported as they were before it).
+// A step that raises ends the search: what was found before it is returned.
 std::optional<NonFiniteOrigin> find_first_nonfinite(Program& program, std::int64_t step,
                                                     const std::vector<NamedTensor>& batch);
 

@@ -3,6 +3,7 @@
 #include "provenance.h"
 
 #include <retrace/determinism.h>
+#include <retrace/number.h>
 #include <retrace/observer.h>
 #include <retrace/rng.h>
 
@@ -29,16 +30,17 @@ std::string Divergence::message() const {
   if (!detail.empty()) os << ": " << detail;
   if (diff) os << ": " << diff->summary();
   else if (detail.empty()) os << ": digest " << recorded.hex() << " recorded, " << replayed.hex() << " replayed";
+  if (!hint.empty()) os << "; " << hint;
   return os.str();
 }
 
 nlohmann::json Divergence::to_json() const {
   nlohmann::json j = {{"step", step}, {"segment", segment}, {"phase", phase}, {"tensor", tensor},
                       {"recorded_digest", digest_json(recorded)}, {"replayed_digest", digest_json(replayed)},
-                      {"detail", detail}, {"message", message()}};
+                      {"detail", detail}, {"hint", hint}, {"message", message()}};
   if (diff) {
     j["diff"] = {{"differing", diff->differing}, {"numel", diff->numel}, {"first_index", diff->first_index},
-                 {"max_abs_diff", diff->max_abs_diff}, {"max_ulp", diff->max_ulp},
+                 {"max_abs_diff", json_number(diff->max_abs_diff)}, {"max_ulp", diff->max_ulp},
                  {"summary", diff->summary()}};
   } else {
     j["diff"] = nullptr;
@@ -55,8 +57,8 @@ std::string NonFiniteOrigin::message() const {
        << " -inf=" << s.nonfinite.neg_inf;
   }
   for (const TensorStats& s : inputs) {
-    os << "; " << s.name << " " << s.meta << " |max| " << s.abs_max << " nan=" << s.nonfinite.nan
-       << " inf=" << (s.nonfinite.pos_inf + s.nonfinite.neg_inf);
+    os << "; " << s.name << " " << s.meta << " min " << number_text(s.min) << " max " << number_text(s.max) << " |max| "
+       << number_text(s.abs_max) << " nan=" << s.nonfinite.nan << " inf=" << (s.nonfinite.pos_inf + s.nonfinite.neg_inf);
   }
   return os.str();
 }
@@ -65,15 +67,17 @@ nlohmann::json NonFiniteOrigin::to_json() const {
   auto stats = [](const std::vector<TensorStats>& v) {
     nlohmann::json a = nlohmann::json::array();
     for (const TensorStats& s : v) {
-      a.push_back({{"name", s.name}, {"meta", s.meta}, {"min", std::isfinite(s.min) ? nlohmann::json(s.min) : nlohmann::json(std::to_string(s.min))},
-                   {"max", std::isfinite(s.max) ? nlohmann::json(s.max) : nlohmann::json(std::to_string(s.max))},
-                   {"abs_max", std::isfinite(s.abs_max) ? nlohmann::json(s.abs_max) : nlohmann::json(std::to_string(s.abs_max))},
-                   {"nan", s.nonfinite.nan}, {"pos_inf", s.nonfinite.pos_inf}, {"neg_inf", s.nonfinite.neg_inf}});
+      a.push_back({{"name", s.name}, {"meta", s.meta}, {"min", json_number(s.min)}, {"max", json_number(s.max)},
+                   {"abs_max", json_number(s.abs_max)}, {"nan", s.nonfinite.nan}, {"pos_inf", s.nonfinite.pos_inf}, {"neg_inf", s.nonfinite.neg_inf}});
     }
     return a;
   };
   return {{"step", step}, {"segment", segment}, {"phase", phase}, {"op", op},
           {"inputs", stats(inputs)}, {"outputs", stats(outputs)}, {"message", message()}};
+}
+
+nlohmann::json RaisedStep::to_json() const {
+  return {{"step", step}, {"what", what}, {"recorded", recorded ? nlohmann::json(*recorded) : nlohmann::json()}};
 }
 
 nlohmann::json ReplayResult::to_json() const {
@@ -84,6 +88,7 @@ nlohmann::json ReplayResult::to_json() const {
           {"to_step", to_step},
           {"first_divergence", first_divergence ? first_divergence->to_json() : nlohmann::json()},
           {"first_nonfinite", first_nonfinite ? first_nonfinite->to_json() : nlohmann::json()},
+          {"raised", raised ? raised->to_json() : nlohmann::json()},
           {"environment_differences", env},
           {"notes", notes}};
 }
@@ -119,6 +124,7 @@ struct StepRecords {
   std::vector<std::size_t> begins;    // record indices of step_begin records (regular, then ring)
   std::vector<std::size_t> segments;  // in file order
   std::optional<std::size_t> end;
+  std::optional<std::string> raised;  // what the step raised (an exception event raised_by_step)
 };
 
 // Compares a re-executed step against its records, in order. The first difference wins.
@@ -128,24 +134,29 @@ class Comparer : public SegmentObserver, public StepMonitor {
       : trace_(trace), step_(step), records_(records) {
     if (records.end) end_ = trace.read(*records.end);
   }
-  // True when the trace holds no outcome of the step: the run died during it.
+  // True when the trace holds no outcome of the step: the run died during it, or raised.
   bool died() const { return !records_.end; }
 
-  void on_forward(SegmentEvent& e) override { segment(e, "forward", "input.", "output."); }
-  void on_recompute(SegmentEvent& e) override { segment(e, "recompute", nullptr, "output."); }
-  void on_backward(SegmentEvent& e) override { segment(e, "backward", "grad_output.", "grad_input."); }
+  void on_forward(SegmentEvent& e) override { guarded([&] { segment(e, "forward", "input.", "output."); }); }
+  void on_recompute(SegmentEvent& e) override { guarded([&] { segment(e, "recompute", nullptr, "output."); }); }
+  void on_backward(SegmentEvent& e) override { guarded([&] { segment(e, "backward", "grad_output.", "grad_input."); }); }
 
   void after_backward(const at::Tensor& loss, const std::vector<NamedTensor>& grads) override {
+    reached_segment_.clear();
+    reached_phase_ = "optimizer";
     if (first || !end_) return;
-    compare(*end_, "loss", loss, "(loss)", "forward");
-    for (const NamedTensor& g : grads) compare(*end_, g.name, g.tensor, "(parameters)", "backward");
+    guarded([&] {
+      compare(*end_, "loss", loss, "(loss)", "forward");
+      for (const NamedTensor& g : grads) compare(*end_, g.name, g.tensor, "(parameters)", "backward");
+    });
   }
 
-  // After the step: unconsumed segment records and the post-step state.
+  // After a step that completed: unconsumed segment records and the post-step state.
   void finish(const std::vector<NamedTensor>& state_after) {
-    if (!first && next_ < records_.segments.size()) {
-      const RecordInfo& info = trace_.records()[records_.segments[next_]];
-      diverge(info.segment, info.phase, "", "the trace has more segment events than the replay produced");
+    unconsumed_segments();
+    if (records_.raised) {
+      diverge("", "optimizer", "", "the recorded run raised '" + *records_.raised + "' at this step; the replay completed it");
+      return;
     }
     if (!end_) {
       // The run died during this step (write-ahead snapshot, no outcome): nothing to compare.
@@ -206,11 +217,50 @@ class Comparer : public SegmentObserver, public StepMonitor {
     }
   }
 
+  // After a step whose replay raised `what`: the recorded run must have raised the same there,
+  // after the same segment events.
+  void finish_raised(const std::string& what) {
+    if (records_.raised && what == *records_.raised) {
+      unconsumed_segments();
+      return;
+    }
+    if (records_.raised) {
+      diverge(reached_segment_, reached_phase_, "",
+              "the replay raised '" + what + "'; the recorded run raised '" + *records_.raised + "'");
+    } else if (end_) {
+      diverge(reached_segment_, reached_phase_, "", "the replay raised '" + what + "'; the recorded run completed the step");
+    } else {
+      unrecorded = true;  // the run died during this step: nothing to compare the exception with
+    }
+  }
+
   std::optional<Divergence> first;
   bool unrecorded = false;  // the trace holds no outcome of this step
+  // Set when the comparer's own work failed (a corrupt record): that is bad input, not the
+  // program raising.
+  std::exception_ptr own_error;
 
  private:
+  template <class F>
+  void guarded(F&& f) {
+    try {
+      f();
+    } catch (...) {
+      own_error = std::current_exception();
+      throw;
+    }
+  }
+
+  void unconsumed_segments() {
+    if (!first && next_ < records_.segments.size()) {
+      const RecordInfo& info = trace_.records()[records_.segments[next_]];
+      diverge(info.segment, info.phase, "", "the trace has more segment events than the replay produced");
+    }
+  }
+
   void segment(SegmentEvent& e, const char* phase, const char* in_prefix, const char* out_prefix) {
+    reached_segment_ = e.segment;
+    reached_phase_ = phase;
     if (first) return;
     if (next_ >= records_.segments.size()) {
       if (died()) return;  // events after the crash were never recorded
@@ -241,6 +291,7 @@ class Comparer : public SegmentObserver, public StepMonitor {
   std::optional<Record> end_;
   std::size_t next_ = 0;
   std::map<std::uint64_t, std::vector<std::string>> compared_;  // record offset -> names compared
+  std::string reached_segment_, reached_phase_ = "forward";     // how far the replay got
 };
 
 std::vector<NamedTensor> tensors_with_prefix(const TraceReader& trace, const Record& rec, const std::string& prefix) {
@@ -297,6 +348,11 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
       case RecordType::kStepBegin: steps[r.step].begins.push_back(i); break;
       case RecordType::kSegment: steps[r.step].segments.push_back(i); break;
       case RecordType::kStepEnd: steps[r.step].end = i; break;
+      case RecordType::kEvent:
+        if (const auto e = ExceptionEvent::from_meta(trace_.read(i).meta); e && e->raised_by_step && e->step == r.step) {
+          steps[r.step].raised = e->what;
+        }
+        break;
       default: break;
     }
   }
@@ -305,6 +361,13 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
     if (!recs.begins.empty()) target = s;
   }
   if (target < 0) throw Error("the trace holds no recorded step");
+  std::int64_t first_recorded = target;  // the run's first step: its state is the constructor's
+  for (const auto& [s, recs] : steps) {
+    if (!recs.begins.empty()) {
+      first_recorded = s;
+      break;
+    }
+  }
   if (options.step) {
     if (!steps.count(*options.step) || steps[*options.step].begins.empty()) {
       throw Error("the trace holds no step " + std::to_string(*options.step) + "; it has steps " +
@@ -365,17 +428,59 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
     const std::vector<NamedTensor> state_before = clone_all(program_.state());
 
     StepOutcome outcome;
+    std::optional<std::string> raised;
     {
       ObserverScope scope(comparer);
-      outcome = program_.step(s, batch, &comparer);
+      try {
+        outcome = program_.step(s, batch, &comparer);
+      } catch (const std::exception& e) {
+        if (comparer.own_error) std::rethrow_exception(comparer.own_error);  // a bad trace, not the program
+        raised = exception_message(e);
+      }
+    }
+    if (raised) {
+      // The step raised: its verdict is whether the recorded run raised the same here. Nothing
+      // after it can be replayed (the program stopped mid-step), so the replay ends here.
+      comparer.finish_raised(*raised);
+      if (comparer.first && !result.first_divergence) result.first_divergence = comparer.first;
+      result.raised = RaisedStep{s, *raised, recs.raised};
+      if (comparer.unrecorded) {
+        result.notes.push_back("step " + std::to_string(s) + " has no recorded outcome (the run died during it); re-executed " +
+                               "from its snapshot, it raised: " + *raised);
+      } else if (!comparer.first) {
+        result.notes.push_back("step " + std::to_string(s) + " raised, as the recorded run did: " + *raised);
+      }
+      if (options.provenance && !result.first_nonfinite) {
+        // What went non-finite before it raised (a non-finite gradient norm that clipping refuses).
+        program_.load_state(state_before);
+        RngState::deserialize(rng.data(), rng.size()).restore();
+        result.first_nonfinite = find_first_nonfinite(program_, s, batch);
+        if (result.first_nonfinite) result.first_nonfinite->step = s;
+      }
+      result.to_step = s;
+      break;
     }
     const std::vector<NamedTensor> state_after = program_.state();
     comparer.finish(state_after);
-    if (comparer.first && !result.first_divergence) result.first_divergence = comparer.first;
+    if (comparer.first && !result.first_divergence) {
+      result.first_divergence = comparer.first;
+      Divergence& d = *result.first_divergence;
+      // Forward, backward, loss and gradients matched, the state after the optimizer did not, in
+      // the step restored from a snapshot the run reached by training: the program holds
+      // something state() does not give (a fresh program's constructor made it at step 1).
+      if (s == result.from_step && s > first_recorded && d.segment == "(state)" && d.phase == "optimizer" &&
+          d.detail.empty()) {
+        d.hint = "the step re-executed from the snapshot of step " + std::to_string(s) +
+                 " matched up to the optimizer step; the program's state() is probably incomplete: it leaves out "
+                 "something the optimizer step depends on (optimizer moments or step counts, a schedule counter), "
+                 "which load_state() cannot restore (retrace record's state self-check finds this while "
+                 "recording, unless --no-state-check)";
+      }
+    }
     if (comparer.unrecorded) {
       std::ostringstream note;
       note << "step " << s << " has no recorded outcome (the run died during it); re-executed from its "
-           << "snapshot: loss " << outcome.loss << ", grad norm " << outcome.grad_norm;
+           << "snapshot: loss " << number_text(outcome.loss) << ", grad norm " << number_text(outcome.grad_norm);
       result.notes.push_back(note.str());
     }
 

@@ -2,6 +2,7 @@
 
 #include <retrace/digest.h>
 #include <retrace/error.h>
+#include <retrace/number.h>
 #include <retrace/replayer.h>
 #include <retrace/trace.h>
 #include <retrace/trainer.h>
@@ -40,6 +41,30 @@ std::string fmt(double v, int precision = 4) {
 }
 
 bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+// What went non-finite in a step: the first of loss, gradient norm, parameters (after it).
+std::string nonfinite_kind(double loss, double norm) {
+  return !std::isfinite(loss) ? "loss" : !std::isfinite(norm) ? "gradient norm" : "parameters";
+}
+
+std::string failure_text(std::int64_t step, const std::string& kind) {
+  return "step " + std::to_string(step) + ": non-finite " + kind + (kind == "parameters" ? " after its update" : "");
+}
+
+// Sets LibTorch's intra-op threads for the diagnosis (timings comparable across variants and
+// runs), and puts the old count back.
+class ThreadsGuard {
+ public:
+  explicit ThreadsGuard(int threads) : old_(at::get_num_threads()) {
+    if (threads > 0) at::set_num_threads(threads);
+  }
+  ~ThreadsGuard() { at::set_num_threads(old_); }
+  ThreadsGuard(const ThreadsGuard&) = delete;
+  ThreadsGuard& operator=(const ThreadsGuard&) = delete;
+
+ private:
+  int old_;
+};
 
 // What still fails in a run, or "" when it held. The scenario's expectations about the outcome
 // count; those about a defense's mechanics (skips, backoffs, rollbacks, replay) do not, since a
@@ -106,6 +131,9 @@ std::vector<Variant> make_variants(const ScenarioSpec& base) {
   if (!d.loss_scaling.enabled) {
     add("loss scaling", "defenses.loss_scaling: true", [](ScenarioSpec& s) { s.defenses.loss_scaling.enabled = true; });
   }
+  if (!d.rollback) {
+    add("rollback", "defenses.rollback: true", [](ScenarioSpec& s) { s.defenses.rollback = true; });
+  }
   if (!d.skip_nonfinite) {
     add("skip non-finite", "defenses.skip_nonfinite: true", [](ScenarioSpec& s) { s.defenses.skip_nonfinite = true; });
   }
@@ -121,7 +149,7 @@ std::vector<Variant> make_variants(const ScenarioSpec& base) {
   return out;
 }
 
-VariantResult run_variant(const Variant& v, const Window& w, std::int64_t last, const ExpectSpec& expect) {
+VariantResult run_variant(const Variant& v, const Window& w, std::int64_t last, const ExpectSpec& expect, int repeats) {
   ScenarioSpec spec = v.spec;
   spec.expect = ExpectSpec{};
   RunOptions o;
@@ -135,13 +163,20 @@ VariantResult run_variant(const Variant& v, const Window& w, std::int64_t last, 
   spec.expect.recompute_bitwise = true;
   const ScenarioResult r = run_scenario(spec, o);
   VariantResult out;
+  // The cost: the median time per step over `repeats` runs (the outcome is the first's: every
+  // run starts from the same state and RNG, so they agree bit for bit).
+  auto per_step = [](const ScenarioResult& x) { return x.steps_run > 0 ? x.seconds / static_cast<double>(x.steps_run) : 0.0; };
+  out.seconds_per_step_runs.push_back(per_step(r));
+  for (int i = 1; i < repeats; ++i) out.seconds_per_step_runs.push_back(per_step(run_scenario(spec, o)));
+  std::vector<double> sorted = out.seconds_per_step_runs;
+  std::sort(sorted.begin(), sorted.end());
   out.name = v.name;
   out.change = v.change;
   out.caveat = v.caveat;
   const std::string failed = judge(r, expect);
   out.fixes = failed.empty();
   out.outcome = failed.empty() ? "held" : failed;
-  out.seconds_per_step = r.steps_run > 0 ? r.seconds / static_cast<double>(r.steps_run) : 0;
+  out.seconds_per_step = sorted[sorted.size() / 2];
   out.skipped_steps = r.skipped_steps;
   out.final_loss = r.final_loss;
   return out;
@@ -195,10 +230,12 @@ void rank(Diagnosis& d) {
   const double base = d.baseline.seconds_per_step > 0 ? d.baseline.seconds_per_step : 1;
   d.baseline.cost = 1.0;
   for (VariantResult& v : d.variants) v.cost = v.seconds_per_step / base;
-  std::stable_sort(d.variants.begin(), d.variants.end(), [](const VariantResult& a, const VariantResult& b) {
+  // Costs within timing noise rank in the variants' fixed order: compared at 0.1x resolution.
+  auto bucket = [](double cost) { return std::llround(cost * 10); };
+  std::stable_sort(d.variants.begin(), d.variants.end(), [&](const VariantResult& a, const VariantResult& b) {
     if (a.fixes != b.fixes) return a.fixes;
     if (a.fixes && a.caveat.empty() != b.caveat.empty()) return a.caveat.empty();
-    return a.fixes ? a.cost < b.cost : false;
+    return a.fixes ? bucket(a.cost) < bucket(b.cost) : false;
   });
 }
 
@@ -207,23 +244,62 @@ Diagnosis diagnose_window(const ScenarioSpec& spec, Window w, const DiagnoseOpti
       options.steps > 0 ? std::min(spec.training.steps, w.start + options.steps - 1) : spec.training.steps;
   d.from_step = w.start;
   d.to_step = std::max(w.start, last);
-  d.baseline = run_variant(Variant{"as recorded", "none", spec, false, ""}, w, d.to_step, spec.expect);
+  if (d.failing_step > 0 && d.to_step < d.failing_step) {
+    // Re-running steps that stop before the failure would let every variant "fix" it.
+    throw Error("--steps " + std::to_string(options.steps) + " re-runs steps " + std::to_string(d.from_step) + ".." +
+                std::to_string(d.to_step) + ", which stop before the failing step " + std::to_string(d.failing_step) +
+                "; use --steps " + std::to_string(d.failing_step - d.from_step + 1) + " or more");
+  }
+  d.baseline = run_variant(Variant{"as recorded", "none", spec, false, ""}, w, d.to_step, spec.expect, options.repeats);
   if (d.baseline.fixes) {
     d.failure += " -- but it does not come back when steps " + std::to_string(d.from_step) + ".." +
                  std::to_string(d.to_step) + " are re-run from the state before them";
   }
-  for (const Variant& v : make_variants(spec)) d.variants.push_back(run_variant(v, w, d.to_step, spec.expect));
+  for (const Variant& v : make_variants(spec)) d.variants.push_back(run_variant(v, w, d.to_step, spec.expect, options.repeats));
   rank(d);
   return d;
+}
+
+
+// No step failed: judge the whole run, from step 1, as the scenario expects it (a final loss
+// that stays too high is a failure to diagnose too).
+Diagnosis diagnose_whole_run(const ScenarioSpec& spec, const DiagnoseOptions& options, Diagnosis d) {
+  Window start;
+  {
+    ScenarioProgram p(spec);  // seeds the generators as the run did
+    start = {1, clone_state(p.state()), RngState::capture_all()};
+  }
+  const VariantResult r = run_variant(Variant{"as is", "none", spec, false, ""}, start, spec.training.steps, spec.expect, 1);
+  if (r.fixes) {
+    d.failure = "none: the run meets its expectations";
+    d.failure_kind = "none";
+    d.from_step = 1;
+    d.to_step = spec.training.steps;
+    d.baseline = r;
+    return d;
+  }
+  d.failure = r.outcome;
+  d.failure_kind = "expectation";
+  return diagnose_window(spec, std::move(start), options, std::move(d));
+}
+
+bool params_finite_in(const std::vector<NamedTensor>& state) {
+  for (const NamedTensor& n : state) {
+    if (n.name.rfind("param.", 0) == 0 && n.tensor.is_floating_point() && !at::isfinite(n.tensor).all().item<bool>()) return false;
+  }
+  return true;
 }
 
 }  // namespace
 
 Diagnosis diagnose_scenario(const ScenarioSpec& spec, const DiagnoseOptions& options) {
   register_builtin_programs();
+  const ThreadsGuard threads(options.threads);
   Diagnosis d;
   d.source = spec.origin;
-  // The run as it is, keeping the last few step-start states, up to its first non-finite step.
+  // The run as it is, keeping the last few step-start states, up to its first failing step: a
+  // non-finite loss or gradient norm the defenses did not skip, parameters non-finite after the
+  // step, or a raise.
   std::deque<Window> recent;
   double loss = 0, norm = 0;
   {
@@ -233,46 +309,32 @@ Diagnosis diagnose_scenario(const ScenarioSpec& spec, const DiagnoseOptions& opt
       while (static_cast<std::int64_t>(recent.size()) > options.lookback + 1) recent.pop_front();
       try {
         const StepOutcome o = p.step(s, p.batch(s), nullptr);
-        // A non-finite step a defense skipped, with the parameters still finite, was handled.
-        if ((!o.finite() && !o.skipped) || !p.params_finite()) {
+        const bool unhandled = !o.finite() && !o.skipped;  // a skipped non-finite step was handled
+        if (unhandled || !p.params_finite()) {
           d.failing_step = s;
           loss = o.loss;
           norm = o.grad_norm;
-          d.failure = std::string("step ") + std::to_string(s) + ": non-finite " +
-                      (std::isfinite(o.loss) ? "gradient norm" : "loss") + (o.skipped ? " (the step was skipped)" : "");
+          d.failure_kind = unhandled ? nonfinite_kind(o.loss, o.grad_norm) : "parameters";
+          d.failure = failure_text(s, d.failure_kind);
           break;
         }
       } catch (const std::exception& e) {
         d.failing_step = s;
         loss = norm = std::numeric_limits<double>::quiet_NaN();
-        d.failure = "step " + std::to_string(s) + " raised: " + e.what();
+        d.failure_kind = "raised";
+        d.failure = "step " + std::to_string(s) + " raised: " + exception_message(e);
         break;
       }
     }
   }
-  Window start;
-  if (d.failing_step > 0) {
-    start = recent.front();
-    d.classification = classify(spec, recent.back(), loss, norm);
-  } else {
-    ScenarioProgram p(spec);
-    start = {1, clone_state(p.state()), RngState::capture_all()};
-    // No non-finite step: judge the whole run as the scenario expects it.
-    const VariantResult r = run_variant(Variant{"as is", "none", spec, false, ""}, start, spec.training.steps, spec.expect);
-    d.failure = r.fixes ? "" : r.outcome;
-    if (d.failure.empty()) {
-      d.failure = "none: the run meets its expectations";
-      d.from_step = 1;
-      d.to_step = spec.training.steps;
-      d.baseline = r;
-      return d;
-    }
-  }
-  return diagnose_window(spec, std::move(start), options, std::move(d));
+  if (d.failing_step < 0) return diagnose_whole_run(spec, options, std::move(d));
+  d.classification = classify(spec, recent.back(), loss, norm);
+  return diagnose_window(spec, recent.front(), options, std::move(d));
 }
 
 Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options) {
   register_builtin_programs();
+  const ThreadsGuard threads(options.threads);
   const TraceReader trace(path);
   const nlohmann::json& h = trace.header();
   const std::string program = h.value("/program/name"_json_pointer, std::string());
@@ -284,30 +346,40 @@ Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options
   Diagnosis d;
   d.source = path;
   double loss = 0, norm = 0;
-  auto num = [](const nlohmann::json& j) -> double {
-    if (j.is_number()) return j.get<double>();
-    const std::string s = j.is_string() ? j.get<std::string>() : "nan";
-    if (s == "inf") return std::numeric_limits<double>::infinity();
-    if (s == "-inf") return -std::numeric_limits<double>::infinity();
-    return std::numeric_limits<double>::quiet_NaN();
-  };
-  for (std::size_t i = 0; i < trace.records().size(); ++i) {
-    if (trace.records()[i].type != RecordType::kStepEnd) continue;
-    const Record rec = trace.read(i);
-    if (rec.meta.value("finite", true) || rec.meta.value("skipped", false)) continue;  // fine, or handled
-    d.failing_step = rec.meta.at("step").get<std::int64_t>();
-    loss = num(rec.meta.at("loss"));
-    norm = num(rec.meta.at("grad_norm"));
-    d.failure = "step " + std::to_string(d.failing_step) + ": non-finite " + (std::isfinite(loss) ? "gradient norm" : "loss") +
-                " (recorded)";
-    break;
+  auto num = [](const nlohmann::json& j) { return number_from_json(j).value_or(std::numeric_limits<double>::quiet_NaN()); };
+  // Replaying to a step, and re-executing it bit for bit, needs the intra-op thread count the
+  // trace was recorded with (the replayer refuses another); only the variants' timing uses
+  // options.threads.
+  int recorded_threads = 0;
+  {
+    const std::string t = h.value("/environment/bitwise/intra_op_threads"_json_pointer, std::string());
+    if (!t.empty() && t.find_first_not_of("0123456789") == std::string::npos && t.size() < 6) recorded_threads = std::stoi(t);
   }
-  if (d.failing_step < 0) {
-    d.failure = "none: the trace has no non-finite step";
-    return d;
+  // The first failing step as recorded: a non-finite step the defenses did not skip, or a step
+  // that raised.
+  for (std::size_t i = 0; i < trace.records().size() && d.failing_step < 0; ++i) {
+    const RecordType type = trace.records()[i].type;
+    if (type == RecordType::kEvent) {
+      const auto e = ExceptionEvent::from_meta(trace.read(i).meta);
+      if (!e || !e->raised_by_step) continue;
+      d.failing_step = e->step;
+      loss = norm = std::numeric_limits<double>::quiet_NaN();
+      d.failure_kind = "raised";
+      d.failure = "step " + std::to_string(e->step) + " raised: " + e->what;
+    } else if (type == RecordType::kStepEnd) {
+      const Record rec = trace.read(i);
+      if (rec.meta.value("finite", true) || rec.meta.value("skipped", false)) continue;  // fine, or handled
+      d.failing_step = rec.meta.at("step").get<std::int64_t>();
+      loss = num(rec.meta.at("loss"));
+      norm = num(rec.meta.at("grad_norm"));
+      d.failure_kind = nonfinite_kind(loss, norm);
+      d.failure = failure_text(d.failing_step, d.failure_kind);
+    }
   }
-  // The state before the window, by replaying the trace up to it (bit for bit, or we say so).
+  if (d.failing_step < 0) return diagnose_whole_run(spec, options, std::move(d));
+  // The state before a step, by replaying the trace up to it (bit for bit, or we say so).
   auto state_before = [&](std::int64_t step) {
+    const ThreadsGuard as_recorded(recorded_threads);
     std::unique_ptr<Program> p = program_from_trace(trace);
     if (step > 1) {
       ReplayOptions ro;
@@ -321,8 +393,26 @@ Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options
     }
     return Window{step, clone_state(p->state()), RngState::capture_all()};
   };
-  const Window at_failure = state_before(d.failing_step);
-  d.classification = classify(spec, at_failure, loss, norm);
+  Window at_failure = state_before(d.failing_step);
+  if (d.failing_step > 1 && !params_finite_in(at_failure.state)) {
+    // The step before left the parameters non-finite with a finite loss and gradient norm (the
+    // trace's step_end does not say): that step is the failure, as the scenario's diagnosis finds.
+    d.failing_step -= 1;
+    d.failure_kind = "parameters";
+    d.failure = failure_text(d.failing_step, d.failure_kind);
+    at_failure = state_before(d.failing_step);
+    for (std::size_t i = 0; i < trace.records().size(); ++i) {
+      if (trace.records()[i].type != RecordType::kStepEnd) continue;
+      const Record rec = trace.read(i);
+      if (rec.meta.value("step", std::int64_t{-1}) != d.failing_step) continue;
+      loss = num(rec.meta.at("loss"));
+      norm = num(rec.meta.at("grad_norm"));
+    }
+  }
+  {
+    const ThreadsGuard as_recorded(recorded_threads);  // "bit for bit as the run did" compares with the trace
+    d.classification = classify(spec, at_failure, loss, norm);
+  }
   const std::int64_t start = std::max<std::int64_t>(1, d.failing_step - options.lookback);
   return diagnose_window(spec, start == d.failing_step ? at_failure : state_before(start), options, std::move(d));
 }
@@ -358,7 +448,8 @@ std::string Diagnosis::to_json() const {
     nlohmann::json j = {{"name", v.name},           {"change", v.change},   {"fixes", v.fixes},
                         {"outcome", v.outcome},     {"cost", v.cost},       {"seconds_per_step", v.seconds_per_step},
                         {"skipped_steps", v.skipped_steps}};
-    j["final_loss"] = std::isfinite(v.final_loss) ? nlohmann::json(v.final_loss) : nlohmann::json(nullptr);
+    j["final_loss"] = json_number(v.final_loss);
+    j["seconds_per_step_runs"] = v.seconds_per_step_runs;
     if (!v.caveat.empty()) j["caveat"] = v.caveat;
     return j;
   };
@@ -366,6 +457,7 @@ std::string Diagnosis::to_json() const {
   j["source"] = source;
   j["failing_step"] = failing_step >= 0 ? nlohmann::json(failing_step) : nlohmann::json(nullptr);
   j["failure"] = failure;
+  j["failure_kind"] = failure_kind;
   j["from_step"] = from_step;
   j["to_step"] = to_step;
   j["classification"] = {{"kind", classification.kind}, {"step", classification.step}, {"detail", classification.detail}};

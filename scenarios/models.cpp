@@ -207,9 +207,12 @@ at::Tensor Mlp::criterion(const at::Tensor& output, const at::Tensor& target) {
 Batch Mlp::make_batch(std::uint64_t seed) const {
   at::Generator gen = seeded(seed);
   const at::Tensor x = at::randn({config_.batch, config_.in_features}, gen);
-  // The target map is fixed (seed 0) so that every batch describes the same function.
+  // The target map is fixed (seed 0) so that every batch describes the same function. The
+  // projection is scaled so that its outputs are ~N(0, 1): sin is then smooth over them and the
+  // task learnable (unscaled, x.w has std sqrt(in_features) and sin of it is close to noise).
   at::Generator target_gen = seeded(0);
-  const at::Tensor w = at::randn({config_.in_features, config_.out_features}, target_gen);
+  const at::Tensor w = at::randn({config_.in_features, config_.out_features}, target_gen) /
+                       std::sqrt(static_cast<double>(config_.in_features));
   return {x, at::sin(at::matmul(x, w))};
 }
 

@@ -1,6 +1,7 @@
 // The HTML pages of `retrace run --report` and `retrace replay --report` (charts: report_chart.cpp).
 #include <retrace/report.h>
 
+#include <retrace/number.h>
 #include <retrace/version.h>
 
 #include <cmath>
@@ -215,11 +216,9 @@ std::string html_run_report(const std::vector<ScenarioResult>& results, double s
     if (r.raised) events << "<li class=\"err\">raised: " << html_escape(r.error) << "</li>";
     for (const std::string& line : r.injected) events << "<li>injected: " << html_escape(line) << "</li>";
     for (const std::string& line : r.skip_reasons) events << "<li>skipped: " << html_escape(line) << "</li>";
-    for (const ExpectationCheck& c : r.checks) {
-      if (!c.passed) {
-        events << "<li class=\"err\">" << html_escape(c.name) << ": expected " << html_escape(c.expected) << ", observed "
-               << html_escape(c.observed) << "</li>";
-      }
+    for (const std::string& why : r.reasons) events << "<li class=\"err\">" << html_escape(why) << "</li>";
+    if (const Breakage* x = r.expected_to_break ? r.evidence() : nullptr) {
+      events << "<li>broke: " << html_escape(x->detail) << "</li>";
     }
     if (!r.replay_report.empty()) events << "<li>replay: " << html_escape(r.replay_report) << "</li>";
     if (!events.str().empty()) os << "<ul class=\"events\">" << events.str() << "</ul>";
@@ -239,13 +238,8 @@ RecordedRun recorded_run(const TraceReader& trace) {
   auto number = [](const nlohmann::json& meta, const char* key, double fallback) {
     const auto it = meta.find(key);
     if (it == meta.end()) return fallback;
-    if (it->is_number()) return it->get<double>();
-    if (it->is_string()) {
-      const std::string s = it->get<std::string>();
-      if (s == "inf") return std::numeric_limits<double>::infinity();
-      if (s == "-inf") return -std::numeric_limits<double>::infinity();
-    }
-    return std::numeric_limits<double>::quiet_NaN();
+    // The trace's codec (number.h): a number, or "nan", "inf", "-inf"; anything else reads as NaN.
+    return number_from_json(*it).value_or(std::numeric_limits<double>::quiet_NaN());
   };
   auto flag = [](const nlohmann::json& meta, const char* key) {
     const auto it = meta.find(key);

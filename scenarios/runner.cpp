@@ -1,6 +1,7 @@
 #include <retrace/runner.h>
 
 #include <retrace/error.h>
+#include <retrace/number.h>
 #include <retrace/recorder.h>
 #include <retrace/replayer.h>
 #include <retrace/trace.h>
@@ -24,34 +25,47 @@ namespace retrace {
 
 namespace {
 
-std::string fmt(double v) {
-  std::ostringstream os;
-  os << std::setprecision(6) << v;
-  return os.str();
-}
+std::string fmt(double v) { return number_text(v); }
 
-nlohmann::json num(double v) {
-  if (std::isfinite(v)) return v;
-  return std::isnan(v) ? "nan" : (v > 0 ? "inf" : "-inf");
-}
+nlohmann::json num(double v) { return json_number(v); }
 
 double from_num(const nlohmann::json& j) {
-  if (j.is_number()) return j.get<double>();
-  const std::string s = j.get<std::string>();
-  if (s == "inf") return std::numeric_limits<double>::infinity();
-  if (s == "-inf") return -std::numeric_limits<double>::infinity();
-  return std::numeric_limits<double>::quiet_NaN();
+  return number_from_json(j).value_or(std::numeric_limits<double>::quiet_NaN());
 }
 
 void check(ScenarioResult& r, const char* name, std::string expected, std::string observed, bool passed) {
   r.checks.push_back({name, std::move(expected), std::move(observed), passed});
 }
 
+std::string steps_text(const std::vector<std::int64_t>& steps) {
+  std::string out;
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    if (i == 8) return out + ", ... (" + std::to_string(steps.size()) + " steps)";
+    out += (i ? ", " : "") + std::to_string(steps[i]);
+  }
+  return out;
+}
+
+// The checks whose failure is a fault getting through (a negative control's evidence); every
+// other check describes the run and must pass in a control too.
+bool is_evidence_check(const std::string& name) {
+  return name == "params_finite" || name == "loss_finite" || name == "final_loss_below" || name == "recompute_bitwise" ||
+         name == "min_applied_steps";
+}
+
 void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
   const ExpectSpec& e = spec.expect;
+  const bool raise_expected = e.raises.value_or(false);
   auto b = [](bool v) { return std::string(v ? "true" : "false"); };
+  const std::string window = "steps " + std::to_string(r.final_window_first) + ".." + std::to_string(r.last_step);
   if (e.params_finite) check(r, "params_finite", b(*e.params_finite), b(r.params_finite), r.params_finite == *e.params_finite);
-  if (e.loss_finite) check(r, "loss_finite", b(*e.loss_finite), b(r.all_losses_finite), r.all_losses_finite == *e.loss_finite);
+  if (e.loss_finite) {
+    // Vacuous when every step at the end was skipped: then no loss at the end was looked at.
+    const bool looked = !std::isnan(r.final_loss) || !r.all_losses_finite;
+    const bool finite = r.all_losses_finite && looked;
+    check(r, "loss_finite", b(*e.loss_finite),
+          looked ? b(r.all_losses_finite) : "no applied step in " + window, finite == *e.loss_finite);
+  }
   if (e.max_skipped_steps) {
     check(r, "max_skipped_steps", "<= " + std::to_string(*e.max_skipped_steps), std::to_string(r.skipped_steps),
           r.skipped_steps <= *e.max_skipped_steps);
@@ -72,8 +86,26 @@ void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
     check(r, "min_rollbacks", ">= " + std::to_string(*e.min_rollbacks), std::to_string(r.rollbacks), r.rollbacks >= *e.min_rollbacks);
   }
   if (e.final_loss_below) {
-    check(r, "final_loss_below", "< " + fmt(*e.final_loss_below), fmt(r.final_loss),
+    check(r, "final_loss_below", "< " + fmt(*e.final_loss_below) + " (" + window + ")",
+          std::isnan(r.final_loss) ? "no applied step in " + window : fmt(r.final_loss),
           std::isfinite(r.final_loss) && r.final_loss < *e.final_loss_below);
+  }
+  // Progress: a defense that skips or rolls back (almost) every step after the fault did not let
+  // training go on. Not for a run that raised (that is its verdict, expected or not), nor (unless
+  // asked) for a control.
+  const std::int64_t after = r.last_step - r.fault_step + 1;
+  if (!r.raised && after > 0 && (e.min_applied_steps || !e.diverges)) {
+    const std::string span = "of steps " + std::to_string(r.fault_step) + ".." + std::to_string(r.last_step);
+    std::string observed = std::to_string(r.applied_from_fault) + " applied";
+    if (e.min_applied_steps) {
+      check(r, "min_applied_steps", ">= " + std::to_string(*e.min_applied_steps) + " applied " + span, observed,
+            r.applied_from_fault >= *e.min_applied_steps);
+    } else {
+      const std::int64_t half = (after + 1) / 2;
+      if (!r.last_step_applied) observed += ", the last skipped";
+      check(r, "min_applied_steps", ">= " + std::to_string(half) + " applied " + span + ", the last among them", observed,
+            r.applied_from_fault >= half && r.last_step_applied);
+    }
   }
   if (e.recompute_bitwise) {
     const bool bitwise = r.silent_recompute_mismatches == 0;
@@ -83,23 +115,29 @@ void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
           bitwise == *e.recompute_bitwise);
   }
   if (e.replay_bitwise) {
-    check(r, "replay_bitwise", b(*e.replay_bitwise), r.replayed ? b(r.replay_bitwise) : "not replayed (" + (r.raised ? std::string("the run raised") : r.replay_report) + ")",
+    check(r, "replay_bitwise", b(*e.replay_bitwise), r.replayed ? b(r.replay_bitwise) : "not replayed (" + (r.harness_error ? std::string("the run never reached its fault") : r.replay_report) + ")",
           r.replayed && r.replay_bitwise == *e.replay_bitwise);
   }
   if (e.injections_fired) {
     check(r, "injections_fired", b(*e.injections_fired), std::to_string(r.injected.size()) + " fired",
           r.injected.empty() != *e.injections_fired);
   }
-  // Every injection certain to fire within the steps run must have fired: an injection that did
-  // nothing would let a defense "hold" (or a negative control break) for another reason.
-  if (!r.raised) {
-    for (const InjectionSpec& in : spec.injections) {
-      if (in.probability < 1.0 || in.step > r.steps_run) continue;
-      const std::string type = to_string(in.type);
-      const bool fired = std::any_of(r.injected.begin(), r.injected.end(), [&](const std::string& line) {
-        return line.find(": " + type + " ") != std::string::npos;
-      });
-      if (!fired) check(r, "injection_fired", type + " at step " + std::to_string(in.step), "did not fire", false);
+  // Every injection entry must have fired on a step it was due: an injection that did nothing
+  // lets a defense "hold", or a control "break", for another reason. An entry due on no step the
+  // run reached never had its chance, which proves nothing either way -- except after a raise
+  // that a scenario expecting to hold asked for, where the run was meant to stop.
+  for (const InjectionTally& t : r.injections) {
+    const InjectionSpec& in = spec.injections[t.entry];
+    const std::string what = "injections[" + std::to_string(t.entry) + "] " + t.type + " fires";
+    if (!t.fired.empty()) continue;
+    if (!t.due.empty()) {
+      check(r, "injection_fired", what + " (due at step " + steps_text(t.due) + ")", "did not fire", false);
+    } else if (!(r.raised && raise_expected && !e.diverges)) {
+      const std::int64_t last_due = in.step + in.duration - 1;
+      check(r, "injection_fired", what + " (steps " + std::to_string(in.step) + ".." + std::to_string(last_due) + ")",
+            in.step > r.last_step ? "the run stopped at step " + std::to_string(r.last_step)
+                                  : "due on no step (probability " + fmt(in.probability) + ")",
+            false);
     }
   }
   if (e.raises) {
@@ -107,13 +145,74 @@ void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
     check(r, "raises", b(*e.raises) + (e.raises_match.empty() ? "" : " with '" + e.raises_match + "'"),
           r.raised ? "raised: " + r.error : "did not raise", r.raised == *e.raises && (!r.raised || matches));
   }
+
+  // What broke, and when.
+  auto failed = [&](const char* name) {
+    return std::any_of(r.checks.begin(), r.checks.end(), [&](const ExpectationCheck& c) { return c.name == name && !c.passed; });
+  };
+  auto add = [&](BreakKind kind, std::int64_t step, std::string detail, bool accepted) {
+    r.breakage.push_back({kind, step, std::move(detail), accepted && step >= r.fault_step});
+  };
+  if (!r.params_finite) {
+    add(BreakKind::kNonFiniteParams, r.nonfinite_params_since, "parameters non-finite from step " + std::to_string(r.nonfinite_params_since) + " on", true);
+  }
+  if (failed("loss_finite") && r.first_nonfinite_loss_step > 0) {
+    add(BreakKind::kNonFiniteLoss, r.first_nonfinite_loss_step, "step " + std::to_string(r.first_nonfinite_loss_step) + " applied a non-finite loss", true);
+  }
+  if (failed("final_loss_below")) {
+    add(BreakKind::kFinalLoss, r.last_step, "final loss " + fmt(r.final_loss) + " (" + window + "), expected below " + fmt(*e.final_loss_below), true);
+  }
+  if (failed("recompute_bitwise") && r.first_silent_mismatch_step > 0) {
+    add(BreakKind::kSilentRecompute, r.first_silent_mismatch_step,
+        "step " + std::to_string(r.first_silent_mismatch_step) + " applied gradients from a recompute that was not bitwise", true);
+  }
+  if (e.diverges && failed("min_applied_steps")) {
+    add(BreakKind::kNoProgress, r.last_step, std::to_string(r.applied_from_fault) + " of steps " + std::to_string(r.fault_step) + ".." +
+        std::to_string(r.last_step) + " applied, expected at least " + std::to_string(*e.min_applied_steps), true);
+  }
+  if (r.raised && !r.harness_error) {
+    // For a control the raise is evidence only when it asked for it (and it matched).
+    add(BreakKind::kRaised, r.raised_at_step, "step " + std::to_string(r.raised_at_step) + " raised: " + r.error,
+        e.diverges && raise_expected && !failed("raises"));
+  }
+
   bool all = true;
   for (const ExpectationCheck& c : r.checks) all = all && c.passed;
-  const bool raise_expected = e.raises.value_or(false);
   r.expected_to_break = e.diverges;
-  r.broke = (r.raised && !raise_expected) || !r.params_finite || !all;
-  r.passed = e.diverges ? r.broke : !r.broke;
-  if (r.harness_error) r.passed = false;  // the run never started: nothing was shown either way
+  r.reasons.clear();
+  auto reason = [&](std::string why) { r.reasons.push_back(std::move(why)); };
+  if (r.harness_error) reason("harness error: " + r.error);
+  if (!e.diverges) {
+    r.broke = (r.raised && !raise_expected) || !r.params_finite || !all;
+    if (r.raised && !raise_expected && !r.harness_error) reason("raised at step " + std::to_string(r.raised_at_step) + ": " + r.error);
+    if (!r.params_finite && !e.params_finite) reason("non-finite parameters at the end");
+    for (const ExpectationCheck& c : r.checks) {
+      if (!c.passed) reason(c.name + ": expected " + c.expected + ", got " + c.observed);
+    }
+  } else {
+    r.broke = std::any_of(r.breakage.begin(), r.breakage.end(), [](const Breakage& x) { return x.counts; });
+    if (!r.harness_error) {
+      if (r.last_step < r.fault_step) {
+        reason("the run stopped at step " + std::to_string(r.last_step) + ", before the fault at step " + std::to_string(r.fault_step));
+      }
+      if (r.raised && !raise_expected) {
+        reason("raised at step " + std::to_string(r.raised_at_step) + ": " + r.error +
+               " (a control breaks through its fault: non-finite parameters or loss, final_loss_below, recompute_bitwise, min_applied_steps, "
+               "or the raise that expect.raises names)");
+      }
+      for (const ExpectationCheck& c : r.checks) {
+        if (!c.passed && !is_evidence_check(c.name)) reason(c.name + ": expected " + c.expected + ", got " + c.observed);
+      }
+      if (!r.broke) {
+        std::string early;
+        for (const Breakage& x : r.breakage) {
+          if (x.step < r.fault_step && x.kind != BreakKind::kRaised) early += "; " + x.detail + ", before the fault at step " + std::to_string(r.fault_step);
+        }
+        reason("negative control held: the fault did not bite" + early);
+      }
+    }
+  }
+  r.passed = r.reasons.empty();
 }
 
 std::string temp_trace_path(const std::string& name) {
@@ -123,6 +222,28 @@ std::string temp_trace_path(const std::string& name) {
           ("retrace_run_" + std::to_string(::getpid()) + "_" + clean + ".trace")).string();
 }
 
+}  // namespace
+
+const char* to_string(BreakKind kind) {
+  switch (kind) {
+    case BreakKind::kNonFiniteParams: return "non_finite_params";
+    case BreakKind::kNonFiniteLoss: return "non_finite_loss";
+    case BreakKind::kFinalLoss: return "final_loss";
+    case BreakKind::kSilentRecompute: return "silent_recompute";
+    case BreakKind::kNoProgress: return "no_progress";
+    case BreakKind::kRaised: return "raised";
+  }
+  return "?";
+}
+
+namespace {
+BreakKind parse_break_kind(const std::string& name) {
+  for (BreakKind k : {BreakKind::kNonFiniteParams, BreakKind::kNonFiniteLoss, BreakKind::kFinalLoss,
+                      BreakKind::kSilentRecompute, BreakKind::kNoProgress, BreakKind::kRaised}) {
+    if (name == to_string(k)) return k;
+  }
+  throw Error("unknown breakage kind '" + name + "' in a scenario result");
+}
 }  // namespace
 
 std::string fault_label(const ScenarioSpec& spec) {
@@ -178,16 +299,37 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
   const bool replay = spec.expect.replay_bitwise.has_value() && options.replay && options.first_step == 1 &&
                       options.start_state == nullptr;
   const std::string trace_path = options.trace_path.empty() ? temp_trace_path(r.name) : options.trace_path;
+  // The fault's step: the first injection's, within this window; the window's first step when
+  // there is none (the configuration itself is the fault).
+  r.fault_step = options.first_step;
+  if (!spec.injections.empty()) {
+    std::int64_t first = spec.injections.front().step;
+    for (const InjectionSpec& in : spec.injections) first = std::min(first, in.step);
+    r.fault_step = std::max(first, options.first_step);
+  }
+  r.last_step = options.first_step - 1;
+  r.nonfinite_params_since = options.first_step - 1;
+  for (std::size_t i = 0; i < spec.injections.size(); ++i) r.injections.push_back({i, to_string(spec.injections[i].type), {}, {}});
   // Counts every segment whose recompute is not bitwise; steps that were skipped never applied
   // theirs, so only mismatches in applied steps are "silent".
   VerifyOptions vo;
   vo.policy = VerifyPolicy::kRecord;
   RecomputeVerifier verifier(vo);
   std::size_t seen_mismatches = 0;
-  std::vector<double> applied_losses;
+  bool params_were_finite = true;
 
   std::unique_ptr<ScenarioProgram> program;
   bool started = false;  // an exception before the first step is the harness's, not the fault's
+  // What each injection entry was due on and did in the step that ends (or raised).
+  auto tally_injections = [&](std::int64_t step) {
+    for (InjectionTally& t : r.injections) {
+      if (program->injector().scheduled(t.entry, step)) t.due.push_back(step);
+    }
+    for (const InjectionEvent& ev : program->injector().fired()) {
+      std::vector<std::int64_t>& fired = r.injections.at(ev.entry).fired;
+      if (fired.empty() || fired.back() != step) fired.push_back(step);
+    }
+  };
   try {
     program = std::make_unique<ScenarioProgram>(spec);
     if (options.start_state) {
@@ -199,27 +341,41 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
       program->load_state(state);
     }
     if (options.start_rng) options.start_rng->restore();
+    params_were_finite = program->params_finite();
     auto after_step = [&](std::int64_t step, const StepOutcome& o) {
       ++r.steps_run;
+      r.last_step = step;
       r.losses.push_back(o.loss);
       r.scales.push_back(o.loss_scale);
       r.lrs.push_back(o.lr);
-      r.steps.push_back({step, o.loss, o.grad_norm, o.loss_scale, o.lr, o.skipped, !o.injected.empty(), o.rolled_back});
-      if (!o.skipped && !std::isfinite(o.loss)) r.all_losses_finite = false;
+      r.steps.push_back({step, o.loss, o.grad_norm, o.loss_scale, o.lr, o.loss_scale_after, o.clip_coef, o.clipped_grad_norm,
+                         o.skipped, !o.injected.empty(), o.rolled_back});
+      if (!o.skipped && !std::isfinite(o.loss)) {
+        r.all_losses_finite = false;
+        if (r.first_nonfinite_loss_step == 0) r.first_nonfinite_loss_step = step;
+      }
       if (!o.skipped && !o.finite()) ++r.applied_nonfinite_steps;
       if (o.skipped) {
         ++r.skipped_steps;
         r.skip_reasons.push_back("step " + std::to_string(step) + ": " + o.skip_reason);
-      } else {
-        applied_losses.push_back(o.loss);
+      } else if (step >= r.fault_step) {
+        ++r.applied_from_fault;
       }
+      r.last_step_applied = !o.skipped;
       for (const std::string& i : o.injected) r.injected.push_back("step " + std::to_string(step) + ": " + i);
+      tally_injections(step);
       const std::size_t now = verifier.mismatches().size();
       r.recompute_mismatches += static_cast<std::int64_t>(now - seen_mismatches);
-      if (!o.skipped) r.silent_recompute_mismatches += static_cast<std::int64_t>(now - seen_mismatches);
-      seen_mismatches = now;
+      if (!o.skipped && now > seen_mismatches) {
+        r.silent_recompute_mismatches += static_cast<std::int64_t>(now - seen_mismatches);
+        if (r.first_silent_mismatch_step == 0) r.first_silent_mismatch_step = step;
+      }
       verifier.reset();
       seen_mismatches = verifier.mismatches().size();
+      // When the parameters went non-finite (and stayed so): the step a control's breakage dates from.
+      const bool finite = program->params_finite();
+      if (!finite && params_were_finite) r.nonfinite_params_since = step;
+      params_were_finite = finite;
     };
     program->observe(&verifier);  // after the injector: it compares what actually flowed
     if (replay) {
@@ -236,13 +392,26 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
     }
   } catch (const std::exception& e) {
     r.raised = true;
-    r.harness_error = !started;
     r.error = e.what();
     const auto nl = r.error.find('\n');  // c10::Error appends a C++ backtrace; keep the message
     if (nl != std::string::npos) r.error = r.error.substr(0, nl);
+    if (started) {
+      r.raised_at_step = r.last_step + 1;  // the step in progress
+      r.last_step = r.raised_at_step;
+      tally_injections(r.raised_at_step);  // what fired before it raised
+      if (r.raised_at_step < r.fault_step) {
+        r.harness_error = true;
+        r.error = "step " + std::to_string(r.raised_at_step) + " raised before the fault at step " +
+                  std::to_string(r.fault_step) + ": " + r.error;
+      }
+    } else {
+      r.harness_error = true;
+    }
   }
   if (program) {
     r.params_finite = program->params_finite();
+    if (r.params_finite) r.nonfinite_params_since = options.first_step - 1;
+    else if (params_were_finite) r.nonfinite_params_since = r.last_step;  // the step that raised broke them
     if (const LossScaler* s = program->scaler()) {
       r.scale_backoffs = s->backoffs();
       r.scale_growths = s->growths();
@@ -251,15 +420,22 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
     r.rollbacks = program->rollbacks();
     r.caught_recompute_mismatches = program->caught_recompute_mismatches();
   }
-  const std::size_t tail = std::min<std::size_t>(3, applied_losses.size());
+  // The final loss: applied steps among the last three, none before the fault.
+  r.final_window_first = std::max(r.fault_step, r.last_step - 2);
   r.final_loss = std::numeric_limits<double>::quiet_NaN();
-  if (tail > 0) {
+  {
     double sum = 0;
-    for (std::size_t i = applied_losses.size() - tail; i < applied_losses.size(); ++i) sum += applied_losses[i];
-    r.final_loss = sum / static_cast<double>(tail);
+    int n = 0;
+    for (const StepPoint& p : r.steps) {
+      if (p.step < r.final_window_first || p.skipped) continue;
+      sum += p.loss;
+      ++n;
+    }
+    if (n > 0) r.final_loss = sum / n;
   }
 
-  if (replay && !r.raised) {
+  // A run that raised replays too: the replay must raise the same message at the same step.
+  if (replay && !r.harness_error) {
     try {
       const TraceReader trace(trace_path);
       std::unique_ptr<Program> again = program_from_trace(trace);
@@ -268,9 +444,9 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
       const ReplayResult rr = Replayer(trace, *again).run(ro);
       r.replayed = true;
       // Bitwise means every step: a replay that stopped early verified only a prefix.
-      r.replay_bitwise = rr.reproduced && rr.to_step == r.steps_run;
+      r.replay_bitwise = rr.reproduced && rr.to_step == r.last_step;
       if (rr.first_divergence) r.replay_report = rr.first_divergence->message();
-      else if (rr.to_step != r.steps_run) r.replay_report = "the replay stopped at step " + std::to_string(rr.to_step) + " of " + std::to_string(r.steps_run);
+      else if (rr.to_step != r.last_step) r.replay_report = "the replay stopped at step " + std::to_string(rr.to_step) + " of " + std::to_string(r.last_step);
     } catch (const std::exception& e) {
       r.replay_report = std::string("replay failed: ") + e.what();
     }
@@ -406,7 +582,9 @@ std::string ScenarioResult::to_json() const {
   for (double v : lrs) j["lrs"].push_back(num(v));
   for (const StepPoint& p : steps) {
     j["steps"].push_back({{"step", p.step}, {"loss", num(p.loss)}, {"grad_norm", num(p.grad_norm)},
-                          {"loss_scale", num(p.loss_scale)}, {"lr", num(p.lr)}, {"skipped", p.skipped},
+                          {"loss_scale", num(p.loss_scale)}, {"lr", num(p.lr)},
+                          {"loss_scale_after", num(p.loss_scale_after)}, {"clip_coef", num(p.clip_coef)},
+                          {"clipped_grad_norm", num(p.clipped_grad_norm)}, {"skipped", p.skipped},
                           {"injected", p.injected}, {"rolled_back", p.rolled_back}});
   }
   j["injected"] = injected;
@@ -422,6 +600,24 @@ std::string ScenarioResult::to_json() const {
                   {"steps_to_recover", bench.steps_to_recover},
                   {"overhead", bench.overhead}};
   }
+  j["fault_step"] = fault_step;
+  j["last_step"] = last_step;
+  j["raised_at_step"] = raised_at_step;
+  j["applied_from_fault"] = applied_from_fault;
+  j["last_step_applied"] = last_step_applied;
+  j["final_window_first"] = final_window_first;
+  j["nonfinite_params_since"] = nonfinite_params_since;
+  j["first_nonfinite_loss_step"] = first_nonfinite_loss_step;
+  j["first_silent_mismatch_step"] = first_silent_mismatch_step;
+  j["injections"] = nlohmann::json::array();
+  for (const InjectionTally& t : injections) {
+    j["injections"].push_back({{"entry", t.entry}, {"type", t.type}, {"due", t.due}, {"fired", t.fired}});
+  }
+  j["breakage"] = nlohmann::json::array();
+  for (const Breakage& x : breakage) {
+    j["breakage"].push_back({{"kind", to_string(x.kind)}, {"step", x.step}, {"detail", x.detail}, {"counts", x.counts}});
+  }
+  j["reasons"] = reasons;
   j["checks"] = nlohmann::json::array();
   for (const ExpectationCheck& c : checks) {
     j["checks"].push_back({{"name", c.name}, {"expected", c.expected}, {"observed", c.observed}, {"passed", c.passed}});
@@ -461,7 +657,8 @@ ScenarioResult ScenarioResult::from_json(const std::string& text) {
   if (j.contains("steps")) {
     for (const auto& p : j["steps"]) {
       r.steps.push_back({p.at("step").get<std::int64_t>(), from_num(p.at("loss")), from_num(p.at("grad_norm")),
-                         from_num(p.at("loss_scale")), from_num(p.at("lr")), p.at("skipped").get<bool>(),
+                         from_num(p.at("loss_scale")), from_num(p.at("lr")), from_num(p.at("loss_scale_after")),
+                         from_num(p.at("clip_coef")), from_num(p.at("clipped_grad_norm")), p.at("skipped").get<bool>(),
                          p.at("injected").get<bool>(), p.at("rolled_back").get<bool>()});
     }
   }
@@ -480,6 +677,24 @@ ScenarioResult ScenarioResult::from_json(const std::string& text) {
     r.bench.steps_to_recover = b.at("steps_to_recover");
     r.bench.overhead = b.at("overhead");
   }
+  r.fault_step = j.at("fault_step");
+  r.last_step = j.at("last_step");
+  r.raised_at_step = j.at("raised_at_step");
+  r.applied_from_fault = j.at("applied_from_fault");
+  r.last_step_applied = j.at("last_step_applied");
+  r.final_window_first = j.at("final_window_first");
+  r.nonfinite_params_since = j.at("nonfinite_params_since");
+  r.first_nonfinite_loss_step = j.at("first_nonfinite_loss_step");
+  r.first_silent_mismatch_step = j.at("first_silent_mismatch_step");
+  for (const auto& t : j.at("injections")) {
+    r.injections.push_back({t.at("entry").get<std::size_t>(), t.at("type").get<std::string>(),
+                            t.at("due").get<std::vector<std::int64_t>>(), t.at("fired").get<std::vector<std::int64_t>>()});
+  }
+  for (const auto& x : j.at("breakage")) {
+    r.breakage.push_back({parse_break_kind(x.at("kind").get<std::string>()), x.at("step").get<std::int64_t>(),
+                          x.at("detail").get<std::string>(), x.at("counts").get<bool>()});
+  }
+  r.reasons = j.at("reasons").get<std::vector<std::string>>();
   for (const auto& c : j.at("checks")) r.checks.push_back({c.at("name"), c.at("expected"), c.at("observed"), c.at("passed")});
   return r;
 }
@@ -498,15 +713,20 @@ ScenarioSpec load_scenario(const std::string& path_or_builtin) {
   return parse_scenario_file(path_or_builtin);
 }
 
-std::string ScenarioResult::verdict() const {
-  if (passed) return "ok";
-  std::string v = "FAILED";
-  if (raised && !expected_to_break) v += " (raised: " + error + ")";
-  if (!params_finite && !expected_to_break && !raised) v += " (non-finite parameters at the end)";
-  for (const ExpectationCheck& c : checks) {
-    if (!c.passed && !expected_to_break) v += " (" + c.name + ": expected " + c.expected + ", got " + c.observed + ")";
+const Breakage* ScenarioResult::evidence() const {
+  for (const Breakage& x : breakage) {
+    if (x.counts) return &x;
   }
-  if (expected_to_break) v += " (negative control held: the fault did not bite)";
+  return nullptr;
+}
+
+std::string ScenarioResult::verdict() const {
+  if (passed) {
+    const Breakage* x = expected_to_break ? evidence() : nullptr;
+    return x ? "ok (broke: " + x->detail + ")" : "ok";
+  }
+  std::string v = "FAILED";
+  for (const std::string& why : reasons) v += " (" + why + ")";
   return v;
 }
 
@@ -555,9 +775,8 @@ std::string junit_xml(const std::vector<ScenarioResult>& results, double seconds
   for (const ScenarioResult& r : results) {
     os << "    <testcase classname=\"retrace.scenarios\" name=\"" << xml_escape(r.name) << "\" time=\"" << r.seconds << "\">\n";
     if (!r.passed) {
-      std::string msg = r.expected_to_break ? "negative control held: the fault did not bite" : "expectation failed";
-      if (r.raised && !r.expected_to_break) msg = "raised: " + r.error;
-      else if (!r.params_finite && !r.expected_to_break) msg = "non-finite parameters at the end";
+      std::string msg;
+      for (const std::string& why : r.reasons) msg += (msg.empty() ? "" : "; ") + why;
       os << "      <failure message=\"" << xml_escape(msg) << "\">";
       for (const ExpectationCheck& c : r.checks) {
         os << xml_escape(c.name + ": expected " + c.expected + ", observed " + c.observed + (c.passed ? "" : "  <-- failed")) << "\n";

@@ -3,6 +3,8 @@
 #include <retrace/checkpoint.h>
 #include <retrace/error.h>
 
+#include <yaml-cpp/depthguard.h>
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -47,9 +49,16 @@ class Parser {
       }
       fail(node, prefix, "must be a mapping of keys to values");
     }
+    std::map<std::string, int> seen;  // key -> its line (1-based), to name both of a duplicate
     for (auto it = node.begin(); it != node.end(); ++it) {
       if (!it->first.IsScalar()) fail(it->first, prefix.empty() ? "?" : prefix + ".?", "a key must be a plain name, not a list or mapping");
       const std::string k = it->first.Scalar();
+      const auto [first, fresh] = seen.emplace(k, it->first.Mark().line + 1);
+      if (!fresh) {
+        // YAML forbids it, and yaml-cpp would silently keep the first.
+        fail(it->first, prefix.empty() ? shown(k) : prefix + "." + shown(k),
+             "appears twice in one mapping (first on line " + std::to_string(first->second) + "); keep one");
+      }
       if (std::find(known.begin(), known.end(), k) == known.end()) {
         std::string list;
         for (const auto& s : known) list += (list.empty() ? "" : ", ") + s;
@@ -226,6 +235,20 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
   in.bit = static_cast<int>(p.integer(n, "bit", at + ".bit", in.bit, 0, 31));  // the harness's tensors are fp32
   in.bit_class = p.choice(n, "bit_class", at + ".bit_class", in.bit_class, {"sign", "exponent", "mantissa", "any"});
   in.phase = p.choice(n, "phase", at + ".phase", in.phase, {"both", "forward", "recompute"});
+  if (in.step > s.training.steps) {
+    p.fail(n["step"], at + ".step",
+           "is " + std::to_string(in.step) + ", after the run's last step " + std::to_string(s.training.steps) +
+               ", so it could never fire; lower it or raise training.steps");
+  }
+  if (n["bits"].IsDefined()) {
+    // The harness's tensors are fp32: the class's bits there (injectors.cpp, bits_of_class).
+    const int width = in.bit_class == "sign" ? 1 : in.bit_class == "exponent" ? 8 : in.bit_class == "mantissa" ? 23 : 32;
+    if (in.bits > width) {
+      p.fail(n["bits"], at + ".bits",
+             "is " + std::to_string(in.bits) + ", but bit_class " + in.bit_class + " has " + std::to_string(width) +
+                 " bits in an fp32 element; use 1 .. " + std::to_string(width) + " (or bit_class any)");
+    }
+  }
   switch (in.type) {
     case InjectionType::kLayerNormInput:
       in.mode = p.choice(n, "mode", at + ".mode", "constant", {"constant", "huge", "nan"});
@@ -302,8 +325,8 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
 
 void parse_expect(const Parser& p, const YAML::Node& e, ExpectSpec& out) {
   p.keys(e, "expect", {"params_finite", "loss_finite", "max_skipped_steps", "min_skipped_steps", "min_scale_backoffs",
-                       "min_scale_growths", "min_rollbacks", "final_loss_below", "recompute_bitwise", "replay_bitwise",
-                       "injections_fired", "raises", "raises_match", "diverges"});
+                       "min_scale_growths", "min_rollbacks", "final_loss_below", "min_applied_steps", "recompute_bitwise",
+                       "replay_bitwise", "injections_fired", "raises", "raises_match", "diverges"});
   auto opt_bool = [&](const char* key, std::optional<bool>& field) {
     if (e[key].IsDefined()) field = p.boolean(e, key, std::string("expect.") + key, false);
   };
@@ -318,6 +341,7 @@ void parse_expect(const Parser& p, const YAML::Node& e, ExpectSpec& out) {
   opt_int("min_scale_growths", out.min_scale_growths);
   opt_int("min_rollbacks", out.min_rollbacks);
   if (e["final_loss_below"].IsDefined()) out.final_loss_below = p.number(e, "final_loss_below", "expect.final_loss_below", 0.0, -1e30, 1e30);
+  opt_int("min_applied_steps", out.min_applied_steps);
   opt_bool("recompute_bitwise", out.recompute_bitwise);
   opt_bool("replay_bitwise", out.replay_bitwise);
   opt_bool("injections_fired", out.injections_fired);
@@ -388,6 +412,12 @@ ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
     }
   }
 
+  if (m.type == "lstm" && s.training.precision == "fp16" && s.training.device == "cpu") {
+    const YAML::Node t = root["training"];
+    p.fail(t.IsDefined() && t["precision"].IsDefined() ? t["precision"] : root, "training.precision",
+           "fp16 autocast cannot run an lstm on the CPU (oneDNN has no fp16 LSTM primitive: every step would raise); "
+           "use bf16 or fp32, or device cuda");
+  }
   if (const YAML::Node d = root["defenses"]; d.IsDefined()) parse_defenses(p, d, s.defenses);
   if (s.training.clip_grad_norm > 0 && s.defenses.clip.mode == "off") {  // the shorthand
     s.defenses.clip.mode = "global";
@@ -405,12 +435,57 @@ ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
 
 }  // namespace
 
+namespace {
+
+// Counts a stream's documents through the parser's events, building no nodes: the memory it
+// needs does not grow with what the documents hold (aliases are never expanded).
+class DocumentCounter : public YAML::EventHandler {
+ public:
+  int documents = 0;
+  YAML::Mark second;  // where the second document starts
+  void OnDocumentStart(const YAML::Mark& mark) override {
+    if (++documents == 2) second = mark;
+  }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t, const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
+};
+
+[[noreturn]] void yaml_error(const YAML::Exception& e, const std::string& origin) {
+  const std::string where = origin + ":" + std::to_string(std::max(0, e.mark.line) + 1);
+  if (const auto* deep = dynamic_cast<const YAML::DeepRecursion*>(&e)) {
+    throw Error(where + ": nested more than " + std::to_string(deep->depth() - 1) +
+                " levels deep, which the YAML reader refuses; a scenario nests at most 4 (e.g. "
+                "defenses.loss_scaling.init_scale)");
+  }
+  throw Error(where + ": not valid YAML: " + e.msg);
+}
+
+}  // namespace
+
 ScenarioSpec parse_scenario_text(const std::string& text, const std::string& origin) {
   YAML::Node root;
   try {
     root = YAML::Load(text);
+    // YAML::Load reads the first document only: whatever follows a `---` would be dropped
+    // silently, injections and expectations included.
+    std::istringstream in(text);
+    YAML::Parser events(in);
+    DocumentCounter counter;
+    while (counter.documents < 2 && events.HandleNextDocument(counter)) {
+    }
+    if (counter.documents > 1) {
+      throw Error(origin + ":" + std::to_string(counter.second.line + 1) +
+                  ": a second YAML document starts here (after '---'); a scenario file holds one, so "
+                  "merge it into the first or put it in a file of its own");
+    }
   } catch (const YAML::Exception& e) {
-    throw Error(origin + ":" + std::to_string(e.mark.line + 1) + ": not valid YAML: " + e.msg);
+    yaml_error(e, origin);
   }
   try {
     return parse(root, origin);
@@ -552,6 +627,7 @@ std::string to_yaml(const ScenarioSpec& s) {
     opt("min_scale_growths", e.min_scale_growths);
     opt("min_rollbacks", e.min_rollbacks);
     opt("final_loss_below", e.final_loss_below);
+    opt("min_applied_steps", e.min_applied_steps);
     opt("recompute_bitwise", e.recompute_bitwise);
     opt("replay_bitwise", e.replay_bitwise);
     opt("injections_fired", e.injections_fired);
@@ -566,7 +642,7 @@ std::string to_yaml(const ScenarioSpec& s) {
 
 bool ExpectSpec::any() const {
   return params_finite || loss_finite || max_skipped_steps || min_skipped_steps || min_scale_backoffs ||
-         min_scale_growths || min_rollbacks || final_loss_below || recompute_bitwise || replay_bitwise ||
+         min_scale_growths || min_rollbacks || final_loss_below || min_applied_steps || recompute_bitwise || replay_bitwise ||
          injections_fired || raises || diverges;
 }
 

@@ -2,6 +2,7 @@
 
 #include <retrace/autocast.h>
 #include <retrace/error.h>
+#include <retrace/number.h>
 #include <retrace/observer.h>
 
 #include <torch/cuda.h>
@@ -278,6 +279,7 @@ StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTens
   injector_.begin_step(step);
   auto finish = [&]() -> StepOutcome {
     for (const InjectionEvent& e : injector_.fired()) out.injected.push_back(e.type + " " + e.where + ": " + e.detail);
+    out.loss_scale_after = loss_scale();
     return out;
   };
   auto skip = [&](std::string why) {
@@ -382,16 +384,19 @@ StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTens
   // silently). Clipping alone then leaves the gradients as they are: the step is skipped only by
   // the loss scaler or skip_nonfinite, and raises with error_if_nonfinite (without a scaler).
   const ClipSpec& clip = d.clip;
+  out.clipped_grad_norm = out.grad_norm;
   if (apply && clip.mode != "off") {
     if (!finite_grads) {
+      out.clip_coef = std::numeric_limits<double>::quiet_NaN();
       if (clip.error_if_nonfinite && !scaler_) {  // with a scaler, an overflow is its to skip
-        throw Error("step " + std::to_string(step) + ": the total gradient norm is non-finite (" + std::to_string(out.grad_norm) +
+        throw Error("step " + std::to_string(step) + ": the total gradient norm is non-finite (" + number_text(out.grad_norm) +
                     "); clipping refuses it (defenses.clip.error_if_nonfinite)");
       }
     } else {
       torch::NoGradGuard no_grad;
       if (clip.mode == "global") {
         torch::nn::utils::clip_grad_norm_(model_->parameters(), clip.max_norm);
+        out.clip_coef = std::min(1.0, clip.max_norm / (out.grad_norm + 1e-6));  // PyTorch's clip_coef_clamped
       } else if (clip.mode == "per_tensor") {
         for (std::size_t i = 0; i < grads.size(); ++i) {  // TensorFlow's clip_by_norm, per gradient
           const double n = norms[i].item<double>();         // the norms computed above
@@ -405,9 +410,13 @@ StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTens
           threshold = std::max(clip.max_norm, clip.multiplier * sorted[sorted.size() / 2]);
         }
         if (out.grad_norm > threshold) {
-          for (const NamedTensor& g : grads) g.tensor.mul_(threshold / (out.grad_norm + 1e-6));
+          out.clip_coef = threshold / (out.grad_norm + 1e-6);
+          for (const NamedTensor& g : grads) g.tensor.mul_(out.clip_coef);
         }
       }
+      std::vector<at::Tensor> clipped;
+      for (const NamedTensor& g : grads) clipped.push_back(g.tensor.detach().to(at::kFloat).norm());
+      out.clipped_grad_norm = clipped.empty() ? 0.0 : at::stack(clipped).norm().item<double>();
     }
   }
 

@@ -24,19 +24,24 @@ int run_diagnose(const std::vector<std::string>& args) {
       "variant -- checkpointing off, clip 1.0 and 0.5, LR / 10 with warmup, fp32, loss scaling,\n"
       "skipping non-finite steps, more and fewer segments, half batch -- and ranks the variants\n"
       "that avoid the failure by their cost. Classifies the failing step as persistent,\n"
-      "transient or nondeterministic by re-executing it from its state. SCENARIO is a .yaml\n"
-      "file or builtin:NAME; TRACE a trace recorded from a scenario.\n"
+      "transient or nondeterministic by re-executing it from its state. A run with no failing\n"
+      "step that misses an expectation (a final loss too high) is diagnosed from step 1.\n"
+      "SCENARIO is a .yaml file or builtin:NAME; TRACE a trace recorded from a scenario.\n"
       "Exit code 0 a variant avoids the failure (or nothing failed), 1 none does, 2 bad input.\n\n"
       "options");
   opts.add_options()("help,h", "show this help")(
       "steps", po::value<std::int64_t>(&options.steps), "steps re-run per variant (default: to the end of the run)")(
       "lookback", po::value<std::int64_t>(&options.lookback), "start this many steps before the failing step (default 1)")(
+      "threads", po::value<int>(&options.threads), "LibTorch intra-op threads while variants run (default 1: timings comparable)")(
+      "repeats", po::value<int>(&options.repeats), "runs per variant; its cost is their median (default 3)")(
       "json", po::value<std::string>(&json_path), "write the diagnosis as JSON to FILE ('-' for stdout)");
   const auto parsed = parse_arguments(args, opts, "source", &source);
   if (!parsed) return 0;
   if (source.empty()) throw Error("missing TRACE or SCENARIO: what to diagnose");
   if (options.steps < 0) throw Error("--steps must be positive, got " + std::to_string(options.steps));
   if (options.lookback < 0) throw Error("--lookback must be 0 or more, got " + std::to_string(options.lookback));
+  if (options.threads < 1) throw Error("--threads must be at least 1, got " + std::to_string(options.threads));
+  if (options.repeats < 1) throw Error("--repeats must be at least 1, got " + std::to_string(options.repeats));
   const bool scenario = source.rfind("builtin:", 0) == 0 || source.size() > 5 &&
                         (source.compare(source.size() - 5, 5, ".yaml") == 0 || source.compare(source.size() - 4, 4, ".yml") == 0);
   const Diagnosis d = scenario ? diagnose_scenario(load_scenario(source), options) : diagnose_trace(source, options);

@@ -1,6 +1,7 @@
 // `retrace inspect TRACE`: what a trace holds; --export writes its tensors as .pt files.
 #include "commands.h"
 
+#include <retrace/number.h>
 #include <retrace/trace.h>
 
 #include <boost/program_options.hpp>
@@ -25,6 +26,13 @@ std::string shape(const std::vector<std::int64_t>& v) {
   std::string s = "[";
   for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
   return s + "]";
+}
+
+// A step_end number as stored (json_number): finite ones as written, "nan", "inf", "-inf" bare.
+std::string number(const nlohmann::json& v) {
+  if (v.is_number()) return v.dump();
+  const std::optional<double> d = number_from_json(v);
+  return d ? number_text(*d) : v.dump();
 }
 
 }  // namespace
@@ -98,7 +106,7 @@ int run_inspect(const std::vector<std::string>& args) {
       if (m.contains("segment")) std::cout << " " << m["segment"].get<std::string>() << " " << m.value("phase", "");
       if (m.contains("full")) std::cout << (m["full"].get<bool>() ? " full" : " digest");
       if (m.value("ring", false)) std::cout << " (flight ring)";
-      if (m.contains("loss")) std::cout << " loss " << m["loss"].dump() << " grad_norm " << m["grad_norm"].dump();
+      if (m.contains("loss")) std::cout << " loss " << number(m["loss"]) << " grad_norm " << number(m.value("grad_norm", nlohmann::json()));
       if (m.value("skipped", false)) std::cout << " SKIPPED (" << m.value("skip_reason", std::string("?")) << ")";
       if (m.contains("injected")) {
         for (const auto& i : m["injected"]) std::cout << " [injected: " << i.get<std::string>() << "]";

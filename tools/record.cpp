@@ -2,6 +2,7 @@
 #include "commands.h"
 
 #include <retrace/determinism.h>
+#include <retrace/number.h>
 #include <retrace/recorder.h>
 #include <retrace/scenario.h>
 #include <retrace/trainer.h>
@@ -17,6 +18,7 @@ namespace retrace::cli {
 
 namespace po = boost::program_options;
 
+
 int run_record(const std::vector<std::string>& args) {
   std::string scenario, output, mode = "digest", compression = "fast", on_write_error = "stop";
   int every = 0, ring = 0;
@@ -24,7 +26,9 @@ int run_record(const std::vector<std::string>& args) {
   po::options_description opts(
       "retrace record [SCENARIO.yaml] -o TRACE [options]\n\n"
       "Trains as SCENARIO.yaml says and records a trace. Exit code 0 when every step stayed\n"
-      "finite, 1 when the run went non-finite (the trace then holds the flight ring), 2 for bad input.\n\n"
+      "finite, 1 when the run went non-finite (the trace then holds the flight ring), one of the\n"
+      "scenario's injections never fired (e.g. --steps stopped before it) or the state self-check\n"
+      "found the program's state() incomplete, 2 for bad input.\n\n"
       "options");
   opts.add_options()("help,h", "show this help")(
       "output,o", po::value<std::string>(&output), "trace to write (TRACE.incomplete while recording)")(
@@ -38,6 +42,8 @@ int run_record(const std::vector<std::string>& args) {
       "stored tensors: fast (Blosc bit-shuffle + LZ4) or small (byte shuffle + zstd, ~10% smaller, ~4x slower)")(
       "steps", po::value<std::int64_t>(&steps), "steps to run (overrides the scenario's training.steps)")(
       "keep-going", "continue after a non-finite step instead of stopping")(
+      "no-state-check", "skip the state round-trip self-check (step 2 re-run on a copy of the program restored from its "
+      "state(), which must end it bitwise equal; a failure exits 1)")(
       "deterministic", "deterministic algorithms on, cuDNN benchmark off, cuBLAS workspace configured (replay then does the same)");
   const auto parsed = parse_arguments(args, opts, "scenario", &scenario);
   if (!parsed) return 0;
@@ -73,19 +79,39 @@ int run_record(const std::vector<std::string>& args) {
   options.write_ahead = vm.count("write-ahead") > 0;
   options.writer.compression = compression == "fast" ? Compression::kFast : Compression::kSmall;
   options.on_write_error = on_write_error == "continue" ? OnWriteError::kContinue : OnWriteError::kStop;
+  options.state_check = vm.count("no-state-check") == 0;
   const std::int64_t n = vm.count("steps") ? steps : program->default_steps();
 
   Recorder recorder(output, *program, options);
-  const std::vector<StepOutcome> outcomes = record_run(*program, recorder, n, vm.count("keep-going") == 0);
+  // Which of the scenario's injection entries fired: one that never did recorded a run without
+  // the fault the scenario describes (e.g. --steps stopped before its step).
+  auto* scenario_program = dynamic_cast<ScenarioProgram*>(program.get());
+  std::vector<char> fired(scenario_program ? scenario_program->spec().injections.size() : 0, 0);
+  std::vector<StepOutcome> outcomes;
+  try {
+    outcomes = record_run(*program, recorder, n, vm.count("keep-going") == 0, [&](std::int64_t, const StepOutcome&) {
+      if (scenario_program) {
+        for (const InjectionEvent& e : scenario_program->injector().fired()) fired.at(e.entry) = 1;
+      }
+    });
+  } catch (const StateCheckError& e) {
+    // A check that failed, not bad input: record_run closed the trace after the checked step.
+    std::cerr << "retrace record: " << e.what() << "\n";
+    std::cerr << "retrace record: stopped after step " << e.result().step << "; " << output
+              << " holds the steps up to it, and replays from a snapshot of a later step would not reproduce\n";
+    return 1;
+  }
   recorder.close();
   const RecorderStats stats = recorder.stats();
+  if (stats.state_check.status == StateCheckResult::Status::kSkipped) {
+    std::cerr << "retrace record: " << stats.state_check.message << "\n";
+  }
   bool finite = true;
   for (std::size_t i = 0; i < outcomes.size(); ++i) {
     const StepOutcome& o = outcomes[i];
     // A non-finite step that a defense skipped is handled, not a failure of the run.
     const bool handled = !o.finite() && o.skipped;
-    std::cout << "step " << std::setw(4) << i + 1 << "  loss " << std::setprecision(6) << o.loss << "  grad norm "
-              << o.grad_norm << (o.finite() ? "" : handled ? "  non-finite, skipped: " + o.skip_reason : "  NON-FINITE") << "\n";
+    std::cout << "step " << std::setw(4) << i + 1 << "  loss " << number_text(o.loss) << "  grad norm " << number_text(o.grad_norm) << (o.finite() ? "" : handled ? "  non-finite, skipped: " + o.skip_reason : "  NON-FINITE") << "\n";
     for (const std::string& inj : o.injected) std::cout << "           injected: " << inj << "\n";
     finite = finite && (o.finite() || handled);
   }
@@ -93,13 +119,27 @@ int run_record(const std::vector<std::string>& args) {
             << stats.records << " records, " << stats.bytes / 1024 << " KiB";
   if (stats.ring_dumps) std::cout << ", flight ring dumped";
   if (stats.backpressure_waits) std::cout << ", writer backpressure " << stats.backpressure_waits << "x";
+  if (stats.state_check.status == StateCheckResult::Status::kPassed) {
+    std::cout << ", state() round-trip checked at step " << stats.state_check.step;
+  }
   std::cout << ")\n";
   if (!stats.write_error.empty()) {
     std::cerr << "retrace record: recording stopped (" << stats.write_error << "); training went on; what was written "
               << "before is " << output << ".incomplete\n";
   }
   if (!finite) std::cout << "the run went non-finite; replay it with: retrace replay " << output << "\n";
-  return finite && stats.write_error.empty() ? 0 : 1;
+  bool all_fired = true;
+  if (finite && static_cast<std::int64_t>(outcomes.size()) == n) {  // a run cut short by a NaN: said above
+    for (std::size_t i = 0; i < fired.size(); ++i) {
+      if (fired[i]) continue;
+      all_fired = false;
+      const InjectionSpec& in = scenario_program->spec().injections[i];
+      std::cerr << "retrace record: injections[" << i << "] (" << to_string(in.type) << ", step " << in.step
+                << ") never fired" << (in.step > n ? "; the run stopped at step " + std::to_string(n) + " (--steps)" : "")
+                << ": the trace holds a run without it\n";
+    }
+  }
+  return finite && all_fired && stats.write_error.empty() ? 0 : 1;
 }
 
 }  // namespace retrace::cli

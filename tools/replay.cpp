@@ -18,7 +18,9 @@ int run_replay(const std::vector<std::string>& args) {
   po::options_description opts(
       "retrace replay TRACE [options]\n\n"
       "Restores the state before a recorded step and re-executes up to it, comparing every\n"
-      "recorded digest or tensor in order. Exit code 0 reproduced bitwise, 1 diverged, 2 bad input.\n\n"
+      "recorded digest or tensor in order. A step that raised is a verdict too: reproduced when the\n"
+      "replay raises the same message at the same step. Exit code 0 reproduced bitwise, 1 diverged\n"
+      "(or raised where the recorded run did not, or the other way round), 2 bad input.\n\n"
       "options");
   opts.add_options()("help,h", "show this help")(
       "step", po::value<std::int64_t>(&step), "last step to replay (default: the last recorded)")(

@@ -102,6 +102,8 @@ ScenarioResult crashed(const Job& job, int status) {
   r.broke = true;
   // Never a pass, not even for a negative control: a process that died tells nothing of whether
   // the fault bit (it may be the harness, the machine or the OOM killer).
+  r.harness_error = true;
+  r.reasons = {"harness error: " + r.error};
   r.passed = false;
   return r;
 }
@@ -305,8 +307,9 @@ int run_run(const std::vector<std::string>& args) {
               << ", expected " << (r.expected_to_break ? "broke" : "held") << ", " << std::fixed << std::setprecision(1)
               << r.seconds << " s)" << std::defaultfloat << "\n";
     if (!r.passed) {
-      if (r.raised) say << "         raised: " << r.error << "\n";
-      if (!r.params_finite && !r.raised && !r.expected_to_break) say << "         ! the parameters ended non-finite\n";
+      // The reasons, then every check: `!` marks one that failed (for a control, an evidence
+      // check that failed is the fault biting, and the reasons say whether that counted).
+      for (const std::string& why : r.reasons) say << "         - " << why << "\n";
       for (const ExpectationCheck& c : r.checks) {
         say << "         " << (c.passed ? "  " : "! ") << c.name << ": expected " << c.expected << ", observed " << c.observed << "\n";
       }

@@ -16,8 +16,11 @@
 namespace retrace {
 
 struct DiagnoseOptions {
-  std::int64_t steps = 0;     // steps re-run per variant (0: to the end of the run)
+  std::int64_t steps = 0;     // steps re-run per variant (0: to the end of the run); must reach
+                              // the failing step (retrace::Error otherwise)
   std::int64_t lookback = 1;  // start this many steps before the first failing step
+  int threads = 1;            // LibTorch intra-op threads while variants are timed (0: leave as is)
+  int repeats = 3;            // each variant's cost is the median over this many runs
 };
 
 struct VariantResult {
@@ -30,6 +33,7 @@ struct VariantResult {
   double cost = 0;      // seconds per step relative to the baseline (the run as it was)
   std::int64_t skipped_steps = 0;
   double final_loss = 0;
+  std::vector<double> seconds_per_step_runs;  // one per repeat; seconds_per_step is their median
 };
 
 struct Classification {
@@ -44,7 +48,12 @@ struct Classification {
 
 struct Diagnosis {
   std::string source;             // scenario origin or trace path
-  std::int64_t failing_step = -1; // first step whose loss or gradient norm went non-finite
+  std::int64_t failing_step = -1; // first step whose loss, gradient norm or parameters went
+                                  // non-finite, or that raised
+  // What failed: "loss", "gradient norm", "parameters" (non-finite after the step), "raised",
+  // "expectation" (no step failed, the run missed an expectation: a final loss too high), or
+  // "none". The scenario's and its trace's diagnoses agree on it.
+  std::string failure_kind = "none";
   std::string failure;            // what failed in the run as it was
   std::int64_t from_step = 1, to_step = 1;
   VariantResult baseline;         // the run as it was, over the same window

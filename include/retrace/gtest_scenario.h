@@ -22,8 +22,7 @@ inline ::testing::AssertionResult ScenarioPasses(const char* expr, const std::st
   ::testing::AssertionResult failure = ::testing::AssertionFailure();
   failure << "scenario " << expr << " (" << r.fault << " x " << r.defense << "): " << r.outcome() << ", expected "
           << (r.expected_to_break ? "broke" : "held");
-  if (r.raised) failure << "\n  raised: " << r.error;
-  if (!r.params_finite) failure << "\n  the parameters ended non-finite";
+  for (const std::string& why : r.reasons) failure << "\n  - " << why;
   for (const ExpectationCheck& c : r.checks) {
     failure << "\n  " << (c.passed ? "  " : "! ") << c.name << ": expected " << c.expected << ", observed " << c.observed;
   }

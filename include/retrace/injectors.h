@@ -80,6 +80,7 @@ struct InjectionEvent {
   std::string type;    // to_string(InjectionType)
   std::string where;   // segment, tensor name or "loss" / "lr" / "batch"
   std::string detail;  // e.g. "x1e+06", "bit 30 (exponent) 0.0123 -> 4.2e+36"
+  std::size_t entry = 0;  // index of the InjectionSpec that fired (its place in the scenario's list)
 };
 
 class Injector : public SegmentObserver {
@@ -115,6 +116,11 @@ class Injector : public SegmentObserver {
 
   // What fired since begin_step(), in order.
   std::vector<InjectionEvent> fired() const;
+  // Whether spec `index` is due on `step`: inside its window and drawn by its seeded coin. A pure
+  // function of (spec, step), so a runner can tell which steps an injection had to fire on.
+  // Being due is not firing: a hook may find nothing to hit (no optimizer state yet, a segment
+  // that does not run, a bit past the element's width).
+  bool scheduled(std::size_t index, std::int64_t step) const;
 
  private:
   bool fires(std::size_t index) const;  // spec `index` fires on the current step

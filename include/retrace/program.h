@@ -22,8 +22,14 @@ struct NamedTensor {
 struct StepOutcome {
   double loss = std::numeric_limits<double>::quiet_NaN();
   double grad_norm = std::numeric_limits<double>::quiet_NaN();  // before clipping
-  double loss_scale = 1.0;
+  double loss_scale = 1.0;       // at the step's start
+  double loss_scale_after = 1.0; // after the step's update (what the next step starts with)
   double lr = 0.0;
+  // Clipping: the factor the gradients were multiplied by (1: not clipped; per-tensor clipping
+  // has one per tensor, so this is 1 there) and the total norm after clipping (grad_norm when
+  // nothing was clipped). NaN when the gradients were not clipped because they were non-finite.
+  double clip_coef = 1.0;
+  double clipped_grad_norm = std::numeric_limits<double>::quiet_NaN();
   bool skipped = false;  // the optimizer step was skipped (e.g. non-finite grads)
   // Why it was skipped, e.g. "non-finite gradients", "loss scaler: non-finite gradients, scale
   // backed off", "invalid batch: ...", "non-finite loss; restored the state from the start of step 3".

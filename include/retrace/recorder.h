@@ -15,6 +15,7 @@
 
 #include <retrace/observer.h>
 #include <retrace/program.h>
+#include <retrace/state_check.h>
 #include <retrace/trace.h>
 
 #include <cstdint>
@@ -44,6 +45,12 @@ struct RecorderOptions {
   std::size_t queue_bytes = std::size_t{256} << 20;  // bound on bytes queued for, or being written by, the writer
   bool dump_on_signal = true;  // with ring > 0: dump on SIGTERM/SIGINT, then die by the signal
   OnWriteError on_write_error = OnWriteError::kStop;
+  // record_run's state round-trip self-check (state_check.h): once, at step kStateCheckStep, a
+  // copy of the program rebuilt by name and config from the step's start state() must end the
+  // step bitwise as the live program does; else record_run throws StateCheckError after that
+  // step's records. Costs one program construction and one extra step, once; the recorded run
+  // (its RNG stream, the trace) is bitwise the same with the check on or off.
+  bool state_check = true;
   WriterOptions writer;
 };
 
@@ -55,6 +62,7 @@ struct RecorderStats {
   std::int64_t ring_dumps = 0;
   std::uint64_t bytes = 0;               // written to the trace so far
   std::string write_error;               // OnWriteError::kContinue: why recording stopped
+  StateCheckResult state_check;          // what record_run's state self-check found (kNotRun: off)
 };
 
 class Recorder : public SegmentObserver, public StepMonitor {
@@ -80,12 +88,18 @@ class Recorder : public SegmentObserver, public StepMonitor {
   void flush(bool sync = false);
   // Writes the ring's snapshots now (reason goes in an event record) and syncs the file.
   void dump_ring(const std::string& reason);
-  // An exception left the step: note it and dump the ring.
-  void note_exception(const std::string& what);
+  // An exception left the step: note it (an `exception` event, ExceptionEvent) and dump the
+  // ring. raised_by_step: it left Program::step itself, and replay expects the step to raise it
+  // again (record_run says so; a signal or a failing trace write does not).
+  void note_exception(const std::string& what, bool raised_by_step = false);
   // Flushes everything, writes the index and renames PATH.incomplete to PATH. Idempotent.
   void close();
 
+  // Keeps the state self-check's result for stats() (record_run calls it).
+  void note_state_check(StateCheckResult result);
+
   RecorderStats stats() const;
+  const RecorderOptions& options() const;
   const std::string& path() const;
 
  private:
@@ -97,7 +111,11 @@ class Recorder : public SegmentObserver, public StepMonitor {
 // `retrace record`. Stops early, after dumping the ring, at the first non-finite step when
 // stop_on_nonfinite -- unless a defense skipped that step (it was handled; the run goes on). Returns the outcomes. An exception from a step is noted in the trace, the
 // ring dumped, the trace closed and the exception rethrown.
-// `after_step`, when set, is called after each step's end record.
+// With options().state_check, step kStateCheckStep is also run on a restored copy (StateCheck);
+// a failing check throws StateCheckError after the step's end record (noted in the trace like
+// any exception; the trace is closed), and a check that could not run (an unregistered program,
+// a run shorter than kStateCheckStep) is a kSkipped result in stats().state_check.
+// `after_step`, when set, is called after each step's end record (and the check).
 std::vector<StepOutcome> record_run(Program& program, Recorder& recorder, std::int64_t steps,
                                     bool stop_on_nonfinite = true,
                                     const std::function<void(std::int64_t, const StepOutcome&)>& after_step = {});

@@ -24,11 +24,19 @@ namespace retrace {
 struct Divergence {
   std::int64_t step = -1;
   std::string segment;  // "" for state outside segments: "(loss)", "(parameters)", "(state)"
-  std::string phase;    // step_begin | forward | recompute | backward | optimizer
+  // step_begin | forward | recompute | backward | optimizer. For a step that raised in one run
+  // and not in the other, or raised another message: how far the replay got (its last segment
+  // event, or optimizer once the program handed its gradients to StepMonitor::after_backward).
+  std::string phase;
   std::string tensor;   // e.g. "output.0", "grad.lm_head.weight", "state.param.block0.fc.weight"
   Digest recorded, replayed;
   std::optional<DiffReport> diff;  // when the trace holds the recorded values
   std::string detail;              // for structural differences (missing record, other segment)
+  // What probably caused it, where the replay can tell; "" otherwise. Set for a (state)
+  // divergence after the optimizer in the first step replayed from a snapshot taken after the
+  // run's first step (everything before the optimizer step matched): the program's state()
+  // probably leaves out something that step depends on (optimizer moments, a schedule counter).
+  std::string hint;
   std::string message() const;
   nlohmann::json to_json() const;
 };
@@ -36,6 +44,8 @@ struct Divergence {
 struct TensorStats {
   std::string name;  // "input 0"
   std::string meta;  // "Float[4, 16]"
+  // Over the finite elements (what explains a NaN: the negative input of sqrt, the zero divisor);
+  // NaN when a floating tensor holds no finite element.
   double min = 0, max = 0, abs_max = 0;
   NonFiniteCounts nonfinite;
 };
@@ -43,11 +53,24 @@ struct TensorStats {
 struct NonFiniteOrigin {
   std::int64_t step = -1;
   std::string segment;  // "" outside checkpointed segments
-  std::string phase;    // forward | recompute | backward | optimizer
+  // forward | recompute | backward (checkpointed segments and autograd), post-backward (after
+  // autograd's backward, before the program hands its gradients to StepMonitor::after_backward:
+  // gradient faults, gradient post-processing), optimizer (after that call: loss-scaler unscale,
+  // clipping, the optimizer step)
+  std::string phase;
   std::string op;       // e.g. "aten::div", "autograd::engine::evaluate_function: MulBackward0"
-  std::vector<TensorStats> inputs;
+  std::vector<TensorStats> inputs;  // as they were before the op (an in-place op's too)
   std::vector<TensorStats> outputs;
   std::string message() const;
+  nlohmann::json to_json() const;
+};
+
+// A replayed step that raised. The replay stops there; it reproduced when the recorded run raised
+// the same message at the same step (else first_divergence says how the runs differ).
+struct RaisedStep {
+  std::int64_t step = -1;
+  std::string what;                     // exception_message() of the replay's exception
+  std::optional<std::string> recorded;  // what the recorded run raised at this step, if it did
   nlohmann::json to_json() const;
 };
 
@@ -65,6 +88,7 @@ struct ReplayResult {
   std::int64_t from_step = -1, to_step = -1;  // replayed range
   std::optional<Divergence> first_divergence;
   std::optional<NonFiniteOrigin> first_nonfinite;
+  std::optional<RaisedStep> raised;
   std::vector<EnvironmentDifference> environment;  // bitwise-relevant differences (forced)
   std::vector<std::string> notes;                   // e.g. the truncated-trace warning
   nlohmann::json to_json() const;

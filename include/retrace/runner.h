@@ -21,6 +21,9 @@ struct StepPoint {
   double grad_norm = std::numeric_limits<double>::quiet_NaN();  // before clipping
   double loss_scale = 1.0;                                      // at the step's start
   double lr = 0.0;                                              // the LR the step used
+  double loss_scale_after = 1.0;                                // after the step's update
+  double clip_coef = 1.0;                                       // StepOutcome::clip_coef
+  double clipped_grad_norm = std::numeric_limits<double>::quiet_NaN();  // after clipping
   bool skipped = false;      // the optimizer step was skipped
   bool injected = false;     // an injection fired in the step
   bool rolled_back = false;  // a rollback restored an earlier step-start state
@@ -33,6 +36,35 @@ struct ExpectationCheck {
   bool passed = false;
 };
 
+// What broke a run, and the first step that showed it: the evidence a negative control's verdict
+// rests on (docs/scenarios.md, "Expectations and the verdict").
+enum class BreakKind {
+  kNonFiniteParams,  // parameters non-finite at the end (step: since when, without a finite step between)
+  kNonFiniteLoss,    // an applied step's loss was non-finite (expect.loss_finite: true failed)
+  kFinalLoss,        // expect.final_loss_below failed (step: the run's last step)
+  kSilentRecompute,  // a recompute that was not bitwise reached applied gradients
+                     // (expect.recompute_bitwise: true failed)
+  kNoProgress,       // a control's expect.min_applied_steps failed: the defense stopped training
+                     // (step: the run's last step)
+  kRaised,           // the run raised (step: the step in progress)
+};
+const char* to_string(BreakKind kind);  // "non_finite_params", ...
+
+struct Breakage {
+  BreakKind kind = BreakKind::kRaised;
+  std::int64_t step = 0;
+  std::string detail;  // "parameters non-finite from step 5 on", "step 3 raised: ..."
+  bool counts = false; // at or after the fault step, and of a kind the scenario's verdict accepts
+};
+
+// One entry of the scenario's injection list, and what became of it in the run.
+struct InjectionTally {
+  std::size_t entry = 0;            // index in spec.injections
+  std::string type;                 // to_string(InjectionType)
+  std::vector<std::int64_t> due;    // steps reached on which its seeded schedule selected it
+  std::vector<std::int64_t> fired;  // steps it fired on
+};
+
 struct ScenarioResult {
   std::string name;
   std::string origin;   // file path or builtin:NAME
@@ -41,8 +73,9 @@ struct ScenarioResult {
 
   // What happened.
   bool raised = false;       // an exception left the run
-  bool harness_error = false; // ... before the first step (program or trace could not be set up):
-                              // such a run never passes, not even as a negative control
+  bool harness_error = false; // ... before the fault's step (the program or trace could not be set
+                              // up, or a step before the fault raised): such a run never passes,
+                              // not even as a negative control
   std::string error;         // its message
   std::int64_t steps_run = 0;
   std::int64_t skipped_steps = 0;
@@ -54,7 +87,8 @@ struct ScenarioResult {
   std::int64_t caught_recompute_mismatches = 0;  // ... caught by defenses.verify_recompute
   bool params_finite = true;
   bool all_losses_finite = true;                 // over applied (not skipped) steps
-  double final_loss = 0;                         // mean of the last 3 applied steps (NaN: none)
+  double final_loss = 0;                         // mean loss of the applied steps in the final window
+                                                 // (final_window_first .. last_step); NaN: none
   std::vector<double> losses, scales, lrs;       // per step
   std::vector<StepPoint> steps;                  // per step, all of it (the report's curves)
   std::vector<std::string> injected;             // "step N: ..." per fired injection
@@ -62,6 +96,21 @@ struct ScenarioResult {
   bool replayed = false, replay_bitwise = false;
   std::string replay_report;                     // the first divergence when not bitwise
   double seconds = 0;
+  // The fault and what it did.
+  std::int64_t fault_step = 1;       // the first injection's step (the window's first step, or 1,
+                                     // when there is none: then the configuration is the fault)
+  std::int64_t last_step = 0;        // the last step the run reached (the one that raised included)
+  std::int64_t raised_at_step = 0;   // the step in progress when it raised; 0: did not, or before any
+  std::int64_t applied_from_fault = 0;  // applied steps from fault_step to the end
+  bool last_step_applied = false;
+  std::int64_t final_window_first = 0;  // final_loss averages the applied steps of
+                                        // max(fault_step, last_step - 2) .. last_step
+  std::int64_t nonfinite_params_since = 0;      // parameters non-finite after this step and every
+                                                // later one (the step before the first: from the start)
+  std::int64_t first_nonfinite_loss_step = 0;   // first applied step with a non-finite loss
+  std::int64_t first_silent_mismatch_step = 0;  // first applied step with a non-bitwise recompute
+  std::vector<InjectionTally> injections;
+  std::vector<Breakage> breakage;    // what broke, in the order found
 
   // Stability figures (retrace run --bench): against the same run without its injections.
   struct Bench {
@@ -79,11 +128,17 @@ struct ScenarioResult {
 
   // Verdict.
   std::vector<ExpectationCheck> checks;
-  bool broke = false;              // the fault got through: raised, non-finite params or a failed check
+  // A scenario that expects to hold broke when it raised (unless expect.raises), ended with
+  // non-finite parameters or failed any check. A negative control broke when some breakage
+  // counts: at or after fault_step, of the kinds its expectations name.
+  bool broke = false;
   bool expected_to_break = false;  // expect.diverges (a negative control)
-  bool passed = false;             // broke == expected_to_break, and a held run passed every check
+  bool passed = false;
+  std::vector<std::string> reasons;  // why it did not pass, one line each (empty when it passed)
 
   std::string outcome() const { return broke ? "broke" : "held"; }
+  // The first breakage that counts (a control's evidence), or nullptr.
+  const Breakage* evidence() const;
   // The matrix's verdict: "ok", or "FAILED" followed by the reasons in parentheses.
   std::string verdict() const;
   // The result as JSON text (one object), and back (for results coming from a child process).

@@ -102,7 +102,11 @@ struct ExpectSpec {
   std::optional<std::int64_t> min_scale_backoffs;
   std::optional<std::int64_t> min_scale_growths;
   std::optional<std::int64_t> min_rollbacks;
-  std::optional<double> final_loss_below;   // mean loss of the last 3 applied steps
+  std::optional<double> final_loss_below;   // mean loss of the applied steps among the last 3,
+                                            // counting from the fault's step
+  // Applied steps from the fault's step to the end; unset: the default progress rule (at least
+  // half of them, and the last step) for a scenario that expects to hold.
+  std::optional<std::int64_t> min_applied_steps;
   std::optional<bool> recompute_bitwise;    // no non-bitwise recompute reached an applied step
   std::optional<bool> replay_bitwise;       // the recorded run replays bit for bit
   std::optional<bool> injections_fired;     // at least one injection fired
@@ -110,8 +114,9 @@ struct ExpectSpec {
   // error_if_nonfinite); a run that raises then counts as held, not broke.
   std::optional<bool> raises;
   std::string raises_match;  // with raises: the error must contain this text (any error if empty)
-  // A negative control: the fault must get through -- the run raises, ends with non-finite
-  // parameters, or fails one of the expectations above.
+  // A negative control: the fault must get through -- at or after its step, the run ends with
+  // non-finite parameters, fails loss_finite, final_loss_below or recompute_bitwise, or raises
+  // as `raises` expects -- with every injection fired and every other expectation met.
   bool diverges = false;
   bool any() const;
 };

@@ -40,6 +40,24 @@ enum class RecordType : std::uint16_t {
 };
 const char* to_string(RecordType type);
 
+// An `exception` event record (docs/trace-format.md): an exception left a recorded step, or a
+// signal ended the run. Written by the recorder; read by the replayer and `retrace inspect`.
+struct ExceptionEvent {
+  std::int64_t step = -1;  // the step that was running; -1 between steps
+  std::string what;        // exception_message() of the exception, or "signal SIGTERM"
+  // True when the exception left Program::step itself: replay then expects the step to raise the
+  // same message. False for anything else (the data loader, a trace write, a signal) and in
+  // traces written before the field existed; replay does not hold a step to those.
+  bool raised_by_step = false;
+  nlohmann::json to_meta() const;
+  // nullopt when `meta` is not an exception event; fields of the wrong type read as their defaults.
+  static std::optional<ExceptionEvent> from_meta(const nlohmann::json& meta);
+};
+
+// An exception's message as the trace records it and replay compares it: what(), or for a
+// c10::Error what_without_backtrace() (its backtrace holds addresses that differ between runs).
+std::string exception_message(const std::exception& e);
+
 // How a tensor's bytes are stored.
 enum class TensorCodec : std::uint8_t {
   kDigestOnly = 0,   // no data, only the digest

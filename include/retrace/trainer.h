@@ -58,6 +58,9 @@ class ScenarioProgram : public Program {
   // that actually flow on (an ObserverScope around step() would see them before injection).
   // nullptr detaches. The observer must outlive its use.
   void observe(SegmentObserver* observer) { extra_observer_ = observer; }
+  // The scenario's injections: what fired in the current (or last) step -- also when the step
+  // raised -- and which steps each entry is due on.
+  const Injector& injector() const { return injector_; }
 
  private:
   double scheduled_lr() const;

@@ -31,6 +31,13 @@ w match.yaml "$m\nexpect: {raises_match: boom}\n"
 w prob.yaml "$m\ntraining: {segments: 1}\ninjections: [{type: loss_spike, probability: 1.5}]\n"
 w device.yaml "$m\ntraining: {device: tpu}\n"
 w list.yaml "- just\n- a list\n"
+w dupkey.yaml "$m\ntraining: {steps: 3}\ntraining: {steps: 4}\n"
+w twodocs.yaml "$m\n---\ninjections: [{type: loss_spike}]\n"
+w late.yaml "$m\ntraining: {steps: 4}\ninjections: [{type: loss_spike, step: 9}]\n"
+w bits.yaml "$m\ninjections: [{type: bit_flip, bit_class: exponent, bits: 12}]\n"
+w lstm16.yaml "model: {type: lstm}\ntraining: {precision: fp16}\n"
+deep="model:\n"; for i in $(seq 1 600); do deep+="$(printf '%*s' $((2 * i)) '')a:\n"; done
+w deep.yaml "$deep"
 w zero.trace ''
 head -c 10 "$data/golden-v1.trace" >"$dir/short.trace"
 # Future format version (u32 at byte 8).
@@ -140,6 +147,12 @@ case_ "loss scaler that never grows" 2 -- run "$dir/growth.yaml"
 case_ "raises_match without raises" 2 -- run "$dir/match.yaml"
 case_ "probability above 1" 2 -- run "$dir/prob.yaml"
 case_ "unknown device" 2 -- run "$dir/device.yaml"
+case_ "a key twice" 2 -- run "$dir/dupkey.yaml"
+case_ "a second YAML document" 2 -- run "$dir/twodocs.yaml"
+case_ "an injection after the last step" 2 -- run "$dir/late.yaml"
+case_ "more bits than the bit class has" 2 -- run "$dir/bits.yaml"
+case_ "an LSTM under fp16 on the CPU" 2 -- run "$dir/lstm16.yaml"
+case_ "600 levels of nesting" 2 -- run "$dir/deep.yaml"
 case_ "unknown built-in scenario" 2 -- run builtin:nope
 case_ "a folder without scenarios" 2 -- run "$dir/emptydir"
 case_ "-j 0" 2 -- run -j 0
@@ -156,6 +169,7 @@ case_ "a trace of a program this binary lacks" 2 -- replay "$data/golden-v1.trac
 case_ "diagnose without a source" 2 -- diagnose
 case_ "diagnose a trace of another program" 2 -- diagnose "$data/golden-v1.trace"
 case_ "diagnose --steps -1" 2 -- diagnose builtin:grad-nan-skip-off --steps -1
+case_ "diagnose --steps short of the failing step" 2 -- diagnose builtin:grad-nan-skip-off --steps 1
 
 if [[ -n $table ]]; then
   {

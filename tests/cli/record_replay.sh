@@ -59,6 +59,8 @@ set -e
 grep -q "flight ring dumped" "$work/nan.out" || fail "no ring dump reported"
 "$bin" replay "$work/nan.trace" --json - 2>/dev/null >"$work/nan.json" || fail "NaN replay did not reproduce"
 grep -q '"op": "aten::native_layer_norm"' "$work/nan.json" || fail "first non-finite op not named: $(cat "$work/nan.json")"
+"$bin" inspect "$work/nan.trace" | grep -Eq "step_end step [0-9]+ loss (nan|inf|-inf) grad_norm" || fail "inspect does not print the non-finite loss bare"
+if "$bin" inspect "$work/nan.trace" | grep -q -- '-nan\|"nan"'; then fail "inspect prints -nan or a quoted nan"; fi
 
 # 4. SIGKILL during step 3 with write-ahead: the .incomplete trace replays the dying step.
 set +e
@@ -88,4 +90,17 @@ trace=$work/term.trace
 "$bin" inspect "$trace" | grep -q "ring_dump: exception: signal SIGTERM" || fail "no ring dump after SIGTERM"
 "$bin" replay "$trace" >/dev/null || fail "SIGTERM trace did not replay"
 
-echo "ok: record/replay/inspect/export/NaN/SIGKILL/SIGTERM"
+# 6. A step that raised (clipping refuses an Inf gradient norm, defenses.clip.error_if_nonfinite):
+# replay raises the same at the same step, a verdict like any other -- exit 0, --json and --report
+# written. (Traces whose replay raises otherwise, exit 1: ReplayCli.* in replay_tests.)
+"$bin" record "$scenarios/../suite/grad-inf-clip-error.yaml" -o "$work/raise.trace" >/dev/null 2>&1 && fail "the clip error did not raise"
+set +e
+"$bin" replay "$work/raise.trace" --json "$work/raise.json" --report "$work/raise.html" >"$work/raise.out" 2>&1
+rc=$?
+set -e
+[[ $rc -eq 0 ]] || fail "raised step: exit $rc, $(cat "$work/raise.out")"
+grep -q "step 3 raised, as the recorded run did: step 3: .*clipping refuses it" "$work/raise.out" || fail "no raise verdict: $(cat "$work/raise.out")"
+grep -q '"raised": {' "$work/raise.json" && grep -q '"reproduced": true' "$work/raise.json" || fail "raise not in --json: $(cat "$work/raise.json")"
+grep -q "clipping refuses it" "$work/raise.html" || fail "raise not in --report"
+
+echo "ok: record/replay/inspect/export/NaN/SIGKILL/SIGTERM/raised step"

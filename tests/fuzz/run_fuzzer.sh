@@ -29,7 +29,12 @@ args=(-max_total_time="$seconds" -timeout=30 -print_final_stats=1 -artifact_pref
 [[ -n $dict ]] && args+=(-dict="$dict")
 echo "$name: fuzzing for ${seconds} s from $seeds (log: $log)"
 rc=0
-"$bin" "${args[@]}" "$work" "$seeds" >"$log" 2>&1 || rc=$?
+# A watchdog: libFuzzer's own OOM handler has been seen to hang after reporting (a run that never
+# ends instead of failing). SIGTERM 120 s past the budget, SIGKILL 30 s after that.
+timeout -k 30 $((seconds + 120)) "$bin" "${args[@]}" "$work" "$seeds" >"$log" 2>&1 || rc=$?
+if ((rc == 124 || rc == 137)); then
+  echo "$name: the fuzzer did not end within $((seconds + 120)) s of a ${seconds} s budget (exit $rc): hung, e.g. in its out-of-memory handler"
+fi
 
 # libFuzzer prints a line per new input; show how it started and how it ended.
 grep -m1 -E '^#[0-9]+[[:space:]]+INITED' "$log" || true

@@ -10,8 +10,12 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <sys/wait.h>
 #include <thread>
 #include <unistd.h>
 
@@ -585,6 +589,324 @@ TEST(Recorder, ExceptionLeavingAStepDumpsTheRing) {
   EXPECT_TRUE(noted);
   EXPECT_EQ(ring, 2);  // steps 2 and 3
   fs::remove(path);
+}
+
+// A scenario whose step 3 raises: an Inf gradient that clipping with error_if_nonfinite refuses.
+// `raises` false: the same run without the error, so step 3 completes (non-finite).
+ScenarioSpec clip_error_spec(bool raises) {
+  ScenarioSpec spec = load_scenario("builtin:grad-inf-clip-error");
+  spec.expect = ExpectSpec{};
+  spec.defenses.clip.error_if_nonfinite = raises;
+  return spec;
+}
+
+std::string record_spec(const ScenarioSpec& spec, const std::string& name) {
+  register_builtin_programs();
+  ScenarioProgram program(spec);
+  const std::string path = temp_path(name);
+  Recorder recorder(path, program);
+  try {
+    record_run(program, recorder, spec.training.steps);
+  } catch (const Error&) {
+    // the step's exception: noted in the trace, which record_run closed
+  }
+  recorder.close();
+  return path;
+}
+
+// A trace with its program config replaced: the same records, another program to replay them.
+std::string with_config(const std::string& path, const ScenarioSpec& spec, const std::string& name) {
+  const std::string copy = temp_path(name);
+  rewrite(path, copy, [](Record&, std::vector<TensorToWrite>&) {},
+          [&](nlohmann::json& h) { h["program"]["config"] = to_yaml(spec); });
+  return copy;
+}
+
+// A step that raised gets a verdict like any other: the replay raises the same message at the
+// same step, and the result says so (no rethrow).
+TEST(Replay, StepThatRaisedReproducesItsException) {
+  const std::string path = record_spec(clip_error_spec(true), "raised");
+  const TraceReader trace(path);
+  std::optional<ExceptionEvent> event;
+  for (std::size_t i = 0; i < trace.records().size(); ++i) {
+    if (auto e = ExceptionEvent::from_meta(trace.read(i).meta)) event = e;
+  }
+  ASSERT_TRUE(event.has_value()) << "the recorder noted no exception";
+  EXPECT_EQ(event->step, 3);
+  EXPECT_TRUE(event->raised_by_step);
+  EXPECT_NE(event->what.find("clipping refuses it"), std::string::npos) << event->what;
+
+  const ReplayResult r = replay(path);
+  EXPECT_TRUE(r.reproduced) << (r.first_divergence ? r.first_divergence->message() : "");
+  EXPECT_EQ(r.to_step, 3);
+  ASSERT_TRUE(r.raised.has_value());
+  EXPECT_EQ(r.raised->step, 3);
+  EXPECT_EQ(r.raised->what, event->what);
+  EXPECT_EQ(r.raised->recorded, event->what);
+  bool noted = false;
+  for (const std::string& n : r.notes) noted = noted || n.find("step 3 raised, as the recorded run did: ") == 0;
+  EXPECT_TRUE(noted);
+  // What went non-finite before it raised: the gradient norm over the injected Inf, after the
+  // program handed over its gradients.
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  EXPECT_EQ(r.first_nonfinite->step, 3);
+  EXPECT_EQ(r.first_nonfinite->phase, "optimizer") << r.first_nonfinite->message();
+  const nlohmann::json j = r.to_json();
+  EXPECT_EQ(j["raised"]["step"], 3);
+  EXPECT_EQ(j["raised"]["what"], event->what);
+  EXPECT_TRUE(j["first_divergence"].is_null());
+
+  // A trace from before raised_by_step: the step is re-executed and noted, as a run that died.
+  const std::string old = temp_path("raised_old");
+  rewrite(path, old, [](Record& rec, std::vector<TensorToWrite>&) { rec.meta.erase("raised_by_step"); });
+  const ReplayResult o = replay(old);
+  EXPECT_TRUE(o.reproduced);
+  ASSERT_TRUE(o.raised.has_value());
+  EXPECT_FALSE(o.raised->recorded.has_value());
+  bool died = false;
+  for (const std::string& n : o.notes) died = died || n.find("step 3 has no recorded outcome") == 0;
+  EXPECT_TRUE(died);
+  fs::remove(path);
+  fs::remove(old);
+}
+
+// Negative controls: another message, a raise the recorded run did not have, and a recorded raise
+// the replay does not repeat are each a divergence at step 3.
+TEST(Replay, StepThatRaisedOtherwiseThanRecordedDiverges) {
+  const std::string raising = record_spec(clip_error_spec(true), "raising");
+  const std::string completing = record_spec(clip_error_spec(false), "completing");
+  ASSERT_TRUE(replay(completing).reproduced);  // the control's own trace replays
+
+  const std::string other = temp_path("other_message");
+  rewrite(raising, other, [](Record& rec, std::vector<TensorToWrite>&) {
+    if (rec.meta.value("event", "") == "exception") rec.meta["what"] = "step 3: out of memory";
+  });
+  const ReplayResult m = replay(other);
+  EXPECT_FALSE(m.reproduced);
+  ASSERT_TRUE(m.first_divergence.has_value());
+  EXPECT_EQ(m.first_divergence->step, 3);
+  EXPECT_NE(m.first_divergence->detail.find("the recorded run raised 'step 3: out of memory'"), std::string::npos)
+      << m.first_divergence->message();
+  EXPECT_NE(m.first_divergence->detail.find("clipping refuses it"), std::string::npos);
+  ASSERT_TRUE(m.raised.has_value());
+  EXPECT_EQ(m.raised->recorded, "step 3: out of memory");
+
+  // The recorded run completed step 3; the replayed program raises there.
+  const std::string raises_now = with_config(completing, clip_error_spec(true), "raises_now");
+  const ReplayResult n = replay(raises_now);
+  EXPECT_FALSE(n.reproduced);
+  ASSERT_TRUE(n.first_divergence.has_value());
+  EXPECT_EQ(n.first_divergence->step, 3);
+  EXPECT_EQ(n.first_divergence->phase, "optimizer");  // clipping runs after after_backward
+  EXPECT_NE(n.first_divergence->detail.find("; the recorded run completed the step"), std::string::npos)
+      << n.first_divergence->message();
+
+  // The recorded run raised at step 3; the replayed program completes it.
+  const std::string completes_now = with_config(raising, clip_error_spec(false), "completes_now");
+  const ReplayResult c = replay(completes_now);
+  EXPECT_FALSE(c.reproduced);
+  EXPECT_FALSE(c.raised.has_value());
+  ASSERT_TRUE(c.first_divergence.has_value());
+  EXPECT_EQ(c.first_divergence->step, 3);
+  EXPECT_NE(c.first_divergence->detail.find("the replay completed it"), std::string::npos) << c.first_divergence->message();
+  for (const std::string& f : {raising, completing, other, raises_now, completes_now}) fs::remove(f);
+}
+
+// The CLI on those traces: a verdict, --json and --report written, exit 0 when the exception
+// reproduced and 1 when it did not (never the 2 of bad input, whatever the exception's type).
+TEST(ReplayCli, StepThatRaisedHasAVerdictJsonReportAndExitCode) {
+  // RETRACE_BIN, or the retrace binary next to this one (ctest hands a discovered test only the
+  // first entry of RETRACE_TEST_ENV).
+  const char* env = std::getenv("RETRACE_BIN");
+  const std::string bin = env ? env : (fs::read_symlink("/proc/self/exe").parent_path() / "retrace").string();
+  if (!fs::exists(bin)) GTEST_SKIP() << "no retrace binary: the CLI is not built";
+  const std::string raising = record_spec(clip_error_spec(true), "cli_raising");
+  const std::string other = temp_path("cli_other");
+  rewrite(raising, other, [](Record& rec, std::vector<TensorToWrite>&) {
+    if (rec.meta.value("event", "") == "exception") rec.meta["what"] = "step 3: out of memory";
+  });
+  for (const auto& [trace, code] : {std::pair{raising, 0}, std::pair{other, 1}}) {
+    SCOPED_TRACE(trace);
+    const std::string json = trace + ".json", report = trace + ".html";
+    const std::string command = bin + " replay '" + trace + "' --json '" + json + "' --report '" + report +
+                                "' >/dev/null 2>&1";
+    const int status = std::system(command.c_str());
+    ASSERT_TRUE(WIFEXITED(status));
+    EXPECT_EQ(WEXITSTATUS(status), code);
+    std::ifstream in(json);
+    const nlohmann::json j = nlohmann::json::parse(in);
+    EXPECT_EQ(j["reproduced"], code == 0);
+    EXPECT_EQ(j["raised"]["step"], 3);
+    EXPECT_EQ(j["first_divergence"].is_null(), code == 0);
+    EXPECT_GT(fs::file_size(report), 1000u);
+    fs::remove(json);
+    fs::remove(report);
+  }
+  fs::remove(raising);
+  fs::remove(other);
+}
+
+// An op after backward and before the program hands over its gradients -- here an injected NaN
+// gradient -- is post-backward, not forward (the forward control: NanRunDumpsItsFlightRing...,
+// whose LayerNorm overflow stays forward).
+TEST(Replay, GradientFaultIsPostBackward) {
+  ScenarioSpec spec = load_scenario("builtin:grad-nan-skip-off");
+  spec.expect = ExpectSpec{};
+  const std::string path = record_spec(spec, "post_backward");
+  const ReplayResult r = replay(path);
+  EXPECT_TRUE(r.reproduced);
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  EXPECT_EQ(r.first_nonfinite->step, 3);
+  EXPECT_EQ(r.first_nonfinite->op, "aten::fill_");
+  EXPECT_EQ(r.first_nonfinite->segment, "");
+  EXPECT_EQ(r.first_nonfinite->phase, "post-backward") << r.first_nonfinite->message();
+  fs::remove(path);
+}
+
+// A program of single ops, to pin down what provenance reports about them. config: "copy" (a
+// NaN from the batch copied into zeros: the first non-finite op is in-place), "sqrt" (the square
+// root of a negative parameter), "all-nan" (an op on an all-NaN batch, whose loss is -nan).
+class OpProgram : public Program {
+ public:
+  explicit OpProgram(std::string config) : config_(std::move(config)) {}
+  std::string name() const override { return "test.ops"; }
+  std::string config() const override { return config_; }
+  std::vector<NamedTensor> state() override { return {{"param.w", w_}}; }
+  void load_state(const std::vector<NamedTensor>& state) override {
+    for (const NamedTensor& n : state) {
+      if (n.name == "param.w") w_.copy_(n.tensor);
+    }
+  }
+  std::vector<NamedTensor> batch(std::int64_t) override {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    if (config_ == "all-nan") return {{"input", torch::full({3}, -nan)}};  // -nan: sign bit set
+    return {{"input", torch::tensor({1.0f, nan, 2.0f, 3.0f})}};
+  }
+  StepOutcome step(std::int64_t, const std::vector<NamedTensor>& batch, StepMonitor*) override {
+    torch::NoGradGuard no_grad;
+    at::Tensor y;
+    if (config_ == "copy") {
+      y = torch::zeros({4});
+      y.copy_(batch[0].tensor);
+    } else if (config_ == "sqrt") {
+      y = w_.sqrt();
+    } else {
+      y = batch[0].tensor.mul(2);
+    }
+    StepOutcome out;
+    out.loss = y.sum().item<double>();
+    out.grad_norm = 0;
+    return out;
+  }
+
+ private:
+  std::string config_;
+  at::Tensor w_ = torch::tensor({4.0f, -1.0f, 9.0f});
+};
+
+ReplayResult record_and_replay_ops(const std::string& config, bool drop_step_end = false, StepOutcome* recorded = nullptr) {
+  register_program("test.ops", [](const std::string& c) { return std::make_unique<OpProgram>(c); });
+  OpProgram program(config);
+  const std::string path = temp_path("ops_" + config);
+  {
+    Recorder recorder(path, program);
+    const std::vector<StepOutcome> outcomes = record_run(program, recorder, 1);
+    if (recorded && !outcomes.empty()) *recorded = outcomes.front();
+    recorder.close();
+  }
+  std::string replayed = path;
+  if (drop_step_end) {  // as if the run had died in the step
+    replayed = temp_path("ops_died_" + config);
+    const TraceReader in(path);
+    TraceWriter out(replayed, [&] {
+      nlohmann::json h = in.header();
+      h.erase("format_version");
+      h.erase("writer");
+      return h;
+    }());
+    for (std::size_t i = 0; i < in.records().size(); ++i) {
+      Record rec = in.read(i);
+      if (rec.type == RecordType::kStepEnd) continue;
+      std::vector<TensorToWrite> tensors;
+      for (const TensorEntry& e : rec.tensors) {
+        EXPECT_TRUE(e.has_data()) << "a one-step trace stores every tensor of its step_begin";
+        if (e.has_data()) tensors.push_back({e.name, in.decode(rec, e), true, std::nullopt});
+      }
+      rec.meta.erase("tensors");
+      out.append(rec.type, rec.meta, tensors);
+    }
+    out.close();
+  }
+  ReplayResult r = replay(replayed);
+  fs::remove(path);
+  if (replayed != path) fs::remove(replayed);
+  return r;
+}
+
+// An in-place op's inputs are reported as they were before it: the destination of copy_ held
+// zeros (its output holds the NaN), the source the NaN. Control: the output, read after the op,
+// does hold it -- the report of input 0 would too if it were taken after the op.
+TEST(Provenance, InPlaceOpShowsItsInputsBeforeTheOp) {
+  const ReplayResult r = record_and_replay_ops("copy");
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  const NonFiniteOrigin& o = *r.first_nonfinite;
+  EXPECT_EQ(o.op, "aten::copy_");
+  ASSERT_EQ(o.inputs.size(), 2u);
+  EXPECT_EQ(o.inputs[0].nonfinite.nan, 0) << o.message();
+  EXPECT_EQ(o.inputs[0].min, 0);
+  EXPECT_EQ(o.inputs[0].max, 0);
+  EXPECT_EQ(o.inputs[1].nonfinite.nan, 1);
+  ASSERT_EQ(o.outputs.size(), 1u);
+  EXPECT_EQ(o.outputs[0].nonfinite.nan, 1);  // the control: the same tensor after the op
+}
+
+// The text line names the min and max of each input: the -1 that sqrt turned into NaN. Control:
+// an input with no such value (all finite and positive) would show min > 0.
+TEST(Provenance, TextLineNamesTheInputsMinAndMax) {
+  const ReplayResult r = record_and_replay_ops("sqrt");
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  const NonFiniteOrigin& o = *r.first_nonfinite;
+  EXPECT_EQ(o.op, "aten::sqrt");
+  ASSERT_EQ(o.inputs.size(), 1u);
+  EXPECT_EQ(o.inputs[0].min, -1);
+  EXPECT_EQ(o.inputs[0].max, 9);
+  const std::string text = o.message();
+  EXPECT_NE(text.find("input 0 Float[3] min -1 max 9 |max| 9 nan=0 inf=0"), std::string::npos) << text;
+  EXPECT_EQ(o.to_json()["inputs"][0]["min"], -1.0);
+}
+
+// An all-NaN tensor has no min or max: NaN, not 0, in text and JSON; and a loss of -nan prints as
+// nan. Control: the partly-NaN source of copy_ keeps its finite min and max (1 and 3), and the
+// recorded loss really is negative (so printing it with << would say -nan).
+TEST(Provenance, AllNanTensorHasNanStatsAndNegativeNanPrintsAsNan) {
+  StepOutcome recorded;
+  const ReplayResult r = record_and_replay_ops("all-nan", /*drop_step_end=*/true, &recorded);
+  ASSERT_TRUE(std::isnan(recorded.loss));
+  ASSERT_TRUE(std::signbit(recorded.loss));
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  const NonFiniteOrigin& o = *r.first_nonfinite;
+  ASSERT_FALSE(o.inputs.empty());
+  EXPECT_TRUE(std::isnan(o.inputs[0].min));
+  EXPECT_TRUE(std::isnan(o.inputs[0].max));
+  EXPECT_TRUE(std::isnan(o.inputs[0].abs_max));
+  const std::string text = o.message();
+  EXPECT_NE(text.find("input 0 Float[3] min nan max nan |max| nan nan=3"), std::string::npos) << text;
+  const nlohmann::json j = r.to_json();
+  EXPECT_EQ(j["first_nonfinite"]["inputs"][0]["min"], "nan");
+  EXPECT_EQ(j["first_nonfinite"]["inputs"][0]["abs_max"], "nan");
+  EXPECT_EQ(j.dump().find("-nan"), std::string::npos) << j.dump();
+  bool noted = false;
+  for (const std::string& n : r.notes) {
+    EXPECT_EQ(n.find("-nan"), std::string::npos) << n;
+    noted = noted || n.find("re-executed from its snapshot: loss nan, grad norm 0") != std::string::npos;
+  }
+  EXPECT_TRUE(noted);
+
+  const ReplayResult control = record_and_replay_ops("copy");
+  ASSERT_TRUE(control.first_nonfinite.has_value());
+  ASSERT_EQ(control.first_nonfinite->inputs.size(), 2u);
+  EXPECT_EQ(control.first_nonfinite->inputs[1].min, 1);
+  EXPECT_EQ(control.first_nonfinite->inputs[1].max, 3);
 }
 
 }  // namespace

@@ -147,6 +147,7 @@ TEST(Report, EveryScenarioGetsItsChartsAndAMatrixRow) {
   results.push_back(crashed);
   ScenarioResult hostile = result("<script>alert(\"x\")</script>", steps_with_losses({4.0, kNaN}), false);
   hostile.checks.push_back({"final_loss_below", "< 3 & <b>", "nan", false});
+  hostile.reasons.push_back("final_loss_below: expected < 3 & <b>, got nan");  // as evaluate() words it
   results.push_back(hostile);
 
   const std::string html = html_run_report(results, 12.5);

@@ -1,13 +1,17 @@
 // The trace format: round trips, golden files, truncation at every byte, bit flips, size caps.
 #include <retrace/gtest.h>
+#include <retrace/number.h>
 #include <retrace/trace.h>
 
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
+#include <sstream>
 #include <unistd.h>
 
 namespace retrace {
@@ -455,6 +459,65 @@ TEST(Trace, TheWriterRefusesWhatTheReaderWouldRefuse) {
   const TraceReader back(path);
   EXPECT_EQ(back.header()["description"].get<std::string>().size(), long_text.size());
   fs::remove(path);
+}
+
+// The one codec for non-finite numbers: a NaN is "nan" whatever its sign, in JSON and in text.
+// Control: the -nan really has its sign bit set (printed with << it reads "-nan").
+TEST(Numbers, NonFiniteNumbersHaveOneSpellingAndANaNNoSign) {
+  const double negative_nan = -std::numeric_limits<double>::quiet_NaN();
+  ASSERT_TRUE(std::signbit(negative_nan));
+  std::ostringstream raw;
+  raw << negative_nan;
+  ASSERT_EQ(raw.str(), "-nan");
+  EXPECT_EQ(json_number(negative_nan), "nan");
+  EXPECT_EQ(number_text(negative_nan), "nan");
+  EXPECT_EQ(json_number(-std::numeric_limits<double>::infinity()), "-inf");
+  EXPECT_EQ(number_text(std::numeric_limits<double>::infinity()), "inf");
+  EXPECT_EQ(json_number(1.5), 1.5);
+  EXPECT_EQ(number_text(-0.000123456789, 3), "-0.000123");
+  for (const double v : {1.5, std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity()}) {
+    EXPECT_EQ(number_from_json(json_number(v)), v);
+  }
+  EXPECT_TRUE(std::isnan(*number_from_json(json_number(negative_nan))));
+  EXPECT_FALSE(number_from_json("NaN").has_value());  // only the codec's own spelling
+  EXPECT_FALSE(number_from_json(nlohmann::json()).has_value());
+}
+
+// The exception event: what the recorder writes reads back; a trace from before raised_by_step
+// reads as not raised by the step; an event of another kind or with fields of the wrong type is
+// no exception or keeps the defaults (untrusted metadata never throws).
+TEST(Trace, ExceptionEventReadsBackAndOldOrMalformedOnesReadAsDefaults) {
+  const ExceptionEvent e{3, "step 3: clipping refuses it", true};
+  const std::optional<ExceptionEvent> back = ExceptionEvent::from_meta(e.to_meta());
+  ASSERT_TRUE(back.has_value());
+  EXPECT_EQ(back->step, 3);
+  EXPECT_EQ(back->what, e.what);
+  EXPECT_TRUE(back->raised_by_step);
+  const nlohmann::json old = {{"event", "exception"}, {"what", "signal SIGTERM"}, {"step", 7}};
+  ASSERT_TRUE(ExceptionEvent::from_meta(old).has_value());
+  EXPECT_FALSE(ExceptionEvent::from_meta(old)->raised_by_step);
+  const ExceptionEvent signal{7, "signal SIGTERM", false};
+  EXPECT_FALSE(signal.to_meta().contains("raised_by_step"));  // written as before the field existed
+  const nlohmann::json dump = {{"event", "ring_dump"}, {"reason", "x"}};
+  EXPECT_FALSE(ExceptionEvent::from_meta(dump).has_value());
+  EXPECT_FALSE(ExceptionEvent::from_meta(nlohmann::json::array()).has_value());
+  const nlohmann::json wrong_types = {{"event", "exception"}, {"what", 5}, {"step", "3"}, {"raised_by_step", 1}};
+  const std::optional<ExceptionEvent> bad = ExceptionEvent::from_meta(wrong_types);
+  ASSERT_TRUE(bad.has_value());
+  EXPECT_EQ(bad->step, -1);
+  EXPECT_EQ(bad->what, "");
+  EXPECT_FALSE(bad->raised_by_step);
+}
+
+// A c10::Error's message is recorded without its backtrace (frame addresses differ between runs).
+TEST(Trace, ExceptionMessageOfAC10ErrorHasNoBacktrace) {
+  try {
+    TORCH_CHECK(false, "the shapes differ");
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(exception_message(e), "the shapes differ");
+    EXPECT_NE(std::string(e.what()), exception_message(e));  // control: what() carries more
+  }
+  EXPECT_EQ(exception_message(std::runtime_error("data loader died")), "data loader died");
 }
 
 }  // namespace
