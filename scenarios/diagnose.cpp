@@ -149,9 +149,7 @@ std::vector<Variant> make_variants(const ScenarioSpec& base) {
   return out;
 }
 
-VariantResult run_variant(const Variant& v, const Window& w, std::int64_t last, const ExpectSpec& expect, int repeats) {
-  ScenarioSpec spec = v.spec;
-  spec.expect = ExpectSpec{};
+RunOptions window_options(const Variant& v, const Window& w, std::int64_t last) {
   RunOptions o;
   o.replay = false;
   o.first_step = w.start;
@@ -159,27 +157,45 @@ VariantResult run_variant(const Variant& v, const Window& w, std::int64_t last, 
   o.start_state = &w.state;
   o.start_rng = &w.rng;
   o.restart_schedule = v.restart_schedule;
-  // The verifier counts silent recompute mismatches only when asked to check them.
-  spec.expect.recompute_bitwise = true;
-  const ScenarioResult r = run_scenario(spec, o);
+  return o;
+}
+
+ScenarioSpec variant_spec(const Variant& v) {
+  ScenarioSpec spec = v.spec;
+  spec.expect = ExpectSpec{};
+  spec.expect.recompute_bitwise = true;  // the verifier counts silent recompute mismatches only when asked
+  return spec;
+}
+
+// CPU seconds per step: the process's CPU time, which other processes on a busy machine disturb
+// far less than wall time (diagnose runs one intra-op thread).
+double cpu_per_step(const ScenarioResult& r) { return r.steps_run > 0 ? r.cpu_seconds / static_cast<double>(r.steps_run) : 0.0; }
+
+// One run of the variant: its outcome, and a first timing.
+VariantResult run_variant(const Variant& v, const Window& w, std::int64_t last, const ExpectSpec& expect) {
+  const ScenarioResult r = run_scenario(variant_spec(v), window_options(v, w, last));
   VariantResult out;
-  // The cost: the median time per step over `repeats` runs (the outcome is the first's: every
-  // run starts from the same state and RNG, so they agree bit for bit).
-  auto per_step = [](const ScenarioResult& x) { return x.steps_run > 0 ? x.seconds / static_cast<double>(x.steps_run) : 0.0; };
-  out.seconds_per_step_runs.push_back(per_step(r));
-  for (int i = 1; i < repeats; ++i) out.seconds_per_step_runs.push_back(per_step(run_scenario(spec, o)));
-  std::vector<double> sorted = out.seconds_per_step_runs;
-  std::sort(sorted.begin(), sorted.end());
   out.name = v.name;
   out.change = v.change;
   out.caveat = v.caveat;
   const std::string failed = judge(r, expect);
   out.fixes = failed.empty();
   out.outcome = failed.empty() ? "held" : failed;
-  out.seconds_per_step = sorted[sorted.size() / 2];
+  out.seconds_per_step_runs.push_back(cpu_per_step(r));
+  out.seconds_per_step = out.seconds_per_step_runs.front();
   out.skipped_steps = r.skipped_steps;
   out.final_loss = r.final_loss;
   return out;
+}
+
+// Another timing of the variant (every run starts from the same state and RNG: same outcome).
+// The first timing, taken cold (allocations, first-touch), is dropped once there are others.
+void time_again(const Variant& v, const Window& w, std::int64_t last, VariantResult& out, bool first_round) {
+  if (first_round) out.seconds_per_step_runs.clear();
+  out.seconds_per_step_runs.push_back(cpu_per_step(run_scenario(variant_spec(v), window_options(v, w, last))));
+  std::vector<double> sorted = out.seconds_per_step_runs;
+  std::sort(sorted.begin(), sorted.end());
+  out.seconds_per_step = sorted[sorted.size() / 2];
 }
 
 // Re-executes `step` twice from the window's state (which must start at `step`) and compares the
@@ -230,8 +246,9 @@ void rank(Diagnosis& d) {
   const double base = d.baseline.seconds_per_step > 0 ? d.baseline.seconds_per_step : 1;
   d.baseline.cost = 1.0;
   for (VariantResult& v : d.variants) v.cost = v.seconds_per_step / base;
-  // Costs within timing noise rank in the variants' fixed order: compared at 0.1x resolution.
-  auto bucket = [](double cost) { return std::llround(cost * 10); };
+  // Costs within timing noise rank in the variants' fixed order: compared at 0.25x resolution
+  // (a fix that costs 0.7x ranks before one at 1.0x; 0.95x and 1.05x are the same price).
+  auto bucket = [](double cost) { return std::llround(cost * 4); };
   std::stable_sort(d.variants.begin(), d.variants.end(), [&](const VariantResult& a, const VariantResult& b) {
     if (a.fixes != b.fixes) return a.fixes;
     if (a.fixes && a.caveat.empty() != b.caveat.empty()) return a.caveat.empty();
@@ -250,12 +267,21 @@ Diagnosis diagnose_window(const ScenarioSpec& spec, Window w, const DiagnoseOpti
                 std::to_string(d.to_step) + ", which stop before the failing step " + std::to_string(d.failing_step) +
                 "; use --steps " + std::to_string(d.failing_step - d.from_step + 1) + " or more");
   }
-  d.baseline = run_variant(Variant{"as recorded", "none", spec, false, ""}, w, d.to_step, spec.expect, options.repeats);
+  const Variant as_recorded{"as recorded", "none", spec, false, ""};
+  d.baseline = run_variant(as_recorded, w, d.to_step, spec.expect);
   if (d.baseline.fixes) {
     d.failure += " -- but it does not come back when steps " + std::to_string(d.from_step) + ".." +
                  std::to_string(d.to_step) + " are re-run from the state before them";
   }
-  for (const Variant& v : make_variants(spec)) d.variants.push_back(run_variant(v, w, d.to_step, spec.expect, options.repeats));
+  const std::vector<Variant> variants = make_variants(spec);
+  for (const Variant& v : variants) d.variants.push_back(run_variant(v, w, d.to_step, spec.expect));
+  // Further timings in rounds over all of them, so that a change in the machine's load lands on
+  // every variant alike; each cost is then the median of its rounds.
+  // With more than one repeat, the outcome run only warms up and `repeats` rounds are timed.
+  for (int round = 0; options.repeats > 1 && round < options.repeats; ++round) {
+    time_again(as_recorded, w, d.to_step, d.baseline, round == 0);
+    for (std::size_t i = 0; i < variants.size(); ++i) time_again(variants[i], w, d.to_step, d.variants[i], round == 0);
+  }
   rank(d);
   return d;
 }
@@ -269,7 +295,7 @@ Diagnosis diagnose_whole_run(const ScenarioSpec& spec, const DiagnoseOptions& op
     ScenarioProgram p(spec);  // seeds the generators as the run did
     start = {1, clone_state(p.state()), RngState::capture_all()};
   }
-  const VariantResult r = run_variant(Variant{"as is", "none", spec, false, ""}, start, spec.training.steps, spec.expect, 1);
+  const VariantResult r = run_variant(Variant{"as is", "none", spec, false, ""}, start, spec.training.steps, spec.expect);
   if (r.fixes) {
     d.failure = "none: the run meets its expectations";
     d.failure_kind = "none";

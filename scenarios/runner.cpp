@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <ctime>
 #include <filesystem>
 #include <iomanip>
 #include <limits>
@@ -288,6 +289,7 @@ std::string defense_label(const ScenarioSpec& spec) {
 
 ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
+  std::clock_t c0 = 0;  // at the first step: cpu_seconds is the steps', not the setup's
   register_builtin_programs();  // the replay rebuilds the program from the trace by name
   ScenarioResult r;
   r.name = spec.name.empty() ? spec.origin : spec.name;
@@ -381,15 +383,18 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
     if (replay) {
       Recorder recorder(trace_path, *program);
       started = true;
+      c0 = std::clock();
       record_run(*program, recorder, spec.training.steps, /*stop_on_nonfinite=*/false, after_step);
       recorder.close();
+      r.cpu_seconds = static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
     } else {
       started = true;
+      c0 = std::clock();
       for (std::int64_t s = options.first_step; s <= last; ++s) {
         const auto batch = program->batch(s);
         after_step(s, program->step(s, batch, nullptr));
       }
-    }
+        }
   } catch (const std::exception& e) {
     r.raised = true;
     r.error = e.what();
@@ -457,6 +462,7 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
     std::filesystem::remove(trace_path + ".incomplete", ec);
   }
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.cpu_seconds = static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
   evaluate(spec, r);
   return r;
 }
@@ -593,6 +599,7 @@ std::string ScenarioResult::to_json() const {
   j["replay_bitwise"] = replay_bitwise;
   j["replay_report"] = replay_report;
   j["seconds"] = seconds;
+  j["cpu_seconds"] = cpu_seconds;
   if (bench.measured) {
     j["bench"] = {{"injected", bench.injected},
                   {"fault_free_final_loss", num(bench.fault_free_final_loss)},
@@ -668,6 +675,7 @@ ScenarioResult ScenarioResult::from_json(const std::string& text) {
   r.replay_bitwise = j.at("replay_bitwise");
   r.replay_report = j.at("replay_report");
   r.seconds = j.at("seconds");
+  r.cpu_seconds = j.at("cpu_seconds");
   if (j.contains("bench")) {
     const auto& b = j["bench"];
     r.bench.measured = true;

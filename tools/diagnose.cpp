@@ -33,7 +33,7 @@ int run_diagnose(const std::vector<std::string>& args) {
       "steps", po::value<std::int64_t>(&options.steps), "steps re-run per variant (default: to the end of the run)")(
       "lookback", po::value<std::int64_t>(&options.lookback), "start this many steps before the failing step (default 1)")(
       "threads", po::value<int>(&options.threads), "LibTorch intra-op threads while variants run (default 1: timings comparable)")(
-      "repeats", po::value<int>(&options.repeats), "runs per variant; its cost is their median (default 3)")(
+      "repeats", po::value<int>(&options.repeats), "timed runs per variant, after a warm-up; its cost is their median (default 5)")(
       "json", po::value<std::string>(&json_path), "write the diagnosis as JSON to FILE ('-' for stdout)");
   const auto parsed = parse_arguments(args, opts, "source", &source);
   if (!parsed) return 0;

@@ -20,7 +20,8 @@ struct DiagnoseOptions {
                               // the failing step (retrace::Error otherwise)
   std::int64_t lookback = 1;  // start this many steps before the first failing step
   int threads = 1;            // LibTorch intra-op threads while variants are timed (0: leave as is)
-  int repeats = 3;            // each variant's cost is the median over this many runs
+  int repeats = 5;            // each variant's cost is the median over this many timed runs,
+                              // taken in rounds over all variants after a warm-up run
 };
 
 struct VariantResult {
@@ -29,11 +30,11 @@ struct VariantResult {
   bool fixes = false;   // the failure does not occur
   std::string outcome;  // "held" or what still fails
   std::string caveat;   // e.g. an injected segment fault that cannot fire without checkpointing
-  double seconds_per_step = 0;
+  double seconds_per_step = 0;  // CPU seconds per step (the process's), median over the repeats
   double cost = 0;      // seconds per step relative to the baseline (the run as it was)
   std::int64_t skipped_steps = 0;
   double final_loss = 0;
-  std::vector<double> seconds_per_step_runs;  // one per repeat; seconds_per_step is their median
+  std::vector<double> seconds_per_step_runs;  // one per repeat, taken in rounds over all variants
 };
 
 struct Classification {

@@ -96,6 +96,9 @@ struct ScenarioResult {
   bool replayed = false, replay_bitwise = false;
   std::string replay_report;                     // the first divergence when not bitwise
   double seconds = 0;
+  double cpu_seconds = 0;  // the process's CPU time over the steps (recording included, setup
+                           // and replay not; 0 when a step raised): steadier than wall time on a
+                           // busy machine (what diagnose ranks fixes by)
   // The fault and what it did.
   std::int64_t fault_step = 1;       // the first injection's step (the window's first step, or 1,
                                      // when there is none: then the configuration is the fault)

@@ -282,8 +282,14 @@ std::vector<std::string> fixing(const Diagnosis& d) {
 
 bool has(const std::vector<std::string>& v, const std::string& x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 
+DiagnoseOptions untimed() {
+  DiagnoseOptions o;
+  o.repeats = 1;  // which variants fix it, not what they cost
+  return o;
+}
+
 TEST(Diagnose, NamesTheFixForFp16OverflowLrSpikeAndRngDesync) {
-  const Diagnosis overflow = diagnose_scenario(load_scenario("builtin:fp16-overflow-loss-scaling-off"));
+  const Diagnosis overflow = diagnose_scenario(load_scenario("builtin:fp16-overflow-loss-scaling-off"), untimed());
   EXPECT_EQ(overflow.failing_step, 4);
   EXPECT_EQ(overflow.classification.kind, "persistent");
   EXPECT_FALSE(overflow.baseline.fixes);  // the failure comes back from the snapshot
@@ -293,7 +299,7 @@ TEST(Diagnose, NamesTheFixForFp16OverflowLrSpikeAndRngDesync) {
   EXPECT_FALSE(has(f1, "clip 1.0")) << overflow.report();  // clipping cannot fix an Inf forward
   EXPECT_TRUE(overflow.variants.front().fixes);              // ranked: fixing variants first
 
-  const Diagnosis spike = diagnose_scenario(load_scenario("builtin:lr-spike-clipping-off"));
+  const Diagnosis spike = diagnose_scenario(load_scenario("builtin:lr-spike-clipping-off"), untimed());
   EXPECT_EQ(spike.failing_step, -1);  // no step goes non-finite; the final loss is the failure
   EXPECT_EQ(spike.classification.kind, "none");
   const auto f2 = fixing(spike);
@@ -301,7 +307,7 @@ TEST(Diagnose, NamesTheFixForFp16OverflowLrSpikeAndRngDesync) {
   EXPECT_TRUE(has(f2, "lr / 10 + warmup")) << spike.report();
   EXPECT_FALSE(has(f2, "loss scaling")) << spike.report();
 
-  const Diagnosis desync = diagnose_scenario(load_scenario("builtin:rng-desync-not-preserved"));
+  const Diagnosis desync = diagnose_scenario(load_scenario("builtin:rng-desync-not-preserved"), untimed());
   EXPECT_NE(desync.failure.find("non-bitwise recompute"), std::string::npos) << desync.failure;
   EXPECT_EQ(fixing(desync), std::vector<std::string>{"checkpointing off"}) << desync.report();
 }
