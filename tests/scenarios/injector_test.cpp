@@ -1,6 +1,8 @@
 // Injectors fire on their seeded schedule, deterministically, and bite; defenses hold what they
 // promise bitwise (a skipped step changes nothing, the schedule does not advance); clipping never
 // silently turns an Inf into 0 or NaN; the scenario schema rejects bad input with file:line:key.
+#include "../support/scenario_text.h"
+
 #include <retrace/diagnose.h>
 #include <retrace/error.h>
 #include <retrace/gtest.h>
@@ -21,14 +23,8 @@
 namespace retrace {
 namespace {
 
-const char* kGpt = R"(
-name: t
-model: {type: tiny_gpt, layers: 2, d_model: 16, heads: 2, vocab: 32, seq_len: 8, dropout: 0.1}
-data: {batch: 4}
-training: {steps: 4, optimizer: adamw, lr: 0.003, segments: 2}
-)";
-
-ScenarioSpec with(const std::string& extra) { return parse_scenario_text(std::string(kGpt) + extra, "test.yaml"); }
+using test::kGpt;
+using test::with;
 
 std::vector<NamedTensor> copy(const std::vector<NamedTensor>& state) {
   std::vector<NamedTensor> out;

@@ -3,6 +3,8 @@
 // fault broke the run, at or after the fault's step, with every injection fired; "held" needs
 // training to go on; the final loss and loss_finite look at applied steps at the end of the run;
 // every injection entry must fire; a raise before the fault is a harness error.
+#include "../support/scenario_text.h"
+
 #include <retrace/diagnose.h>
 #include <retrace/error.h>
 #include <retrace/recorder.h>
@@ -21,14 +23,8 @@
 namespace retrace {
 namespace {
 
-const char* kGpt = R"(
-name: t
-model: {type: tiny_gpt, layers: 2, d_model: 16, heads: 2, vocab: 32, seq_len: 8, dropout: 0.1}
-data: {batch: 4}
-training: {steps: 4, optimizer: adamw, lr: 0.003, segments: 2}
-)";
-
-ScenarioSpec with(const std::string& extra) { return parse_scenario_text(std::string(kGpt) + extra, "test.yaml"); }
+using test::kGpt;
+using test::with;
 
 std::string why(const ScenarioResult& r) {
   std::string out = r.verdict() + "\n";
