@@ -1,12 +1,42 @@
 # Shared settings for every retrace target: warnings, sanitizers, and the LibTorch PCH.
 
+# LibTorch as imported targets only: RETRACE_TORCH_TARGETS is ${TORCH_LIBRARIES} with each
+# absolute path replaced by the imported target that names the same library. TorchConfig.cmake
+# lists targets (torch, torch_library) beside absolute paths of the build machine (libc10.so,
+# libc10_cuda.so under the wheel's torch/lib, CUDA's libnvrtc.so); a path would be baked into the
+# installed retraceTargets.cmake, while a target is resolved again by the consumer's own
+# find_package(Torch) (Caffe2Targets.cmake defines c10 and, in a CUDA build, c10_cuda; Caffe2's
+# cuda.cmake finds CUDAToolkit, which defines CUDA::nvrtc).
+set(RETRACE_TORCH_TARGETS)
+foreach(_lib IN LISTS TORCH_LIBRARIES)
+  if(_lib STREQUAL "")
+    continue()
+  elseif(TARGET "${_lib}")
+    list(APPEND RETRACE_TORCH_TARGETS ${_lib})
+    continue()
+  endif()
+  get_filename_component(_name "${_lib}" NAME_WE)
+  string(REGEX REPLACE "^lib" "" _name "${_name}")
+  if(IS_ABSOLUTE "${_lib}" AND TARGET ${_name})
+    list(APPEND RETRACE_TORCH_TARGETS ${_name})
+  elseif(IS_ABSOLUTE "${_lib}" AND TARGET CUDA::${_name})
+    list(APPEND RETRACE_TORCH_TARGETS CUDA::${_name})
+  else()
+    # Not expressible as a target: link it here, but the installed package cannot carry it.
+    message(WARNING "LibTorch's '${_lib}' (in TORCH_LIBRARIES) is no imported target; the build "
+                    "links it, the installed retrace package does not")
+    list(APPEND RETRACE_TORCH_TARGETS $<BUILD_INTERFACE:${_lib}>)
+  endif()
+endforeach()
+message(STATUS "LibTorch targets: ${RETRACE_TORCH_TARGETS}")
+
 # Torch's exported flags carry -D_GLIBCXX_USE_CXX11_ABI=1 and friends; apply them once here.
 set(_retrace_warnings -Wall -Wextra -Wno-unused-parameter -Wno-missing-field-initializers)
 
 # One precompiled header shared by all targets (REUSE_FROM): LibTorch's headers are the bulk of
 # every translation unit's compile time.
 add_library(retrace_pch OBJECT ${PROJECT_SOURCE_DIR}/cmake/pch_stub.cpp)
-target_link_libraries(retrace_pch PUBLIC ${TORCH_LIBRARIES})
+target_link_libraries(retrace_pch PUBLIC ${RETRACE_TORCH_TARGETS})
 target_compile_options(retrace_pch PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${_retrace_warnings}>)
 if(RETRACE_PCH)
   target_precompile_headers(retrace_pch PRIVATE $<$<COMPILE_LANGUAGE:CXX>:<torch/torch.h$<ANGLE-R>>)

@@ -2,6 +2,8 @@
 
 #include <retrace/error.h>
 
+#include <ATen/ATen.h>
+
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -9,6 +11,52 @@
 namespace retrace {
 
 bool StepOutcome::finite() const { return std::isfinite(loss) && std::isfinite(grad_norm); }
+
+const char* to_string(TensorKind kind) {
+  switch (kind) {
+    case TensorKind::kOther: return "other";
+    case TensorKind::kParameter: return "parameter";
+    case TensorKind::kBuffer: return "buffer";
+    case TensorKind::kOptimizerState: return "optimizer_state";
+    case TensorKind::kDefenseState: return "defense_state";
+    case TensorKind::kInput: return "input";
+    case TensorKind::kTarget: return "target";
+    case TensorKind::kGradient: return "gradient";
+  }
+  return "?";
+}
+
+TensorKind tensor_kind_from_string(const std::string& name) {
+  for (TensorKind k : {TensorKind::kParameter, TensorKind::kBuffer, TensorKind::kOptimizerState, TensorKind::kDefenseState,
+                       TensorKind::kInput, TensorKind::kTarget, TensorKind::kGradient}) {
+    if (name == to_string(k)) return k;
+  }
+  return TensorKind::kOther;
+}
+
+std::vector<NamedTensor> clone_all(const std::vector<NamedTensor>& tensors) {
+  std::vector<NamedTensor> out;
+  out.reserve(tensors.size());
+  for (const NamedTensor& n : tensors) out.push_back({n.name, n.tensor.detach().clone(), n.kind});
+  return out;
+}
+
+std::vector<NamedTensor> of_kind(const std::vector<NamedTensor>& tensors, TensorKind kind) {
+  std::vector<NamedTensor> out;
+  for (const NamedTensor& n : tensors) {
+    if (n.kind == kind) out.push_back(n);
+  }
+  return out;
+}
+
+bool parameters_finite(const std::vector<NamedTensor>& state) {
+  for (const NamedTensor& n : state) {
+    if (n.kind == TensorKind::kParameter && n.tensor.is_floating_point() && !at::isfinite(n.tensor).all().item<bool>()) {
+      return false;
+    }
+  }
+  return true;
+}
 
 namespace {
 std::mutex g_mutex;

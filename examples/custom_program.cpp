@@ -1,5 +1,6 @@
 // A user's own training program with retrace's subcommands: implement retrace::Program and hand
-// it to retrace::main. Then
+// it to retrace::main. (This one runs its own loop without retrace's defense pipeline: record and
+// replay work; scenarios need the pipeline, as in encoder/.) Then
 //   retrace_example_custom record -o run.trace --steps 20 --ring 4
 //   retrace_example_custom replay run.trace
 #include <retrace/retrace.h>
@@ -18,7 +19,9 @@ class Regression : public retrace::Program {
     torch::manual_seed(0);
     for (int i = 0; i < 2; ++i) {
       blocks_.emplace_back(torch::nn::Linear(16, 16), torch::nn::Tanh(), torch::nn::Dropout(0.1));
-      for (const auto& p : blocks_.back()->named_parameters()) params_.push_back({"block" + std::to_string(i) + "." + p.key(), p.value()});
+      for (const auto& p : blocks_.back()->named_parameters()) {
+        params_.push_back({"block" + std::to_string(i) + "." + p.key(), p.value(), retrace::TensorKind::kParameter});
+      }
     }
     std::vector<at::Tensor> ps;
     for (const auto& p : params_) ps.push_back(p.tensor);
@@ -36,7 +39,7 @@ class Regression : public retrace::Program {
       auto it = optimizer_->state().find(p.tensor.unsafeGetTensorImpl());
       if (it == optimizer_->state().end()) continue;
       auto& s = static_cast<torch::optim::SGDParamState&>(*it->second);
-      out.push_back({"momentum." + p.name, s.momentum_buffer()});
+      out.push_back({"momentum." + p.name, s.momentum_buffer(), retrace::TensorKind::kOptimizerState});
     }
     return out;
   }
@@ -60,7 +63,7 @@ class Regression : public retrace::Program {
   std::vector<retrace::NamedTensor> batch(std::int64_t step) override {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
     const at::Tensor x = at::randn({32, 16}, gen);
-    return {{"x", x}, {"y", x.sin()}};
+    return {{"x", x, retrace::TensorKind::kInput}, {"y", x.sin(), retrace::TensorKind::kTarget}};
   }
 
   retrace::StepOutcome step(std::int64_t, const std::vector<retrace::NamedTensor>& batch,
@@ -76,7 +79,7 @@ class Regression : public retrace::Program {
     std::vector<retrace::NamedTensor> grads;
     double sq = 0;
     for (const auto& p : params_) {
-      grads.push_back({"grad." + p.name, p.tensor.grad()});
+      grads.push_back({"grad." + p.name, p.tensor.grad(), retrace::TensorKind::kGradient});
       sq += p.tensor.grad().pow(2).sum().item<double>();
     }
     if (monitor) monitor->after_backward(loss, grads);

@@ -223,7 +223,7 @@ void Injector::corrupt_batch(std::vector<NamedTensor>& batch, std::int64_t vocab
     const InjectionSpec& s = specs_[i];
     if (s.type != InjectionType::kCorruptBatch || !fires(i)) continue;
     for (NamedTensor& n : batch) {
-      if (n.name != "input") continue;
+      if (n.kind != TensorKind::kInput) continue;
       at::Tensor t = n.tensor.clone();
       auto gen = rng_for(s.seed, step_, i, 2);
       const std::int64_t rows = t.dim() > 0 ? t.size(0) : 1;
@@ -247,10 +247,10 @@ void Injector::flip_state(const std::vector<NamedTensor>& state) {
   for (std::size_t i = 0; i < specs_.size(); ++i) {
     const InjectionSpec& s = specs_[i];
     if (s.type != InjectionType::kBitFlip || s.target == "activations" || !fires(i)) continue;
-    const std::string prefix = s.target == "optimizer" ? "optim." : "param.";
+    const TensorKind kind = s.target == "optimizer" ? TensorKind::kOptimizerState : TensorKind::kParameter;
     std::vector<const NamedTensor*> candidates;
     for (const NamedTensor& n : state) {
-      if (n.name.rfind(prefix, 0) == 0 && n.tensor.is_floating_point() && n.tensor.numel() > 0) candidates.push_back(&n);
+      if (n.kind == kind && n.tensor.is_floating_point() && n.tensor.numel() > 0) candidates.push_back(&n);
     }
     if (candidates.empty()) continue;  // no optimizer state yet (Adam's exists after the first step): nothing fires
     auto gen = rng_for(s.seed, step_, i, 3);

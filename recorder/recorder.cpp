@@ -505,7 +505,12 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
   std::memcpy(rng_tensor.data_ptr(), rng.data(), rng.size());
 
   std::vector<TensorToWrite> common{{"rng", rng_tensor, true, std::nullopt}};
-  for (const NamedTensor& b : batch) common.push_back(entry("batch." + b.name, b.tensor, true));
+  nlohmann::json batch_kinds = nlohmann::json::object();  // what replay hands the program back
+  for (const NamedTensor& b : batch) {
+    common.push_back(entry("batch." + b.name, b.tensor, true));
+    if (b.kind != TensorKind::kOther) batch_kinds[b.name] = to_string(b.kind);
+  }
+  meta["batch_kinds"] = std::move(batch_kinds);
   std::vector<TensorToWrite> full_state;
   if (full || ring) full_state = snapshot(state, "state.", m.pool);
   if (ring) {

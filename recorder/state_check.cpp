@@ -24,13 +24,6 @@ StateCheckError::StateCheckError(StateCheckResult result) : Error(result.message
 
 namespace {
 
-std::vector<NamedTensor> clone_all(const std::vector<NamedTensor>& tensors) {
-  std::vector<NamedTensor> out;
-  out.reserve(tensors.size());
-  for (const NamedTensor& n : tensors) out.push_back({n.name, n.tensor.detach().clone()});
-  return out;
-}
-
 // Bitwise, except that any NaN equals any NaN (a NaN's payload says nothing, number.h).
 bool same_number(double a, double b) {
   if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b);

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <sstream>
 
@@ -164,8 +165,10 @@ class Comparer : public SegmentObserver, public StepMonitor {
       return;
     }
     for (const NamedTensor& s : state_after) compare(*end_, "state." + s.name, s.tensor, "(state)", "optimizer");
-    require_all(*end_, "grad.", "(parameters)", "backward");
-    require_all(*end_, "state.", "(state)", "optimizer");
+    // Every tensor the recorded monitor saw after backward (the loss and the gradients, whatever
+    // the program named them), and every state tensor.
+    require_all(*end_, [](const std::string& n) { return n.rfind("state.", 0) != 0; }, "(parameters)", "backward");
+    require_all(*end_, [](const std::string& n) { return n.rfind("state.", 0) == 0; }, "(state)", "optimizer");
   }
 
   void compare(const Record& rec, const std::string& name, const at::Tensor& t, const std::string& segment,
@@ -205,11 +208,12 @@ class Comparer : public SegmentObserver, public StepMonitor {
   }
 
   // Recorded entries of `rec` with `prefix` that the replay never produced.
-  void require_all(const Record& rec, const std::string& prefix, const std::string& segment, const std::string& phase) {
+  void require_all(const Record& rec, const std::function<bool(const std::string&)>& which, const std::string& segment,
+                   const std::string& phase) {
     if (first) return;
     const std::vector<std::string>& seen = compared_[rec.offset];
     for (const TensorEntry& e : rec.tensors) {
-      if (e.name.rfind(prefix, 0) != 0) continue;
+      if (!which(e.name)) continue;
       if (std::find(seen.begin(), seen.end(), e.name) == seen.end()) {
         diverge(segment, phase, e.name, "the trace holds a tensor the replay did not produce");
         return;
@@ -282,7 +286,7 @@ class Comparer : public SegmentObserver, public StepMonitor {
     for (std::size_t i = 0; i < e.outputs.size(); ++i) {
       if (e.outputs[i].defined()) compare(rec, out_prefix + std::to_string(i), e.outputs[i], e.segment, phase);
     }
-    require_all(rec, "", e.segment, phase);
+    require_all(rec, [](const std::string&) { return true; }, e.segment, phase);
   }
 
   const TraceReader& trace_;
@@ -302,6 +306,22 @@ std::vector<NamedTensor> tensors_with_prefix(const TraceReader& trace, const Rec
   return out;
 }
 
+// The recorded batch with the kinds the program gave its tensors. Traces from before kinds were
+// recorded (no "batch_kinds") name the built-in program's input and target.
+std::vector<NamedTensor> batch_of(const TraceReader& trace, const Record& begin) {
+  std::vector<NamedTensor> batch = tensors_with_prefix(trace, begin, "batch.");
+  const auto kinds = begin.meta.find("batch_kinds");
+  for (NamedTensor& b : batch) {
+    if (kinds != begin.meta.end() && kinds->is_object()) {
+      const auto k = kinds->find(b.name);
+      if (k != kinds->end() && k->is_string()) b.kind = tensor_kind_from_string(k->get<std::string>());
+    } else if (kinds == begin.meta.end()) {
+      b.kind = b.name == "input" ? TensorKind::kInput : b.name == "target" ? TensorKind::kTarget : TensorKind::kOther;
+    }
+  }
+  return batch;
+}
+
 std::vector<std::uint8_t> rng_bytes(const TraceReader& trace, const Record& rec) {
   const TensorEntry* e = rec.find("rng");
   if (!e) throw Error("the step_begin record of step " + std::to_string(rec.meta.value("step", -1)) + " holds no RNG state");
@@ -318,11 +338,6 @@ bool all_finite(const std::vector<NamedTensor>& state) {
   return true;
 }
 
-std::vector<NamedTensor> clone_all(const std::vector<NamedTensor>& v) {
-  std::vector<NamedTensor> out;
-  for (const NamedTensor& n : v) out.push_back({n.name, n.tensor.detach().clone()});
-  return out;
-}
 
 }  // namespace
 
@@ -424,7 +439,7 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
       }
     }
     RngState::deserialize(rng.data(), rng.size()).restore();
-    std::vector<NamedTensor> batch = tensors_with_prefix(trace_, begin, "batch.");
+    std::vector<NamedTensor> batch = batch_of(trace_, begin);
     const std::vector<NamedTensor> state_before = clone_all(program_.state());
 
     StepOutcome outcome;

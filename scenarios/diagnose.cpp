@@ -28,11 +28,6 @@ struct Window {
   RngState rng;
 };
 
-std::vector<NamedTensor> clone_state(const std::vector<NamedTensor>& state) {
-  std::vector<NamedTensor> out;
-  for (const NamedTensor& n : state) out.push_back({n.name, n.tensor.detach().clone()});
-  return out;
-}
 
 std::string fmt(double v, int precision = 4) {
   std::ostringstream os;
@@ -73,6 +68,14 @@ std::string judge(const ScenarioResult& r, const ExpectSpec& e) {
   if (r.raised) return "raised: " + r.error;
   if (!r.params_finite) return "non-finite parameters";
   if (r.applied_nonfinite_steps > 0) return std::to_string(r.applied_nonfinite_steps) + " non-finite step(s) applied";
+  // Training must go on, as "held" demands of a scenario: a variant that skips or rolls back
+  // (nearly) every step after the fault avoids the non-finite numbers by not training. (A window
+  // that ends at the fault's step shows no step after it to judge by: --steps chose that.)
+  const std::int64_t after = r.last_step - r.fault_step + 1;
+  if (after > 1 && !(r.applied_from_fault >= (after + 1) / 2 && r.last_step_applied)) {
+    return "training stopped: " + std::to_string(r.applied_from_fault) + " of steps " + std::to_string(r.fault_step) + ".." +
+           std::to_string(r.last_step) + " applied" + (r.last_step_applied ? "" : ", the last skipped");
+  }
   if (r.silent_recompute_mismatches > 0) {
     return std::to_string(r.silent_recompute_mismatches) + " non-bitwise recompute(s) reached applied gradients";
   }
@@ -99,8 +102,14 @@ struct Variant {
   std::string caveat;
 };
 
-std::vector<Variant> make_variants(const ScenarioSpec& base) {
+// The variants of a scenario; those that cannot apply to it go to `not_applicable` with why.
+std::vector<Variant> make_variants(const ScenarioSpec& base, std::vector<std::string>& not_applicable) {
   std::vector<Variant> out;
+  const bool program = !base.program.empty();
+  auto cannot = [&](const std::string& name, const std::string& setting) {
+    not_applicable.push_back(name + ": program '" + base.program + "' sets its " + setting +
+                             " in its own config; try it there (the scenario's config:)");
+  };
   auto add = [&](std::string name, std::string change, auto edit, bool restart = false, std::string caveat = "") {
     Variant v{std::move(name), std::move(change), base, restart, std::move(caveat)};
     edit(v.spec);
@@ -108,24 +117,33 @@ std::vector<Variant> make_variants(const ScenarioSpec& base) {
   };
   const TrainingSpec& t = base.training;
   const DefenseSpec& d = base.defenses;
-  if (t.segments > 0) {
+  if (program) cannot("checkpointing off, more/fewer segments", "checkpointing");
+  if (t.segments > 0 && !program) {
     add("checkpointing off", "training.segments: 0", [](ScenarioSpec& s) { s.training.segments = 0; }, false,
         hits_segments(base) ? "the injected fault targets a checkpointed segment and cannot fire without one" : "");
   }
   for (double clip : {1.0, 0.5}) {
-    if (d.clip.mode == "global" && d.clip.max_norm == clip) continue;
+    if (d.clip.mode == ClipMode::kGlobal && d.clip.max_norm == clip) continue;
     const std::string label = clip == 1.0 ? "1.0" : "0.5";
     add("clip " + label, "defenses.clip: global, max_norm " + label, [clip](ScenarioSpec& s) {
-      s.defenses.clip.mode = "global";
+      s.defenses.clip.mode = ClipMode::kGlobal;
       s.defenses.clip.max_norm = clip;
       s.training.clip_grad_norm = 0;
     });
   }
-  add("lr / 10 + warmup", "training.lr: " + fmt(t.lr / 10) + ", defenses.warmup_steps: 5", [](ScenarioSpec& s) {
-    s.training.lr /= 10;
-    s.defenses.warmup_steps = 5;
-  }, /*restart=*/true);
-  if (t.precision != "fp32") {
+  if (program) {  // the pipeline scales the program's own LR
+    add("lr / 10 + warmup", "defenses.lr_scale: " + fmt(d.lr_scale / 10) + ", defenses.warmup_steps: 5", [](ScenarioSpec& s) {
+      s.defenses.lr_scale /= 10;
+      s.defenses.warmup_steps = 5;
+    }, /*restart=*/true);
+  } else {
+    add("lr / 10 + warmup", "training.lr: " + fmt(t.lr / 10) + ", defenses.warmup_steps: 5", [](ScenarioSpec& s) {
+      s.training.lr /= 10;
+      s.defenses.warmup_steps = 5;
+    }, /*restart=*/true);
+  }
+  if (program) cannot("fp32", "precision");
+  if (t.precision != "fp32" && !program) {
     add("fp32", "training.precision: fp32 (was " + t.precision + ")", [](ScenarioSpec& s) { s.training.precision = "fp32"; });
   }
   if (!d.loss_scaling.enabled) {
@@ -137,13 +155,14 @@ std::vector<Variant> make_variants(const ScenarioSpec& base) {
   if (!d.skip_nonfinite) {
     add("skip non-finite", "defenses.skip_nonfinite: true", [](ScenarioSpec& s) { s.defenses.skip_nonfinite = true; });
   }
-  if (t.segments > 0 && t.segments < base.model.layers) {
+  if (t.segments > 0 && t.segments < base.model.layers && !program) {
     add("more segments", "training.segments: " + std::to_string(t.segments + 1), [](ScenarioSpec& s) { ++s.training.segments; });
   }
-  if (t.segments > 1) {
+  if (t.segments > 1 && !program) {
     add("fewer segments", "training.segments: " + std::to_string(t.segments - 1), [](ScenarioSpec& s) { --s.training.segments; });
   }
-  if (base.data.batch > 1) {
+  if (program) cannot("half batch", "batch size");
+  if (base.data.batch > 1 && !program) {
     add("half batch", "data.batch: " + std::to_string(base.data.batch / 2), [](ScenarioSpec& s) { s.data.batch /= 2; });
   }
   return out;
@@ -206,18 +225,19 @@ Classification classify(const ScenarioSpec& spec, const Window& w, double origin
   struct Run {
     double loss, norm;
     std::vector<Digest> state;
+    std::vector<std::string> injected;
   };
-  auto once = [&]() {
-    ScenarioProgram p(spec);
-    p.load_state(w.state);
+  auto once = [&](const ScenarioSpec& spec) {
+    const std::unique_ptr<Program> p = make_scenario_program(spec);
+    p->load_state(w.state);
     w.rng.restore();
-    const StepOutcome o = p.step(w.start, p.batch(w.start), nullptr);
-    Run r{o.loss, o.grad_norm, {}};
-    for (const NamedTensor& n : p.state()) r.state.push_back(digest(n.tensor));
+    const StepOutcome o = p->step(w.start, p->batch(w.start), nullptr);
+    Run r{o.loss, o.grad_norm, {}, o.injected};
+    for (const NamedTensor& n : p->state()) r.state.push_back(digest(n.tensor));
     return r;
   };
   try {
-    const Run a = once(), b = once();
+    const Run a = once(spec), b = once(spec);
     const bool same = same_bits(a.loss, b.loss) && same_bits(a.norm, b.norm) && a.state == b.state;
     const bool fails = !std::isfinite(a.loss) || !std::isfinite(a.norm);
     if (!same) {
@@ -230,6 +250,19 @@ Classification classify(const ScenarioSpec& spec, const Window& w, double origin
       c.detail = std::string("re-executing the step from its state fails again") +
                  (as_before ? ", bit for bit as the run did" : " (with other bits than the run)") +
                  ": the cause is in the state, the data or the code, and a restart on other hardware will not help";
+      if (!a.injected.empty()) {
+        // The scenario's own injection fires again on re-execution: say whether it is the cause.
+        ScenarioSpec clean = spec;
+        clean.injections.clear();
+        const Run c2 = once(clean);
+        const bool fails_clean = !std::isfinite(c2.loss) || !std::isfinite(c2.norm);
+        c.detail = "re-executing the step from its state fails again" +
+                   std::string(as_before ? ", bit for bit as the run did," : "") + " with the scenario's injection (" +
+                   a.injected.front() + ") applied again; without the injections it " +
+                   (fails_clean ? "fails too: the cause is in the state, the data or the code"
+                                : "does not fail (loss " + fmt(c2.loss) + "): the injected fault is the cause -- in a real "
+                                  "run a fault like it (a bit flip, an overflow) is transient, and a rollback and retry is enough");
+      }
     } else {
       c.kind = "transient";
       c.detail = "re-executing the step from its state does not fail (loss " + fmt(a.loss) +
@@ -273,7 +306,7 @@ Diagnosis diagnose_window(const ScenarioSpec& spec, Window w, const DiagnoseOpti
     d.failure += " -- but it does not come back when steps " + std::to_string(d.from_step) + ".." +
                  std::to_string(d.to_step) + " are re-run from the state before them";
   }
-  const std::vector<Variant> variants = make_variants(spec);
+  const std::vector<Variant> variants = make_variants(spec, d.not_applicable);
   for (const Variant& v : variants) d.variants.push_back(run_variant(v, w, d.to_step, spec.expect));
   // Further timings in rounds over all of them, so that a change in the machine's load lands on
   // every variant alike; each cost is then the median of its rounds.
@@ -292,8 +325,8 @@ Diagnosis diagnose_window(const ScenarioSpec& spec, Window w, const DiagnoseOpti
 Diagnosis diagnose_whole_run(const ScenarioSpec& spec, const DiagnoseOptions& options, Diagnosis d) {
   Window start;
   {
-    ScenarioProgram p(spec);  // seeds the generators as the run did
-    start = {1, clone_state(p.state()), RngState::capture_all()};
+    const std::unique_ptr<Program> p = make_scenario_program(spec);  // seeds the generators as the run did
+    start = {1, clone_all(p->state()), RngState::capture_all()};
   }
   const VariantResult r = run_variant(Variant{"as is", "none", spec, false, ""}, start, spec.training.steps, spec.expect);
   if (r.fixes) {
@@ -309,13 +342,6 @@ Diagnosis diagnose_whole_run(const ScenarioSpec& spec, const DiagnoseOptions& op
   return diagnose_window(spec, std::move(start), options, std::move(d));
 }
 
-bool params_finite_in(const std::vector<NamedTensor>& state) {
-  for (const NamedTensor& n : state) {
-    if (n.name.rfind("param.", 0) == 0 && n.tensor.is_floating_point() && !at::isfinite(n.tensor).all().item<bool>()) return false;
-  }
-  return true;
-}
-
 }  // namespace
 
 Diagnosis diagnose_scenario(const ScenarioSpec& spec, const DiagnoseOptions& options) {
@@ -329,14 +355,14 @@ Diagnosis diagnose_scenario(const ScenarioSpec& spec, const DiagnoseOptions& opt
   std::deque<Window> recent;
   double loss = 0, norm = 0;
   {
-    ScenarioProgram p(spec);
+    const std::unique_ptr<Program> p = make_scenario_program(spec);
     for (std::int64_t s = 1; s <= spec.training.steps; ++s) {
-      recent.push_back({s, clone_state(p.state()), RngState::capture_all()});
+      recent.push_back({s, clone_all(p->state()), RngState::capture_all()});
       while (static_cast<std::int64_t>(recent.size()) > options.lookback + 1) recent.pop_front();
       try {
-        const StepOutcome o = p.step(s, p.batch(s), nullptr);
+        const StepOutcome o = p->step(s, p->batch(s), nullptr);
         const bool unhandled = !o.finite() && !o.skipped;  // a skipped non-finite step was handled
-        if (unhandled || !p.params_finite()) {
+        if (unhandled || !parameters_finite(p->state())) {
           d.failing_step = s;
           loss = o.loss;
           norm = o.grad_norm;
@@ -417,10 +443,10 @@ Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options
                      (rr.first_divergence ? rr.first_divergence->message() : std::string("?")) + ")";
       }
     }
-    return Window{step, clone_state(p->state()), RngState::capture_all()};
+    return Window{step, clone_all(p->state()), RngState::capture_all()};
   };
   Window at_failure = state_before(d.failing_step);
-  if (d.failing_step > 1 && !params_finite_in(at_failure.state)) {
+  if (d.failing_step > 1 && !parameters_finite(at_failure.state)) {
     // The step before left the parameters non-finite with a finite loss and gradient norm (the
     // trace's step_end does not say): that step is the failure, as the scenario's diagnosis finds.
     d.failing_step -= 1;
@@ -466,6 +492,10 @@ std::string Diagnosis::report() const {
   int n = 0;
   for (const VariantResult& v : variants) line(v.fixes ? std::to_string(++n) : "", v);
   if (n == 0) os << "\nno variant avoids the failure from step " << from_step << "; try --lookback with a larger value.\n";
+  if (!not_applicable.empty()) {
+    os << "\nnot tried (the scenario's program owns the setting):\n";
+    for (const std::string& why : not_applicable) os << "  " << why << "\n";
+  }
   return os.str();
 }
 
@@ -495,6 +525,7 @@ std::string Diagnosis::to_json() const {
     if (v.fixes) fixing.push_back(v.name);
   }
   j["fixing_variants"] = fixing;
+  j["not_applicable"] = not_applicable;
   return j.dump(2);
 }
 

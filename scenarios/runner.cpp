@@ -5,6 +5,7 @@
 #include <retrace/recorder.h>
 #include <retrace/replayer.h>
 #include <retrace/trace.h>
+#include <retrace/observer.h>
 #include <retrace/trainer.h>
 #include <retrace/verify.h>
 
@@ -18,6 +19,8 @@
 #include <filesystem>
 #include <iomanip>
 #include <limits>
+#include <mutex>
+#include <optional>
 #include <sstream>
 #include <tuple>
 #include <unistd.h>
@@ -49,6 +52,30 @@ std::string steps_text(const std::vector<std::int64_t>& steps) {
 
 // The checks whose failure is a fault getting through (a negative control's evidence); every
 // other check describes the run and must pass in a control too.
+// What the runner watches in the segments: the recompute verifier, and the names of the
+// segments that ran (what a segment injection that never fired is compared with).
+class RunObserver : public SegmentObserver {
+ public:
+  explicit RunObserver(RecomputeVerifier& verifier) : verifier_(verifier) {}
+  void on_forward(SegmentEvent& e) override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (std::find(names_.begin(), names_.end(), e.segment) == names_.end()) names_.push_back(e.segment);
+    }
+    verifier_.on_forward(e);
+  }
+  void on_recompute(SegmentEvent& e) override { verifier_.on_recompute(e); }
+  std::vector<std::string> names() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return names_;
+  }
+
+ private:
+  RecomputeVerifier& verifier_;
+  mutable std::mutex mutex_;
+  std::vector<std::string> names_;
+};
+
 bool is_evidence_check(const std::string& name) {
   return name == "params_finite" || name == "loss_finite" || name == "final_loss_below" || name == "recompute_bitwise" ||
          name == "min_applied_steps";
@@ -58,7 +85,10 @@ void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
   const ExpectSpec& e = spec.expect;
   const bool raise_expected = e.raises.value_or(false);
   auto b = [](bool v) { return std::string(v ? "true" : "false"); };
-  const std::string window = "steps " + std::to_string(r.final_window_first) + ".." + std::to_string(r.last_step);
+  const std::string window = r.last_step >= r.final_window_first
+                                 ? "steps " + std::to_string(r.final_window_first) + ".." + std::to_string(r.last_step)
+                                 : "steps from " + std::to_string(r.final_window_first) + " (the run stopped at step " +
+                                       std::to_string(r.last_step) + ")";
   if (e.params_finite) check(r, "params_finite", b(*e.params_finite), b(r.params_finite), r.params_finite == *e.params_finite);
   if (e.loss_finite) {
     // Vacuous when every step at the end was skipped: then no loss at the end was looked at.
@@ -132,7 +162,15 @@ void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
     const std::string what = "injections[" + std::to_string(t.entry) + "] " + t.type + " fires";
     if (!t.fired.empty()) continue;
     if (!t.due.empty()) {
-      check(r, "injection_fired", what + " (due at step " + steps_text(t.due) + ")", "did not fire", false);
+      std::string observed = "did not fire";
+      // A segment fault whose segment never ran: say which segments did (a typo in the name).
+      if (in.in_segment() && !in.segment.empty() &&
+          std::find(r.segments_seen.begin(), r.segments_seen.end(), in.segment) == r.segments_seen.end()) {
+        std::string seen;
+        for (const std::string& n : r.segments_seen) seen += (seen.empty() ? "" : ", ") + n;
+        observed += "; segment '" + in.segment + "' never ran (the segments that ran: " + (seen.empty() ? "none" : seen) + ")";
+      }
+      check(r, "injection_fired", what + " (due at step " + steps_text(t.due) + ")", observed, false);
     } else if (!(r.raised && raise_expected && !e.diverges)) {
       const std::int64_t last_due = in.step + in.duration - 1;
       check(r, "injection_fired", what + " (steps " + std::to_string(in.step) + ".." + std::to_string(last_due) + ")",
@@ -268,8 +306,9 @@ std::string defense_label(const ScenarioSpec& spec) {
     if (d.loss_scaling.hysteresis > 1) s += "(hysteresis " + std::to_string(d.loss_scaling.hysteresis) + ")";
     parts.push_back(s);
   }
-  if (d.clip.mode != "off") parts.push_back("clip:" + d.clip.mode + " " + fmt(d.clip.max_norm));
+  if (d.clip.mode != ClipMode::kOff) parts.push_back(std::string("clip:") + to_string(d.clip.mode) + " " + fmt(d.clip.max_norm));
   if (d.skip_nonfinite) parts.push_back("skip_nonfinite");
+  if (d.lr_scale != 1.0) parts.push_back("lr x" + fmt(d.lr_scale));
   if (d.warmup_steps > 0) parts.push_back("warmup " + std::to_string(d.warmup_steps));
   if (d.plateau.enabled) parts.push_back("plateau");
   if (d.layernorm_fp32) parts.push_back("fp32_layernorm");
@@ -317,33 +356,34 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
   VerifyOptions vo;
   vo.policy = VerifyPolicy::kRecord;
   RecomputeVerifier verifier(vo);
+  RunObserver observer(verifier);
   std::size_t seen_mismatches = 0;
   bool params_were_finite = true;
 
-  std::unique_ptr<ScenarioProgram> program;
+  std::unique_ptr<Program> program;
+  Defenses* defenses = nullptr;  // the program's pipeline: what fired, what the defenses did
   bool started = false;  // an exception before the first step is the harness's, not the fault's
   // What each injection entry was due on and did in the step that ends (or raised).
   auto tally_injections = [&](std::int64_t step) {
+    if (!defenses) return;
     for (InjectionTally& t : r.injections) {
-      if (program->injector().scheduled(t.entry, step)) t.due.push_back(step);
+      if (defenses->injector().scheduled(t.entry, step)) t.due.push_back(step);
     }
-    for (const InjectionEvent& ev : program->injector().fired()) {
+    for (const InjectionEvent& ev : defenses->injector().fired()) {
       std::vector<std::int64_t>& fired = r.injections.at(ev.entry).fired;
       if (fired.empty() || fired.back() != step) fired.push_back(step);
     }
   };
   try {
-    program = std::make_unique<ScenarioProgram>(spec);
+    program = make_scenario_program(spec);
+    defenses = program->defenses();
     if (options.start_state) {
-      std::vector<NamedTensor> state;
-      for (const NamedTensor& n : *options.start_state) {
-        if (options.restart_schedule && n.name.rfind("schedule.", 0) == 0) continue;
-        state.push_back(n);
-      }
-      program->load_state(state);
+      program->load_state(*options.start_state);
+      if (options.restart_schedule && defenses) defenses->schedule().restart();
     }
     if (options.start_rng) options.start_rng->restore();
-    params_were_finite = program->params_finite();
+    auto params_finite = [&] { return defenses ? defenses->parameters_finite() : parameters_finite(program->state()); };
+    params_were_finite = params_finite();
     auto after_step = [&](std::int64_t step, const StepOutcome& o) {
       ++r.steps_run;
       r.last_step = step;
@@ -375,11 +415,15 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
       verifier.reset();
       seen_mismatches = verifier.mismatches().size();
       // When the parameters went non-finite (and stayed so): the step a control's breakage dates from.
-      const bool finite = program->params_finite();
+      const bool finite = params_finite();
       if (!finite && params_were_finite) r.nonfinite_params_since = step;
       params_were_finite = finite;
     };
-    program->observe(&verifier);  // after the injector: it compares what actually flowed
+    // After the injector: it compares what actually flowed. A program without the pipeline has
+    // its segments observed directly.
+    std::optional<ObserverScope> verify_scope;
+    if (defenses) defenses->observe(&observer);
+    else verify_scope.emplace(observer);
     if (replay) {
       Recorder recorder(trace_path, *program);
       started = true;
@@ -413,17 +457,21 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
       r.harness_error = true;
     }
   }
+  r.segments_seen = observer.names();
   if (program) {
-    r.params_finite = program->params_finite();
+    if (defenses) defenses->observe(nullptr);
+    r.params_finite = defenses ? defenses->parameters_finite() : parameters_finite(program->state());
     if (r.params_finite) r.nonfinite_params_since = options.first_step - 1;
     else if (params_were_finite) r.nonfinite_params_since = r.last_step;  // the step that raised broke them
-    if (const LossScaler* s = program->scaler()) {
+    if (const LossScaler* s = defenses ? defenses->scaler() : nullptr) {
       r.scale_backoffs = s->backoffs();
       r.scale_growths = s->growths();
       r.tolerated_overflows = s->tolerated_overflows();
     }
-    r.rollbacks = program->rollbacks();
-    r.caught_recompute_mismatches = program->caught_recompute_mismatches();
+    if (defenses) {
+      r.rollbacks = defenses->rollbacks();
+      r.caught_recompute_mismatches = defenses->caught_recompute_mismatches();
+    }
   }
   // The final loss: applied steps among the last three, none before the fault.
   r.final_window_first = std::max(r.fault_step, r.last_step - 2);
@@ -620,6 +668,7 @@ std::string ScenarioResult::to_json() const {
   for (const InjectionTally& t : injections) {
     j["injections"].push_back({{"entry", t.entry}, {"type", t.type}, {"due", t.due}, {"fired", t.fired}});
   }
+  j["segments_seen"] = segments_seen;
   j["breakage"] = nlohmann::json::array();
   for (const Breakage& x : breakage) {
     j["breakage"].push_back({{"kind", to_string(x.kind)}, {"step", x.step}, {"detail", x.detail}, {"counts", x.counts}});
@@ -698,6 +747,7 @@ ScenarioResult ScenarioResult::from_json(const std::string& text) {
     r.injections.push_back({t.at("entry").get<std::size_t>(), t.at("type").get<std::string>(),
                             t.at("due").get<std::vector<std::int64_t>>(), t.at("fired").get<std::vector<std::int64_t>>()});
   }
+  r.segments_seen = j.at("segments_seen").get<std::vector<std::string>>();
   for (const auto& x : j.at("breakage")) {
     r.breakage.push_back({parse_break_kind(x.at("kind").get<std::string>()), x.at("step").get<std::int64_t>(),
                           x.at("detail").get<std::string>(), x.at("counts").get<bool>()});

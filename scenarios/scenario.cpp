@@ -147,12 +147,14 @@ class Parser {
 
 constexpr std::int64_t kBig = std::int64_t{1} << 40;
 
-void parse_defenses(const Parser& p, const YAML::Node& d, DefenseSpec& out) {
-  p.keys(d, "defenses", {"loss_scaling", "clip", "skip_nonfinite", "warmup_steps", "plateau", "layernorm_fp32",
-                         "layernorm_min_eps", "rollback", "rollback_depth", "preserve_rng_state", "verify_recompute",
-                         "validate_batch"});
+// `builtin_model`: the defenses that act inside the built-in models are known keys too.
+void parse_defenses(const Parser& p, const YAML::Node& d, DefenseSpec& out, bool builtin_model) {
+  std::vector<std::string> known = {"loss_scaling", "clip", "skip_nonfinite", "warmup_steps", "lr_scale", "plateau",
+                                    "rollback", "rollback_depth", "verify_recompute", "validate_batch"};
+  if (builtin_model) known.insert(known.end(), {"layernorm_fp32", "layernorm_min_eps", "preserve_rng_state"});
+  p.keys(d, "defenses", known);
   if (const YAML::Node ls = d["loss_scaling"]; ls.IsDefined()) {
-    LossScalingSpec& l = out.loss_scaling;
+    LossScalingOptions& l = out.loss_scaling;
     bool on = false;
     if (ls.IsScalar() && YAML::convert<bool>::decode(ls, on)) {
       l.enabled = on;
@@ -175,8 +177,8 @@ void parse_defenses(const Parser& p, const YAML::Node& d, DefenseSpec& out) {
   }
   if (const YAML::Node c = d["clip"]; c.IsDefined()) {
     p.keys(c, "defenses.clip", {"mode", "max_norm", "error_if_nonfinite", "window", "multiplier"});
-    ClipSpec& cl = out.clip;
-    cl.mode = p.choice(c, "mode", "defenses.clip.mode", "global", {"off", "global", "per_tensor", "adaptive"});
+    ClipOptions& cl = out.clip;
+    cl.mode = parse_clip_mode(p.choice(c, "mode", "defenses.clip.mode", "global", clip_mode_names()));
     cl.max_norm = p.number(c, "max_norm", "defenses.clip.max_norm", cl.max_norm, 1e-30, 1e30);
     cl.error_if_nonfinite = p.boolean(c, "error_if_nonfinite", "defenses.clip.error_if_nonfinite", cl.error_if_nonfinite);
     cl.window = p.integer(c, "window", "defenses.clip.window", cl.window, 1, 1 << 20);
@@ -184,14 +186,16 @@ void parse_defenses(const Parser& p, const YAML::Node& d, DefenseSpec& out) {
   }
   out.skip_nonfinite = p.boolean(d, "skip_nonfinite", "defenses.skip_nonfinite", out.skip_nonfinite);
   out.warmup_steps = p.integer(d, "warmup_steps", "defenses.warmup_steps", out.warmup_steps, 0, 1 << 30);
+  out.lr_scale = p.number(d, "lr_scale", "defenses.lr_scale", out.lr_scale, 1e-12, 1e12);
   if (const YAML::Node pl = d["plateau"]; pl.IsDefined()) {
-    p.keys(pl, "defenses.plateau", {"factor", "patience", "threshold", "min_lr"});
-    PlateauSpec& ps = out.plateau;
+    p.keys(pl, "defenses.plateau", {"factor", "patience", "threshold", "min_lr", "eps"});
+    PlateauOptions& ps = out.plateau;
     ps.enabled = true;
     ps.factor = p.number(pl, "factor", "defenses.plateau.factor", ps.factor, 1e-6, 0.999999);
     ps.patience = p.integer(pl, "patience", "defenses.plateau.patience", ps.patience, 0, 1 << 20);
     ps.threshold = p.number(pl, "threshold", "defenses.plateau.threshold", ps.threshold, 0.0, 1.0);
     ps.min_lr = p.number(pl, "min_lr", "defenses.plateau.min_lr", ps.min_lr, 0.0, 1e12);
+    ps.eps = p.number(pl, "eps", "defenses.plateau.eps", ps.eps, 0.0, 1e12);
   }
   out.layernorm_fp32 = p.boolean(d, "layernorm_fp32", "defenses.layernorm_fp32", out.layernorm_fp32);
   out.layernorm_min_eps = p.number(d, "layernorm_min_eps", "defenses.layernorm_min_eps", out.layernorm_min_eps, 0.0, 1.0);
@@ -257,6 +261,10 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
       in.mode = p.choice(n, "mode", at + ".mode", "nan", {"nan", "inf"});
       break;
     case InjectionType::kCorruptBatch: {
+      if (!s.program.empty()) {  // the program's inputs: what fits is known when it is built
+        in.mode = p.choice(n, "mode", at + ".mode", "", {"nan_features", "token_out_of_range"}, /*required=*/true);
+        break;
+      }
       const std::string fallback = s.model.type == "mlp" ? "nan_features" : "token_out_of_range";
       in.mode = p.choice(n, "mode", at + ".mode", fallback, {"nan_features", "token_out_of_range"});
       if ((in.mode == "nan_features") != (s.model.type == "mlp")) {
@@ -282,7 +290,7 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
   if (in.type == InjectionType::kLayerNormInput && in.mode != "huge" && n["factor"].IsDefined()) {
     p.fail(n["factor"], at + ".factor", "is only used by mode huge (the rows' magnitude); remove it");
   }
-  if (!in.segment.empty()) {
+  if (!in.segment.empty() && s.program.empty()) {  // a program's segments are named by the program
     // A stage of this model ("block1") or a checkpoint_sequential range of them ("block0..block1").
     const std::string prefix = s.model.type == "tiny_gpt" ? "block" : s.model.type == "lstm" ? "lstm" : "layer";
     // The stage's index, or -1: digits without a leading zero, below model.layers.
@@ -317,7 +325,7 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
              "'" + in.segment + "' is not a stage of this model; use " + prefix + "0 .. " + prefix + std::to_string(s.model.layers - 1));
     }
   }
-  if (in.in_segment() && s.training.segments == 0) {
+  if (in.in_segment() && s.program.empty() && s.training.segments == 0) {  // a program checkpoints as it does
     p.fail(n["type"], at + ".type", type + " hits a checkpointed segment, but training.segments is 0; set training.segments >= 1");
   }
   return in;
@@ -353,17 +361,96 @@ void parse_expect(const Parser& p, const YAML::Node& e, ExpectSpec& out) {
   out.diverges = p.boolean(e, "diverges", "expect.diverges", false);
 }
 
+void parse_injections_and_expect(const Parser& p, const YAML::Node& root, ScenarioSpec& s) {
+  if (const YAML::Node list = root["injections"]; list.IsDefined()) {
+    if (!list.IsSequence()) p.fail(list, "injections", "must be a list of injections (each a mapping with 'type')");
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      s.injections.push_back(parse_injection(p, list[i], "injections[" + std::to_string(i) + "]", s));
+    }
+  }
+  if (const YAML::Node e = root["expect"]; e.IsDefined()) parse_expect(p, e, s.expect);
+}
+
+// Block style all the way down, whatever the file wrote ({a: 1} included).
+void block_style(YAML::Node node) {
+  if (node.IsMap() || node.IsSequence()) node.SetStyle(YAML::EmitterStyle::Block);
+  if (node.IsMap()) {
+    for (auto kv : node) block_style(kv.second);
+  } else if (node.IsSequence()) {
+    for (auto item : node) block_style(item);
+  }
+}
+
+// The canonical text of a program's `config:` map, what its factory receives: block style, one
+// "key: value" line per scalar entry, however the scenario wrote it.
+std::string config_text(const YAML::Node& config) {
+  YAML::Node copy = YAML::Clone(config);
+  block_style(copy);
+  YAML::Emitter out;
+  out.SetDoublePrecision(17);
+  out << copy;
+  return out.c_str();
+}
+
+// A scenario that trains a registered program: `program:` and `config:` instead of `model:` and
+// `data:`; of `training:` only steps and seed (the program's own config has the rest); the
+// defenses the pipeline runs (not those inside the built-in models).
+ScenarioSpec parse_program_scenario(const Parser& p, const YAML::Node& root, ScenarioSpec s) {
+  const YAML::Node prog = root["program"];
+  if (!prog.IsScalar() || prog.Scalar().empty()) p.fail(prog, "program", "must be the name a program is registered under");
+  s.program = prog.Scalar();
+  for (const char* key : {"model", "data"}) {
+    if (root[key].IsDefined()) {
+      p.fail(root[key], key, std::string("describes a built-in model; a scenario with 'program' takes its model and data from ") +
+                                 "the program (put settings under 'config:')");
+    }
+  }
+  if (const YAML::Node c = root["config"]; c.IsDefined() && !c.IsNull()) {
+    if (!c.IsMap()) p.fail(c, "config", "must be a mapping (handed to the program's factory as YAML text)");
+    s.program_config = config_text(c);
+  }
+  if (const YAML::Node t = root["training"]; t.IsDefined()) {
+    if (!t.IsMap()) p.fail(t, "training", "must be a mapping");
+    for (const auto& kv : t) {
+      const std::string key = kv.first.Scalar();
+      if (key != "steps" && key != "seed") {
+        p.fail(kv.first, "training." + key,
+               "applies to the built-in models only; a scenario with 'program' has training.steps and training.seed, "
+               "and the program takes the rest from 'config:'");
+      }
+    }
+    p.keys(t, "training", {"steps", "seed"});
+    s.training.steps = p.integer(t, "steps", "training.steps", s.training.steps, 1, 1 << 30);
+    s.training.seed = static_cast<std::uint64_t>(p.integer(t, "seed", "training.seed", 0, 0, kBig));
+  }
+  if (const YAML::Node d = root["defenses"]; d.IsDefined()) {
+    if (d.IsMap()) {
+      for (const char* key : {"layernorm_fp32", "layernorm_min_eps", "preserve_rng_state"}) {
+        if (d[key].IsDefined()) {
+          p.fail(d[key], std::string("defenses.") + key,
+                 "acts inside the built-in models; a program applies it in its own model (from its 'config:')");
+        }
+      }
+    }
+    parse_defenses(p, d, s.defenses, /*builtin_model=*/false);
+  }
+  parse_injections_and_expect(p, root, s);
+  return s;
+}
+
 ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
   Parser p(origin);
   ScenarioSpec s;
   s.origin = origin;
-  if (!root.IsDefined() || root.IsNull()) throw Error(origin + ": the scenario file is empty; it needs at least a 'model' section");
-  p.keys(root, "", {"name", "description", "model", "data", "training", "defenses", "injections", "expect"});
+  if (!root.IsDefined() || root.IsNull()) throw Error(origin + ": the scenario file is empty; it needs at least a 'model' section (or 'program: NAME')");
+  p.keys(root, "", {"name", "description", "program", "config", "model", "data", "training", "defenses", "injections", "expect"});
   s.name = p.text(root, "name", "name");
   s.description = p.text(root, "description", "description");
+  if (root["program"].IsDefined()) return parse_program_scenario(p, root, std::move(s));
+  if (root["config"].IsDefined()) p.fail(root["config"], "config", "is the configuration of a registered program; it needs 'program: NAME'");
 
   const YAML::Node model = root["model"];
-  if (!model.IsDefined()) p.fail(root, "model", "is required (a mapping with at least 'type')");
+  if (!model.IsDefined()) p.fail(root, "model", "is required (a mapping with at least 'type'), or 'program: NAME' for a registered program");
   p.keys(model, "model", {"type", "layers", "d_model", "heads", "hidden", "vocab", "seq_len",
                           "in_features", "out_features", "dropout", "layernorm_eps", "init_gain"});
   ModelSpec& m = s.model;
@@ -418,18 +505,12 @@ ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
            "fp16 autocast cannot run an lstm on the CPU (oneDNN has no fp16 LSTM primitive: every step would raise); "
            "use bf16 or fp32, or device cuda");
   }
-  if (const YAML::Node d = root["defenses"]; d.IsDefined()) parse_defenses(p, d, s.defenses);
-  if (s.training.clip_grad_norm > 0 && s.defenses.clip.mode == "off") {  // the shorthand
-    s.defenses.clip.mode = "global";
+  if (const YAML::Node d = root["defenses"]; d.IsDefined()) parse_defenses(p, d, s.defenses, /*builtin_model=*/true);
+  if (s.training.clip_grad_norm > 0 && s.defenses.clip.mode == ClipMode::kOff) {  // the shorthand
+    s.defenses.clip.mode = ClipMode::kGlobal;
     s.defenses.clip.max_norm = s.training.clip_grad_norm;
   }
-  if (const YAML::Node list = root["injections"]; list.IsDefined()) {
-    if (!list.IsSequence()) p.fail(list, "injections", "must be a list of injections (each a mapping with 'type')");
-    for (std::size_t i = 0; i < list.size(); ++i) {
-      s.injections.push_back(parse_injection(p, list[i], "injections[" + std::to_string(i) + "]", s));
-    }
-  }
-  if (const YAML::Node e = root["expect"]; e.IsDefined()) parse_expect(p, e, s.expect);
+  parse_injections_and_expect(p, root, s);
   return s;
 }
 
@@ -510,6 +591,14 @@ std::string to_yaml(const ScenarioSpec& s) {
   out << YAML::BeginMap;
   out << YAML::Key << "name" << YAML::Value << s.name;
   if (!s.description.empty()) out << YAML::Key << "description" << YAML::Value << s.description;
+  if (!s.program.empty()) {
+    out << YAML::Key << "program" << YAML::Value << s.program;
+    if (!s.program_config.empty()) out << YAML::Key << "config" << YAML::Value << YAML::Load(s.program_config);
+    out << YAML::Key << "training" << YAML::Value << YAML::BeginMap;
+    out << YAML::Key << "steps" << YAML::Value << s.training.steps;
+    out << YAML::Key << "seed" << YAML::Value << s.training.seed;
+    out << YAML::EndMap;
+  } else {
   out << YAML::Key << "model" << YAML::Value << YAML::BeginMap;
   out << YAML::Key << "type" << YAML::Value << s.model.type;
   out << YAML::Key << "layers" << YAML::Value << s.model.layers;
@@ -541,10 +630,11 @@ std::string to_yaml(const ScenarioSpec& s) {
   out << YAML::Key << "precision" << YAML::Value << s.training.precision;
   out << YAML::Key << "loss_weight" << YAML::Value << s.training.loss_weight;
   out << YAML::EndMap;
+  }
 
   const DefenseSpec& d = s.defenses;
   out << YAML::Key << "defenses" << YAML::Value << YAML::BeginMap;
-  const LossScalingSpec& l = d.loss_scaling;
+  const LossScalingOptions& l = d.loss_scaling;
   out << YAML::Key << "loss_scaling" << YAML::Value << YAML::BeginMap;
   out << YAML::Key << "enabled" << YAML::Value << l.enabled;
   out << YAML::Key << "init_scale" << YAML::Value << l.init_scale;
@@ -555,7 +645,7 @@ std::string to_yaml(const ScenarioSpec& s) {
   out << YAML::Key << "min_scale" << YAML::Value << l.min_scale;
   out << YAML::EndMap;
   out << YAML::Key << "clip" << YAML::Value << YAML::BeginMap;
-  out << YAML::Key << "mode" << YAML::Value << d.clip.mode;
+  out << YAML::Key << "mode" << YAML::Value << to_string(d.clip.mode);
   out << YAML::Key << "max_norm" << YAML::Value << d.clip.max_norm;
   out << YAML::Key << "error_if_nonfinite" << YAML::Value << d.clip.error_if_nonfinite;
   out << YAML::Key << "window" << YAML::Value << d.clip.window;
@@ -563,19 +653,23 @@ std::string to_yaml(const ScenarioSpec& s) {
   out << YAML::EndMap;
   out << YAML::Key << "skip_nonfinite" << YAML::Value << d.skip_nonfinite;
   out << YAML::Key << "warmup_steps" << YAML::Value << d.warmup_steps;
+  out << YAML::Key << "lr_scale" << YAML::Value << d.lr_scale;
   if (d.plateau.enabled) {
     out << YAML::Key << "plateau" << YAML::Value << YAML::BeginMap;
     out << YAML::Key << "factor" << YAML::Value << d.plateau.factor;
     out << YAML::Key << "patience" << YAML::Value << d.plateau.patience;
     out << YAML::Key << "threshold" << YAML::Value << d.plateau.threshold;
     out << YAML::Key << "min_lr" << YAML::Value << d.plateau.min_lr;
+    out << YAML::Key << "eps" << YAML::Value << d.plateau.eps;
     out << YAML::EndMap;
   }
-  out << YAML::Key << "layernorm_fp32" << YAML::Value << d.layernorm_fp32;
-  out << YAML::Key << "layernorm_min_eps" << YAML::Value << d.layernorm_min_eps;
+  if (s.program.empty()) {  // the built-in models' own defenses
+    out << YAML::Key << "layernorm_fp32" << YAML::Value << d.layernorm_fp32;
+    out << YAML::Key << "layernorm_min_eps" << YAML::Value << d.layernorm_min_eps;
+  }
   out << YAML::Key << "rollback" << YAML::Value << d.rollback;
   out << YAML::Key << "rollback_depth" << YAML::Value << d.rollback_depth;
-  out << YAML::Key << "preserve_rng_state" << YAML::Value << d.preserve_rng_state;
+  if (s.program.empty()) out << YAML::Key << "preserve_rng_state" << YAML::Value << d.preserve_rng_state;
   out << YAML::Key << "verify_recompute" << YAML::Value << d.verify_recompute;
   out << YAML::Key << "validate_batch" << YAML::Value << d.validate_batch;
   out << YAML::EndMap;

@@ -13,7 +13,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cerrno>
+#include <cstring>
 #include <fstream>
+#include <sstream>
 #include <iostream>
 
 namespace retrace {
@@ -21,6 +24,7 @@ namespace retrace {
 namespace cli {
 namespace {
 std::string g_default_program;
+std::string g_binary_name = "retrace";
 }
 
 void write_file(const std::string& path, std::string_view bytes, const std::string& what) {
@@ -51,7 +55,11 @@ std::optional<boost::program_options::variables_map> parse_arguments(
   po::variables_map vm;
   po::store(po::command_line_parser(args).options(all).positional(pos).run(), vm);
   if (vm.count("help")) {
-    std::cout << options;
+    std::ostringstream text;
+    text << options;
+    std::string help = text.str();
+    if (help.rfind("retrace ", 0) == 0) help = binary_name() + help.substr(7);  // the usage line names this binary
+    std::cout << help;
     return std::nullopt;
   }
   po::notify(vm);
@@ -59,6 +67,17 @@ std::optional<boost::program_options::variables_map> parse_arguments(
 }
 const std::string& default_program() { return g_default_program; }
 void set_default_program(const std::string& name) { g_default_program = name; }
+const std::string& binary_name() { return g_binary_name; }
+void set_binary_name(const std::string& name) { g_binary_name = name; }
+
+std::string read_text_file(const std::string& path, const std::string& what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error("cannot open " + what + " '" + path + "' (" + std::strerror(errno) + ")");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) throw Error("cannot read " + what + " '" + path + "'");
+  return ss.str();
+}
 }  // namespace cli
 
 namespace {
@@ -67,6 +86,7 @@ struct Command {
   const char* name;
   const char* summary;
   int (*run)(const std::vector<std::string>&);
+  bool builtin_only = false;  // not offered by a user's binary (retrace::main with its own program)
 };
 
 const Command kCommands[] = {
@@ -75,13 +95,23 @@ const Command kCommands[] = {
     {"record", "record a training run into a trace", cli::run_record},
     {"replay", "re-execute recorded steps bit for bit; name the first divergence and non-finite op", cli::run_replay},
     {"inspect", "list a trace's steps, segments, tensors and environment; export tensors", cli::run_inspect},
-    {"demo", "checkpoint a tiny GPT and verify its recompute bit for bit", cli::run_demo},
+    {"demo", "checkpoint a tiny GPT and verify its recompute bit for bit", cli::run_demo, true},
 };
 
+bool offered(const Command& c) { return !c.builtin_only || cli::default_program().empty(); }
+
 void usage(std::ostream& os) {
-  os << "usage: retrace [--version] [--help] COMMAND [ARGS]\n\ncommands:\n";
-  for (const Command& c : kCommands) os << "  " << c.name << std::string(10 - std::strlen(c.name), ' ') << c.summary << "\n";
-  os << "\nRun 'retrace COMMAND --help' for a command's options.\n"
+  const std::string& me = cli::binary_name();
+  os << "usage: " << me << " [--version] [--help] COMMAND [ARGS]\n";
+  if (!cli::default_program().empty()) {
+    os << "\nretrace's subcommands for program '" << cli::default_program()
+       << "': record it without a scenario, or run scenarios that name it (program: " << cli::default_program() << ").\n";
+  }
+  os << "\ncommands:\n";
+  for (const Command& c : kCommands) {
+    if (offered(c)) os << "  " << c.name << std::string(10 - std::strlen(c.name), ' ') << c.summary << "\n";
+  }
+  os << "\nRun '" << me << " COMMAND --help' for a command's options.\n"
         "Exit codes: 0 ok or reproduced, 1 a check failed or a replay diverged, 2 bad input or usage.\n";
 }
 
@@ -90,7 +120,7 @@ void usage(std::ostream& os) {
 int main(int argc, char** argv) {
   register_builtin_programs();
   if (argc < 2) {
-    std::cerr << "retrace: no command given; run 'retrace --help' for the list\n";
+    std::cerr << cli::binary_name() << ": no command given; run '" << cli::binary_name() << " --help' for the list\n";
     return 2;
   }
   const std::string first = argv[1];
@@ -103,35 +133,40 @@ int main(int argc, char** argv) {
     usage(std::cout);
     return 0;
   }
+  const std::string me = cli::binary_name();
   for (const Command& c : kCommands) {
-    if (first != c.name) continue;
+    if (first != c.name || !offered(c)) continue;
     const std::vector<std::string> args(argv + 2, argv + argc);
     try {
       return c.run(args);
     } catch (const boost::program_options::error& e) {
-      std::cerr << "retrace " << c.name << ": " << e.what() << "; see 'retrace " << c.name << " --help'\n";
+      std::cerr << me << " " << c.name << ": " << e.what() << "; see '" << me << " " << c.name << " --help'\n";
       return 2;
     } catch (const retrace::Error& e) {
-      std::cerr << "retrace " << c.name << ": " << e.what() << "\n";
+      std::cerr << me << " " << c.name << ": " << e.what() << "\n";
       return 2;
     } catch (const nlohmann::json::exception& e) {
-      std::cerr << "retrace " << c.name << ": malformed metadata in the input (" << e.what() << ")\n";
+      std::cerr << me << " " << c.name << ": malformed metadata in the input (" << e.what() << ")\n";
       return 2;
     } catch (const c10::Error& e) {
-      std::cerr << "retrace " << c.name << ": " << e.what_without_backtrace() << "\n";
+      std::cerr << me << " " << c.name << ": " << e.what_without_backtrace() << "\n";
       return 1;
     } catch (const std::exception& e) {
-      std::cerr << "retrace " << c.name << ": " << e.what() << "\n";
+      std::cerr << me << " " << c.name << ": " << e.what() << "\n";
       return 1;
     }
   }
-  std::cerr << "retrace: unknown command '" << first << "'; run 'retrace --help' for the list\n";
+  std::cerr << me << ": unknown command '" << first << "'; run '" << me << " --help' for the list\n";
   return 2;
 }
 
 int main(int argc, char** argv, const std::string& program_name, ProgramFactory factory) {
   register_program(program_name, std::move(factory));
   cli::set_default_program(program_name);
+  if (argc > 0 && argv[0] && *argv[0]) {
+    const std::string path = argv[0];
+    cli::set_binary_name(path.substr(path.find_last_of('/') + 1));
+  }
   return main(argc, argv);
 }
 

@@ -34,5 +34,10 @@ int run_diagnose(const std::vector<std::string>& args);
 // The program `record` uses when no scenario file is given (set by retrace::main's overload).
 const std::string& default_program();
 void set_default_program(const std::string& name);
+// What the binary calls itself in help and errors: "retrace", or a user binary's file name.
+const std::string& binary_name();
+void set_binary_name(const std::string& name);
+// The whole of a text file; retrace::Error naming `what` and the path when it cannot be read.
+std::string read_text_file(const std::string& path, const std::string& what);
 
 }  // namespace retrace::cli

@@ -20,12 +20,14 @@ namespace po = boost::program_options;
 
 
 int run_record(const std::vector<std::string>& args) {
-  std::string scenario, output, mode = "digest", compression = "fast", on_write_error = "stop";
+  std::string scenario, output, mode = "digest", compression = "fast", on_write_error = "stop", config_path;
   int every = 0, ring = 0;
   std::int64_t steps = 0;
   po::options_description opts(
       "retrace record [SCENARIO.yaml] -o TRACE [options]\n\n"
-      "Trains as SCENARIO.yaml says and records a trace. Exit code 0 when every step stayed\n"
+      "Trains as SCENARIO.yaml says and records a trace; in a binary built on retrace::main with\n"
+      "its own program and no SCENARIO, records that program (its config from --config FILE).\n"
+      "Exit code 0 when every step stayed\n"
       "finite, 1 when the run went non-finite (the trace then holds the flight ring), one of the\n"
       "scenario's injections never fired (e.g. --steps stopped before it) or the state self-check\n"
       "found the program's state() incomplete, 2 for bad input.\n\n"
@@ -41,6 +43,7 @@ int run_record(const std::vector<std::string>& args) {
       "compression", po::value<std::string>(&compression)->default_value("fast"),
       "stored tensors: fast (Blosc bit-shuffle + LZ4) or small (byte shuffle + zstd, ~10% smaller, ~4x slower)")(
       "steps", po::value<std::int64_t>(&steps), "steps to run (overrides the scenario's training.steps)")(
+      "config", po::value<std::string>(&config_path), "without SCENARIO: the config FILE handed to the binary's own program")(
       "keep-going", "continue after a non-finite step instead of stopping")(
       "no-state-check", "skip the state round-trip self-check (step 2 re-run on a copy of the program restored from its "
       "state(), which must end it bitwise equal; a failure exits 1)")(
@@ -65,10 +68,17 @@ int run_record(const std::vector<std::string>& args) {
   std::optional<DeterministicGuard> deterministic;
   if (vm.count("deterministic")) deterministic.emplace();
   std::unique_ptr<Program> program;
+  if (!scenario.empty() && !config_path.empty()) {
+    throw Error("--config is for the binary's own program without a scenario; a scenario carries its program's "
+                "config (its 'config:' section)");
+  }
   if (!scenario.empty()) {
-    program = std::make_unique<ScenarioProgram>(parse_scenario_file(scenario));
+    const ScenarioSpec spec = parse_scenario_file(scenario);
+    program = make_scenario_program(spec);
   } else if (!default_program().empty()) {
-    program = make_program(default_program(), "");
+    program = make_program(default_program(), config_path.empty() ? "" : read_text_file(config_path, "--config file"));
+  } else if (!config_path.empty()) {
+    throw Error("--config needs a binary with its own program (retrace::main with a factory); this one records scenarios");
   } else {
     throw Error("missing SCENARIO.yaml: the scenario to record (see scenarios/ for examples)");
   }
@@ -85,26 +95,26 @@ int run_record(const std::vector<std::string>& args) {
   Recorder recorder(output, *program, options);
   // Which of the scenario's injection entries fired: one that never did recorded a run without
   // the fault the scenario describes (e.g. --steps stopped before its step).
-  auto* scenario_program = dynamic_cast<ScenarioProgram*>(program.get());
-  std::vector<char> fired(scenario_program ? scenario_program->spec().injections.size() : 0, 0);
+  const Defenses* defenses = program->defenses();
+  std::vector<char> fired(defenses ? defenses->injector().specs().size() : 0, 0);
   std::vector<StepOutcome> outcomes;
   try {
     outcomes = record_run(*program, recorder, n, vm.count("keep-going") == 0, [&](std::int64_t, const StepOutcome&) {
-      if (scenario_program) {
-        for (const InjectionEvent& e : scenario_program->injector().fired()) fired.at(e.entry) = 1;
+      if (defenses) {
+        for (const InjectionEvent& e : defenses->injector().fired()) fired.at(e.entry) = 1;
       }
     });
   } catch (const StateCheckError& e) {
     // A check that failed, not bad input: record_run closed the trace after the checked step.
-    std::cerr << "retrace record: " << e.what() << "\n";
-    std::cerr << "retrace record: stopped after step " << e.result().step << "; " << output
+    std::cerr << binary_name() << " record: " << e.what() << "\n";
+    std::cerr << binary_name() << " record: stopped after step " << e.result().step << "; " << output
               << " holds the steps up to it, and replays from a snapshot of a later step would not reproduce\n";
     return 1;
   }
   recorder.close();
   const RecorderStats stats = recorder.stats();
   if (stats.state_check.status == StateCheckResult::Status::kSkipped) {
-    std::cerr << "retrace record: " << stats.state_check.message << "\n";
+    std::cerr << binary_name() << " record: " << stats.state_check.message << "\n";
   }
   bool finite = true;
   for (std::size_t i = 0; i < outcomes.size(); ++i) {
@@ -124,17 +134,17 @@ int run_record(const std::vector<std::string>& args) {
   }
   std::cout << ")\n";
   if (!stats.write_error.empty()) {
-    std::cerr << "retrace record: recording stopped (" << stats.write_error << "); training went on; what was written "
+    std::cerr << binary_name() << " record: recording stopped (" << stats.write_error << "); training went on; what was written "
               << "before is " << output << ".incomplete\n";
   }
-  if (!finite) std::cout << "the run went non-finite; replay it with: retrace replay " << output << "\n";
+  if (!finite) std::cout << "the run went non-finite; replay it with: " << binary_name() << " replay " << output << "\n";
   bool all_fired = true;
   if (finite && static_cast<std::int64_t>(outcomes.size()) == n) {  // a run cut short by a NaN: said above
     for (std::size_t i = 0; i < fired.size(); ++i) {
       if (fired[i]) continue;
       all_fired = false;
-      const InjectionSpec& in = scenario_program->spec().injections[i];
-      std::cerr << "retrace record: injections[" << i << "] (" << to_string(in.type) << ", step " << in.step
+      const InjectionSpec& in = defenses->injector().specs()[i];
+      std::cerr << binary_name() << " record: injections[" << i << "] (" << to_string(in.type) << ", step " << in.step
                 << ") never fired" << (in.step > n ? "; the run stopped at step " + std::to_string(n) + " (--steps)" : "")
                 << ": the trace holds a run without it\n";
     }

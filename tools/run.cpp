@@ -7,6 +7,7 @@
 #include <retrace/error.h>
 #include <retrace/report.h>
 #include <retrace/runner.h>
+#include <retrace/trainer.h>
 
 #include <boost/program_options.hpp>
 #include <nlohmann/json.hpp>
@@ -50,6 +51,10 @@ struct Job {
 std::vector<std::string> expand(const std::vector<std::string>& paths) {
   std::vector<std::string> out;
   if (paths.empty()) {
+    if (!default_program().empty()) {  // a user's binary: its own scenarios, not retrace's suite
+      throw Error("no scenarios given: pass scenario files or folders (scenarios that name 'program: " + default_program() +
+                  "'), or builtin:NAME for one of retrace's built-in scenarios");
+    }
     for (const BuiltinScenario& b : builtin_suite()) out.push_back("builtin:" + b.name);
     return out;
   }
@@ -182,6 +187,9 @@ int run_run(const std::vector<std::string>& args) {
     Job job;
     job.source = source;
     job.spec = load_scenario(source);
+    // A scenario on a registered program: building it checks the program exists, takes its
+    // config and can run the injections -- bad input, refused here like a parse error.
+    if (!job.spec.program.empty()) make_scenario_program(job.spec);
     pending.push_back(std::move(job));
   }
   if (vm.count("list")) {

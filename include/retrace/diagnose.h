@@ -59,13 +59,16 @@ struct Diagnosis {
   std::int64_t from_step = 1, to_step = 1;
   VariantResult baseline;         // the run as it was, over the same window
   std::vector<VariantResult> variants;  // ranked: fixing ones first, cheapest first
+  // Variants that cannot apply, one line each with why: a scenario on a registered program
+  // (`program:`) owns its checkpointing, precision and batch size.
+  std::vector<std::string> not_applicable;
   Classification classification;
   std::string report() const;     // the table a person reads
   std::string to_json() const;
 };
 
 Diagnosis diagnose_scenario(const ScenarioSpec& spec, const DiagnoseOptions& options = {});
-// A trace recorded from a built-in scenario program ("retrace.scenario"): its first non-finite
+// A trace recorded from a scenario ("retrace.scenario", a built-in model or a registered program): its first non-finite
 // step is found in the trace, the state before it restored by replaying up to it.
 Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options = {});
 

@@ -4,7 +4,7 @@
 // schedule, so that a scenario can check that the defense meant for it holds -- and, with the
 // defense switched off, that the fault really bites.
 //
-// An Injector is driven by the training loop (ScenarioProgram) through the hooks below, and is a
+// An Injector is driven by the defense pipeline (retrace/defenses.h) through the hooks below, and is a
 // SegmentObserver for the faults that live inside checkpointed segments. Every decision is a pure
 // function of (injection seed, step, index): it never draws from LibTorch's generators, so an
 // injected run replays bit for bit and an injection never shifts the dropout masks of the run
@@ -98,10 +98,12 @@ class Injector : public SegmentObserver {
   void begin_step(std::int64_t step);
   // LR multiplier for this step (kLrSpike), 1 when none fires.
   double lr_factor();
-  // kCorruptBatch: corrupts `batch` in place (copies first; never the caller's storage).
+  // kCorruptBatch: corrupts the tensors of kind kInput in `batch` (copies first; never the
+  // caller's storage); token ids become `vocab` + 7.
   void corrupt_batch(std::vector<NamedTensor>& batch, std::int64_t vocab);
   // kBitFlip on weights or optimizer state: flips bits in place in one element of one of
-  // `tensors` (chosen by the seed among those whose name starts with "param." or "optim.").
+  // `tensors` (chosen by the seed among the floating-point ones of kind kParameter, or
+  // kOptimizerState for target optimizer).
   void flip_state(const std::vector<NamedTensor>& state);
   // kLossSpike: the loss to back-propagate.
   at::Tensor on_loss(const at::Tensor& loss);

@@ -14,9 +14,28 @@
 
 namespace retrace {
 
+// What a tensor of a program is: the contract every layer selects by (bit flips hit parameters
+// or optimizer state, batch corruption hits inputs, the runner checks parameters for non-finite
+// values), whatever the program names its tensors.
+enum class TensorKind : std::uint8_t {
+  kOther = 0,        // not selected by any layer (the default for a tensor a program does not mark)
+  kParameter,        // a trained weight (state())
+  kBuffer,           // a module buffer (state())
+  kOptimizerState,   // moments, momentum buffers, step counts (state())
+  kDefenseState,     // a defense's or schedule's state: loss scale, LR schedule, clipping window
+  kInput,            // a batch tensor the model reads: what corrupt_batch corrupts and
+                     // validate_batch checks (token ids or features)
+  kTarget,           // a batch tensor the loss compares against (labels)
+  kGradient,         // a parameter's gradient (StepMonitor::after_backward)
+};
+const char* to_string(TensorKind kind);  // "parameter", "optimizer_state", ...
+// The kind to_string() names; kOther for a name it does not know (a newer writer's kind).
+TensorKind tensor_kind_from_string(const std::string& name);
+
 struct NamedTensor {
   std::string name;
   at::Tensor tensor;
+  TensorKind kind = TensorKind::kOther;
 };
 
 struct StepOutcome {
@@ -42,6 +61,8 @@ struct StepOutcome {
 };
 
 // Called by a program inside step(): after backward, before clipping and the optimizer step.
+class Defenses;  // retrace/defenses.h
+
 class StepMonitor {
  public:
   virtual ~StepMonitor() = default;
@@ -70,6 +91,10 @@ class Program {
   // The learning rate and loss scale the next step will use (recorded with each step).
   virtual double lr() const { return 0.0; }
   virtual double loss_scale() const { return 1.0; }
+  // The defense pipeline the program's step() runs through (retrace/defenses.h), or nullptr. A
+  // scenario's defenses and injections reach a program through it (Defenses::configure), and
+  // the scenario runner reads what the defenses did from it.
+  virtual Defenses* defenses() { return nullptr; }
 };
 
 using ProgramFactory = std::function<std::unique_ptr<Program>(const std::string& config)>;
@@ -79,5 +104,20 @@ void register_program(const std::string& name, ProgramFactory factory);
 // Builds a registered program; throws retrace::Error naming the known programs otherwise.
 std::unique_ptr<Program> make_program(const std::string& name, const std::string& config);
 std::vector<std::string> registered_programs();
+
+// Registers a program at static-initialization time, for binaries that never call
+// retrace::main (a gtest binary with RETRACE_SCENARIO_TEST):
+//   static retrace::ProgramRegistration reg("my.trainer", [](const std::string& config) {
+//     return std::make_unique<MyTrainer>(config); });
+struct ProgramRegistration {
+  ProgramRegistration(const std::string& name, ProgramFactory factory) { register_program(name, std::move(factory)); }
+};
+
+// Detached copies of `tensors` (names and kinds kept): a snapshot that later steps cannot change.
+std::vector<NamedTensor> clone_all(const std::vector<NamedTensor>& tensors);
+// The tensors of `tensors` of kind `kind`, in order.
+std::vector<NamedTensor> of_kind(const std::vector<NamedTensor>& tensors, TensorKind kind);
+// Every floating-point tensor of kind parameter in `state` is finite.
+bool parameters_finite(const std::vector<NamedTensor>& state);
 
 }  // namespace retrace

@@ -113,6 +113,7 @@ struct ScenarioResult {
   std::int64_t first_nonfinite_loss_step = 0;   // first applied step with a non-finite loss
   std::int64_t first_silent_mismatch_step = 0;  // first applied step with a non-bitwise recompute
   std::vector<InjectionTally> injections;
+  std::vector<std::string> segments_seen;  // checkpointed segments that ran, in order of first run
   std::vector<Breakage> breakage;    // what broke, in the order found
 
   // Stability figures (retrace run --bench): against the same run without its injections.

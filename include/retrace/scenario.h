@@ -4,6 +4,7 @@
 // docs/scenarios.md. An unknown key, a wrong type, a non-finite number or a missing field is a
 // retrace::Error naming the file, line and key.
 
+#include <retrace/defenses.h>
 #include <retrace/injectors.h>
 
 #include <cstdint>
@@ -49,48 +50,12 @@ struct TrainingSpec {
   double loss_weight = 1.0;         // the loss back-propagated is loss * loss_weight
 };
 
-struct LossScalingSpec {
-  bool enabled = false;
-  double init_scale = 65536.0;
-  double growth_factor = 2.0;
-  double backoff_factor = 0.5;
-  std::int64_t growth_interval = 2000;
-  std::int64_t hysteresis = 1;  // overflows in a row before backing off (DeepSpeed's)
-  double min_scale = 0.0;       // the scale never backs off below this (0: no floor)
-};
-
-struct ClipSpec {
-  std::string mode = "off";        // off | global | per_tensor | adaptive
-  double max_norm = 1.0;           // global, per_tensor; adaptive: the floor of the threshold
-  bool error_if_nonfinite = false; // a non-finite norm throws instead of skipping the step
-  std::int64_t window = 20;        // adaptive: recent applied steps whose norms set the threshold
-  double multiplier = 2.0;         // adaptive: threshold = multiplier x median of the window
-};
-
-struct PlateauSpec {
-  bool enabled = false;
-  double factor = 0.5;
-  std::int64_t patience = 3;
-  double threshold = 1e-4;  // relative improvement that counts
-  double min_lr = 0.0;
-};
-
-struct DefenseSpec {
-  LossScalingSpec loss_scaling;
-  ClipSpec clip;
-  bool skip_nonfinite = false;       // skip the optimizer step when gradients are not finite
-  std::int64_t warmup_steps = 0;     // linear LR warmup over the first applied steps
-  PlateauSpec plateau;               // ReduceLROnPlateau on the step loss
+// The scenario's defenses: the pipeline's (defenses.h), plus three that act inside the built-in
+// models and so apply to them only.
+struct DefenseSpec : DefenseOptions {
   bool layernorm_fp32 = false;       // LayerNorm computed in fp32 whatever the autocast dtype
   double layernorm_min_eps = 0.0;    // eps guard: LayerNorm eps raised to at least this
-  // A non-finite step restores the state the step started from; consecutive non-finite steps
-  // walk further back through the last rollback_depth step-start snapshots (a bad update that
-  // only shows one step later is undone too).
-  bool rollback = false;
-  std::int64_t rollback_depth = 4;
   bool preserve_rng_state = true;    // checkpoint recomputes under the forward's RNG state
-  bool verify_recompute = false;     // a non-bitwise recompute skips the step (never applied)
-  bool validate_batch = false;       // a batch with NaN features or out-of-range ids is skipped
 };
 
 // What the run must show. Unset fields are not checked.
@@ -124,6 +89,11 @@ struct ExpectSpec {
 struct ScenarioSpec {
   std::string name;
   std::string description;
+  // A registered program to train instead of a built-in model (`program:`), and its `config:`
+  // map as YAML text (what the program's factory gets; "" without). Empty: `model:` names a
+  // built-in model.
+  std::string program;
+  std::string program_config;
   ModelSpec model;
   DataSpec data;
   TrainingSpec training;

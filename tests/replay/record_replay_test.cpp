@@ -313,7 +313,7 @@ TEST(IoFaults, UnderContinueTrainingGoesOnAndSyncedStepsSurviveLosingUnsyncedDat
     recorder.reset();
     ++runs;
     ASSERT_EQ(outcomes.size(), 3u) << "training stopped";
-    EXPECT_TRUE(program.params_finite());
+    EXPECT_TRUE(program.defenses()->parameters_finite());
     if (!faulty.fired()) {
       EXPECT_TRUE(stats.write_error.empty()) << stats.write_error;
       EXPECT_TRUE(TraceReader(path).complete());

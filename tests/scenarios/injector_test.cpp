@@ -128,7 +128,7 @@ TEST(Injector, SegmentFaultIsAppliedIdenticallyInForwardAndRecompute) {
   ScenarioProgram program(spec);
   const StepOutcome o = program.step(1, program.batch(1), nullptr);
   EXPECT_FALSE(o.skipped) << o.skip_reason;
-  EXPECT_EQ(program.caught_recompute_mismatches(), 0);
+  EXPECT_EQ(program.defenses()->caught_recompute_mismatches(), 0);
   ASSERT_EQ(o.injected.size(), 1u);
   EXPECT_NE(o.injected[0].find("activation_overflow block0: outputs x10"), std::string::npos) << o.injected[0];
 }
@@ -146,7 +146,7 @@ TEST(Defenses, SkippedStepLeavesStateBitwiseUntouchedAndTheScheduleStill) {
   EXPECT_TRUE(o.skipped);
   EXPECT_EQ(o.skip_reason, "non-finite gradients");
   EXPECT_EQ(differing(program.state(), before), 0);
-  EXPECT_EQ(program.applied_steps(), 1);
+  EXPECT_EQ(program.defenses()->schedule().applied_steps(), 1);
   EXPECT_EQ(program.lr(), lr_before);
   // Negative control: without the defense, the same step changes (and poisons) the state.
   ScenarioProgram off(with("injections: [{type: grad_nonfinite, step: 2}]\n"));
@@ -321,11 +321,12 @@ namespace retrace {
 namespace {
 
 TEST(Defenses, PlateauCutsTheLrAfterPatienceAndRoundTripsThroughState) {
-  // LR 0 and no dropout: the loss never improves, so after `patience` flat steps the factor halves.
+  // LR 1e-6 and no dropout: the loss improves by far less than the threshold, so after
+  // `patience` flat steps the factor halves (each cut moves the LR by more than eps, 1e-8).
   ScenarioSpec spec = parse_scenario_text(R"(
 model: {type: mlp, layers: 2, hidden: 8, dropout: 0}
 data: {batch: 4}
-training: {steps: 8, optimizer: sgd, lr: 0.0, segments: 0}
+training: {steps: 8, optimizer: sgd, lr: 1.0e-6, segments: 0}
 defenses: {plateau: {factor: 0.5, patience: 2}}
 )", "plateau.yaml");
   ScenarioProgram zero(spec);
@@ -346,6 +347,11 @@ defenses: {plateau: {factor: 0.5, patience: 2}}
   const at::Tensor after = plateau(restored);
   ASSERT_TRUE(after.defined());
   EXPECT_BITWISE_EQ(after, before);
+  // PyTorch's eps: with LR 0 a cut would change the LR by nothing, so none is made.
+  spec.training.lr = 0.0;
+  ScenarioProgram still(spec);
+  for (std::int64_t s = 1; s <= 8; ++s) still.step(s, still.batch(1), nullptr);
+  EXPECT_EQ(plateau(still)[0].item<double>(), 1.0);
 }
 
 }  // namespace

@@ -95,9 +95,9 @@ double LossScaler::current_scale() const { return scale_.item<double>(); }
 std::int64_t LossScaler::growth_tracker() const { return growth_tracker_.item<std::int64_t>(); }
 
 std::vector<NamedTensor> LossScaler::state() const {
-  return {{"scaler.scale", scale_},
-          {"scaler.growth_tracker", growth_tracker_},
-          {"scaler.hysteresis_left", at::scalar_tensor(hysteresis_left_, at::kLong)}};
+  return {{"scaler.scale", scale_, TensorKind::kDefenseState},
+          {"scaler.growth_tracker", growth_tracker_, TensorKind::kDefenseState},
+          {"scaler.hysteresis_left", at::scalar_tensor(hysteresis_left_, at::kLong), TensorKind::kDefenseState}};
 }
 
 void LossScaler::load_state(const std::vector<NamedTensor>& state) {
