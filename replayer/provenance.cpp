@@ -8,6 +8,7 @@
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/isnan.h>
 
+#include <algorithm>
 #include <atomic>
 #include <string_view>
 #include <cmath>
@@ -52,8 +53,14 @@ struct Probe {
 Probe* g_probe = nullptr;
 thread_local int t_backward_depth = 0;
 thread_local bool t_inside = false;
+struct ProbeContext;
+// The ops this thread is inside (outermost first): an op that ends with a non-finite output but
+// was handed a non-finite input already got it from an enclosing op's own kernel (mse_loss
+// squares into a tensor, then calls sum and div_ on it).
+thread_local std::vector<ProbeContext*> t_open;
 
 struct ProbeContext : at::ObserverContext {
+  std::string name;
   std::vector<at::Tensor> inputs;
   bool infinite_scalar = false;  // e.g. masked_fill(mask, -inf): infinities by design
 };
@@ -71,6 +78,14 @@ bool has_nan(const at::Tensor& t) {
 // In-place ops (trailing '_': copy_, add_, fill_, ...) write into their first input.
 bool is_in_place(std::string_view name) { return !name.empty() && name.back() == '_'; }
 
+// An out= overload ("out", "IntList_out", "values_out"): it computes into a tensor it was handed.
+bool is_out_variant(const at::RecordFunction& fn) {
+  const auto op = fn.operator_name();
+  if (!op) return false;
+  const std::string& o = op->overload_name;
+  return o == "out" || (o.size() > 4 && o.compare(o.size() - 4, 4, "_out") == 0);
+}
+
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) {
     ++t_backward_depth;
@@ -78,6 +93,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   }
   if (t_inside || g_probe == nullptr) return nullptr;
   auto ctx = std::make_unique<ProbeContext>();
+  ctx->name = fn.name();
   for (const c10::IValue& v : fn.inputs()) {
     if (v.isTensor()) ctx->inputs.push_back(v.toTensor());
     else if (v.isDouble() && !std::isfinite(v.toDouble())) ctx->infinite_scalar = true;
@@ -97,6 +113,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
       if (in.defined() && in.has_storage() && in.storage().is_alias_of(destination)) in = in.detach().clone();
     }
   }
+  t_open.push_back(ctx.get());
   return ctx;
 }
 
@@ -108,6 +125,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
       if (backward) --t_backward_depth;
     }
   } leave{backward_scope};
+  if (raw != nullptr && !t_open.empty() && t_open.back() == raw) t_open.pop_back();
   if (t_inside || g_probe == nullptr) return;
   t_inside = true;
   struct Reset {
@@ -135,8 +153,10 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
   }
   bool bad = false;
   // A view op's output aliases its input: no new values were computed (and a view of a fresh
-  // allocation shows uninitialized bytes). In-place ops (trailing '_') do compute into their input.
-  const bool in_place = is_in_place(name);
+  // allocation shows uninitialized bytes). In-place ops (trailing '_') do compute into their input,
+  // and so do out= variants (overload "out", "IntList_out", ...: sum into a given tensor, as
+  // mean and mse_loss do inside), whose output is their `out` argument.
+  const bool in_place = is_in_place(name) || is_out_variant(fn);
   auto aliases_input = [&](const at::Tensor& t) {
     if (in_place || !raw || !t.has_storage()) return false;
     for (const at::Tensor& in : static_cast<ProbeContext*>(raw)->inputs) {
@@ -154,6 +174,24 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
 
   NonFiniteOrigin origin;
   origin.op = fn.name();
+  // Handed a non-finite input it did not make: the value came from the kernel of an op still
+  // open around this one -- the innermost one whose own inputs are all finite made it.
+  const auto* self = static_cast<ProbeContext*>(raw);
+  const bool handed_nonfinite =
+      self && !self->infinite_scalar &&
+      std::any_of(self->inputs.begin(), self->inputs.end(), [](const at::Tensor& t) { return has_nonfinite(t); });
+  const ProbeContext* maker = nullptr;
+  if (handed_nonfinite) {
+    for (auto it = t_open.rbegin(); it != t_open.rend() && !maker; ++it) {
+      const bool finite_inputs =
+          std::none_of((*it)->inputs.begin(), (*it)->inputs.end(), [](const at::Tensor& t) { return has_nonfinite(t); });
+      if (finite_inputs && !(*it)->infinite_scalar) maker = *it;
+    }
+  }
+  if (maker) {
+    origin.op = maker->name;
+    origin.inner_op = fn.name();
+  }
   ActiveSegment active;
   if (current_segment(&active)) {
     origin.segment = active.segment;
@@ -171,7 +209,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
   if (backward_scope || t_backward_depth > 0) origin.phase = "backward";
   else if (origin.phase.empty() && g_probe->after_backward) origin.phase = "optimizer";
   else if (origin.phase.empty()) origin.phase = g_probe->backward_ran && !builds_graph() ? "post-backward" : "forward";
-  if (auto* ctx = static_cast<ProbeContext*>(raw)) {
+  if (const ProbeContext* ctx = maker ? maker : static_cast<ProbeContext*>(raw)) {
     for (std::size_t i = 0; i < ctx->inputs.size(); ++i) {
       origin.inputs.push_back(tensor_stats("input " + std::to_string(i), ctx->inputs[i]));
     }

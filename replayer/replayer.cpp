@@ -51,15 +51,18 @@ nlohmann::json Divergence::to_json() const {
 
 std::string NonFiniteOrigin::message() const {
   std::ostringstream os;
-  os << "first non-finite value at step " << step << ": op " << op << " in "
+  os << "first non-finite value at step " << step << ": op " << op
+     << (inner_op.empty() ? "" : " (made inside it, first returned by its inner " + inner_op + ")") << " in "
      << (segment.empty() ? "(outside segments)" : "segment '" + segment + "'") << ", phase " << phase;
   for (const TensorStats& s : outputs) {
     os << "; " << s.name << " " << s.meta << " nan=" << s.nonfinite.nan << " +inf=" << s.nonfinite.pos_inf
        << " -inf=" << s.nonfinite.neg_inf;
   }
   for (const TensorStats& s : inputs) {
-    os << "; " << s.name << " " << s.meta << " min " << number_text(s.min) << " max " << number_text(s.max) << " |max| "
-       << number_text(s.abs_max) << " nan=" << s.nonfinite.nan << " inf=" << (s.nonfinite.pos_inf + s.nonfinite.neg_inf);
+    os << "; " << s.name << " " << s.meta;
+    if (std::isnan(s.min)) os << " (no finite element)";  // min/max are over the finite elements
+    else os << " min " << number_text(s.min) << " max " << number_text(s.max) << " |max| " << number_text(s.abs_max);
+    os << " nan=" << s.nonfinite.nan << " inf=" << (s.nonfinite.pos_inf + s.nonfinite.neg_inf);
   }
   return os.str();
 }
@@ -73,8 +76,10 @@ nlohmann::json NonFiniteOrigin::to_json() const {
     }
     return a;
   };
-  return {{"step", step}, {"segment", segment}, {"phase", phase}, {"op", op},
-          {"inputs", stats(inputs)}, {"outputs", stats(outputs)}, {"message", message()}};
+  nlohmann::json j = {{"step", step}, {"segment", segment}, {"phase", phase}, {"op", op},
+                      {"inputs", stats(inputs)}, {"outputs", stats(outputs)}, {"message", message()}};
+  if (!inner_op.empty()) j["inner_op"] = inner_op;
+  return j;
 }
 
 nlohmann::json RaisedStep::to_json() const {

@@ -59,8 +59,11 @@ struct NonFiniteOrigin {
   // clipping, the optimizer step)
   std::string phase;
   std::string op;       // e.g. "aten::div", "autograd::engine::evaluate_function: MulBackward0"
-  std::vector<TensorStats> inputs;  // as they were before the op (an in-place op's too)
-  std::vector<TensorStats> outputs;
+  // When `op` made the value inside its own kernel and handed it to a nested op, that nested op
+  // (the first to return it): op "aten::mse_loss", inner_op "aten::sum". Empty otherwise.
+  std::string inner_op;
+  std::vector<TensorStats> inputs;  // `op`'s, as they were before it ran (an in-place op's too)
+  std::vector<TensorStats> outputs; // of the op that first returned the value (inner_op, else op)
   std::string message() const;
   nlohmann::json to_json() const;
 };
