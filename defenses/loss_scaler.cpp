@@ -2,6 +2,7 @@
 
 #include <retrace/error.h>
 
+#include <ATen/ATen.h>  // operator*, scalar_tensor (the fuzz build has no LibTorch PCH)
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <ATen/ops/_amp_update_scale.h>
 #include <ATen/ops/full.h>
