@@ -624,6 +624,7 @@ bool DefendedStep::rollback(bool finite_grads) {
   d.program().load_state(restore.state);
   if (d.scaler_) d.scaler_->load_state(scaler_now);
   ++d.rollbacks_;
+  out_.rolled_back_to = restore.step;
   skip(why + "; restored the state from the start of step " + std::to_string(restore.step));
   return true;
 }

@@ -580,7 +580,10 @@ void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std
                          {"skipped", outcome.skipped},
                          {"finite", outcome.finite()}};
   if (!outcome.skip_reason.empty()) meta["skip_reason"] = outcome.skip_reason;
-  if (outcome.rolled_back) meta["rolled_back"] = true;
+  if (outcome.rolled_back) {
+    meta["rolled_back"] = true;
+    meta["rolled_back_to"] = outcome.rolled_back_to;
+  }
   if (!outcome.injected.empty()) meta["injected"] = outcome.injected;  // tagged: not a real fault
   std::vector<TensorToWrite> tensors = std::move(m.after_backward);
   m.after_backward.clear();

@@ -54,6 +54,7 @@ struct StepOutcome {
   // backed off", "invalid batch: ...", "non-finite loss; restored the state from the start of step 3".
   std::string skip_reason;
   bool rolled_back = false;  // the step's starting state was restored after a non-finite step
+  std::int64_t rolled_back_to = 0;  // ... the state from the start of this step (0: no rollback)
   // Injections that fired in this step, one line each ("activation_overflow block0..block1 ..."):
   // the recorder tags them in the trace so an injected fault is never taken for a real one.
   std::vector<std::string> injected;

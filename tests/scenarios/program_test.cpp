@@ -381,6 +381,43 @@ TEST(Pipeline, AForwardWithoutTheBatchStageIsRefused) {
   EXPECT_NO_THROW((void)s.forward());
 }
 
+TEST(Pipeline, EachStepSaysWhatTheDefensesDid) {
+  // Rollback: the step that went non-finite says whose start it restored; loss scaling: the
+  // scale it started with and the one after its backoff; clipping: the coefficient.
+  Regressor p("");
+  DefenseOptions o;
+  o.rollback = true;
+  o.loss_scaling.enabled = true;
+  o.loss_scaling.init_scale = 1024;
+  o.clip.mode = ClipMode::kGlobal;
+  o.clip.max_norm = 1e-3;
+  InjectionSpec nan;
+  nan.type = InjectionType::kGradNonFinite;
+  nan.step = 2;
+  nan.mode = "nan";
+  p.defenses()->configure(o, {nan});
+  const StepOutcome s1 = p.step(1, p.batch(1), nullptr);
+  EXPECT_FALSE(s1.skipped);
+  EXPECT_LT(s1.clip_coef, 1.0);  // clipped hard: a norm far above 1e-3
+  EXPECT_NEAR(s1.clipped_grad_norm, 1e-3, 1e-6);
+  const StepOutcome s2 = p.step(2, p.batch(2), nullptr);
+  EXPECT_TRUE(s2.skipped);
+  EXPECT_EQ(s2.loss_scale, 1024);
+  EXPECT_EQ(s2.loss_scale_after, 512);  // backed off
+  EXPECT_FALSE(s2.rolled_back);  // the scaler skipped it and the parameters are finite: nothing to undo
+  EXPECT_EQ(s2.rolled_back_to, 0);
+  // Control: without the scaler, the NaN is applied and rollback restores step 2's start.
+  Regressor q("");
+  DefenseOptions r;
+  r.rollback = true;
+  q.defenses()->configure(r, {nan});
+  q.step(1, q.batch(1), nullptr);
+  const StepOutcome t2 = q.step(2, q.batch(2), nullptr);
+  EXPECT_TRUE(t2.rolled_back);
+  EXPECT_EQ(t2.rolled_back_to, 2);
+  EXPECT_NE(t2.skip_reason.find("restored the state from the start of step 2"), std::string::npos) << t2.skip_reason;
+}
+
 TEST(Pipeline, ClipModeNamesParseOnceAndATypoIsAnError) {
   for (const std::string& name : clip_mode_names()) EXPECT_EQ(to_string(parse_clip_mode(name)), name);
   EXPECT_THROW(parse_clip_mode("adaptiv"), Error);
