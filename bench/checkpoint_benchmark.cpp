@@ -2,6 +2,7 @@
 // the forward in the recompute's grad mode. Every figure is a ratio of two variants measured
 // interleaved in the same benchmark, so machine noise hits both sides alike.
 #include "alternate.h"
+#include "bench_models.h"
 
 #include <retrace/memory.h>
 #include <retrace/models.h>
@@ -18,17 +19,7 @@
 namespace retrace {
 namespace {
 
-
-models::GptConfig bench_config() {
-  models::GptConfig c;
-  c.layers = 8;
-  c.d_model = 64;
-  c.heads = 4;
-  c.seq_len = 32;
-  c.batch = 8;
-  c.dropout = 0.1;
-  return c;
-}
+models::GptConfig bench_config() { return bench::gpt8_config(); }
 
 struct Fixture {
   Fixture() {

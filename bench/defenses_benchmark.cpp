@@ -3,6 +3,7 @@
 // train identical tiny GPTs (same seed, same batches) with dynamic loss scaling, global clipping
 // at 1.0 and a 5-step warmup; the benchmark also reports whether the two ended bitwise equal.
 #include "alternate.h"
+#include "bench_models.h"
 
 #include <retrace/defenses.h>
 #include <retrace/models.h>
@@ -16,17 +17,6 @@
 namespace retrace {
 namespace {
 
-models::GptConfig gpt_config() {
-  models::GptConfig c;
-  c.layers = 8;
-  c.d_model = 64;
-  c.heads = 4;
-  c.seq_len = 32;
-  c.batch = 8;
-  c.dropout = 0.1;
-  return c;
-}
-
 constexpr double kLr = 1e-4;
 constexpr std::int64_t kWarmup = 5;
 constexpr int kSegments = 4;
@@ -37,7 +27,7 @@ struct Training {
   std::unique_ptr<torch::optim::AdamW> optimizer;
   explicit Training() {
     torch::manual_seed(0);
-    model = std::make_shared<models::TinyGpt>(gpt_config());
+    model = std::make_shared<models::TinyGpt>(bench::gpt8_config());
     model->train();
     optimizer = std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(kLr));
   }
