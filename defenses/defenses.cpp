@@ -345,6 +345,8 @@ void Defenses::attach(Program& program, torch::optim::Optimizer& optimizer, std:
   optimizer_ = &optimizer;
   for (NamedTensor& p : parameters) p.kind = TensorKind::kParameter;
   parameters_ = std::move(parameters);
+  gradient_names_.clear();
+  for (const NamedTensor& p : parameters_) gradient_names_.push_back(gradient_name(p.name));
   traits_ = traits;
   configure(options_, injector_ ? injector_->specs() : std::vector<InjectionSpec>{});
 }
@@ -477,11 +479,15 @@ std::vector<NamedTensor> DefendedStep::batch(const std::vector<NamedTensor>& bat
   }
   // The rollback snapshot, before any injected corruption of the state -- but not while a run of
   // failures is being rolled back: the state is then a restored copy of an older snapshot.
-  if (d.options_.rollback && d.failures_in_a_row_ == 0) {
-    d.snapshots_.push_back({step_, clone_all(d.program().state())});
-    while (static_cast<std::int64_t>(d.snapshots_.size()) > d.options_.rollback_depth) d.snapshots_.pop_front();
+  const bool snapshot = d.options_.rollback && d.failures_in_a_row_ == 0;
+  if (snapshot || !d.injector_->empty()) {
+    const std::vector<NamedTensor> state = d.program().state();  // the live tensors, gathered once
+    if (snapshot) {
+      d.snapshots_.push_back({step_, clone_all(state)});
+      while (static_cast<std::int64_t>(d.snapshots_.size()) > d.options_.rollback_depth) d.snapshots_.pop_front();
+    }
+    if (!d.injector_->empty()) d.injector_->flip_state(state);
   }
-  if (!d.injector_->empty()) d.injector_->flip_state(d.program().state());
   return batch;
 }
 
@@ -527,8 +533,9 @@ StepOutcome DefendedStep::finish() {
   if (!done_ && !backward_done_) throw Error("retrace::DefendedStep::finish: step " + std::to_string(step_) + " has no backward()");
   if (!done_) {
     std::vector<NamedTensor> grads;
-    for (const NamedTensor& p : d.parameters_) {
-      if (p.tensor.grad().defined()) grads.push_back({gradient_name(p.name), p.tensor.grad(), TensorKind::kGradient});
+    for (std::size_t i = 0; i < d.parameters_.size(); ++i) {
+      const at::Tensor& g = d.parameters_[i].tensor.grad();
+      if (g.defined()) grads.push_back({d.gradient_names_[i], g, TensorKind::kGradient});
     }
     d.injector_->on_grads(grads);
     if (monitor_) monitor_->after_backward(loss_, grads);

@@ -363,6 +363,7 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
   std::unique_ptr<Program> program;
   Defenses* defenses = nullptr;  // the program's pipeline: what fired, what the defenses did
   bool started = false;  // an exception before the first step is the harness's, not the fault's
+  auto params_finite = [&] { return defenses ? defenses->parameters_finite() : parameters_finite(program->state()); };
   // What each injection entry was due on and did in the step that ends (or raised).
   auto tally_injections = [&](std::int64_t step) {
     if (!defenses) return;
@@ -382,7 +383,6 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
       if (options.restart_schedule && defenses) defenses->schedule().restart();
     }
     if (options.start_rng) options.start_rng->restore();
-    auto params_finite = [&] { return defenses ? defenses->parameters_finite() : parameters_finite(program->state()); };
     params_were_finite = params_finite();
     auto after_step = [&](std::int64_t step, const StepOutcome& o) {
       ++r.steps_run;
@@ -460,7 +460,7 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
   r.segments_seen = observer.names();
   if (program) {
     if (defenses) defenses->observe(nullptr);
-    r.params_finite = defenses ? defenses->parameters_finite() : parameters_finite(program->state());
+    r.params_finite = params_finite();
     if (r.params_finite) r.nonfinite_params_since = options.first_step - 1;
     else if (params_were_finite) r.nonfinite_params_since = r.last_step;  // the step that raised broke them
     if (const LossScaler* s = defenses ? defenses->scaler() : nullptr) {

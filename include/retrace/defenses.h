@@ -260,6 +260,7 @@ class Defenses {
   Program* program_ = nullptr;
   torch::optim::Optimizer* optimizer_ = nullptr;
   std::vector<NamedTensor> parameters_;
+  std::vector<std::string> gradient_names_;  // "grad.NAME" per parameter, what the monitor sees
   std::unique_ptr<Injector> injector_;
   std::unique_ptr<LossScaler> scaler_;
   GradClipper clipper_;
