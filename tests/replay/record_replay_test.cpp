@@ -3,6 +3,7 @@
 #include <retrace/diagnose.h>
 #include <retrace/gtest.h>
 #include <retrace/recorder.h>
+#include <retrace/records.h>
 #include <retrace/replayer.h>
 #include <retrace/runner.h>
 #include <retrace/trainer.h>
@@ -210,6 +211,7 @@ class FaultyFileSystem : public io::FileSystem {
     io::posix_file_system().sync_directory(d);
   }
   void remove(const std::string& p) override { io::posix_file_system().remove(p); }
+  std::unique_ptr<io::ReadableFile> open(const std::string& p) override { return io::posix_file_system().open(p); }
 
  private:
   bool next() { return ++count_ == fail_at_; }
@@ -523,15 +525,23 @@ TEST(Replay, EnvironmentThatBreaksBitwiseEqualityIsRefusedUnlessForced) {
   fs::remove(copy);
 }
 
-// The POSIX file system with every append slowed down, so the writer is certainly behind the
-// training thread (a fast codec had let it keep up, and the test then proved nothing).
+// The POSIX file system with the background writer held on its first record, so the training
+// thread certainly pushes again while the writer is busy. (A fixed 40 ms per append had let a
+// step slowed by a loaded machine fall behind the writer, and then the test saw no wait.) The
+// header is written on the thread that made the file system and is not held; the hold is a
+// bound far above the gap between two pushes of one step (one segment's forward), not a timing.
 class SlowFileSystem : public io::FileSystem {
  public:
   std::unique_ptr<io::WritableFile> create(const std::string& path) override {
     struct Slow : io::WritableFile {
       std::unique_ptr<io::WritableFile> f;
+      std::thread::id owner = std::this_thread::get_id();
+      bool held = false;
       void append(const void* d, std::size_t n) override {
-        std::this_thread::sleep_for(std::chrono::milliseconds(40));  // far longer than the gap between two pushes of one step, even under ASan
+        if (!held && std::this_thread::get_id() != owner) {
+          held = true;  // only the writer thread appends after the header
+          std::this_thread::sleep_for(std::chrono::seconds(2));
+        }
         f->append(d, n);
       }
       void sync() override { f->sync(); }
@@ -545,6 +555,7 @@ class SlowFileSystem : public io::FileSystem {
   void rename(const std::string& a, const std::string& b) override { io::posix_file_system().rename(a, b); }
   void sync_directory(const std::string& d) override { io::posix_file_system().sync_directory(d); }
   void remove(const std::string& p) override { io::posix_file_system().remove(p); }
+  std::unique_ptr<io::ReadableFile> open(const std::string& p) override { return io::posix_file_system().open(p); }
 };
 
 TEST(Recorder, FullQueueAppliesBackpressureAndDropsNothing) {
@@ -559,6 +570,15 @@ TEST(Recorder, FullQueueAppliesBackpressureAndDropsNothing) {
   EXPECT_EQ(static_cast<std::int64_t>(trace.records().size()), rec.stats.records);
   EXPECT_TRUE(replay(rec.path).reproduced);
   fs::remove(rec.path);
+
+  // Control: the same held writer under the default bound never makes the training thread wait.
+  SlowFileSystem slow_again;
+  options.queue_bytes = RecorderOptions{}.queue_bytes;
+  options.writer.fs = &slow_again;
+  const Recorded unbounded = record(kGpt, "backpressure-control", options, 2);
+  EXPECT_EQ(unbounded.stats.backpressure_waits, 0);
+  EXPECT_EQ(static_cast<std::int64_t>(TraceReader(unbounded.path).records().size()), unbounded.stats.records);
+  fs::remove(unbounded.path);
 }
 
 // A program whose step throws: the exception is noted in the trace and the ring dumped.
@@ -629,7 +649,8 @@ TEST(Replay, StepThatRaisedReproducesItsException) {
   const TraceReader trace(path);
   std::optional<ExceptionEvent> event;
   for (std::size_t i = 0; i < trace.records().size(); ++i) {
-    if (auto e = ExceptionEvent::from_meta(trace.read(i).meta)) event = e;
+    if (trace.records()[i].type != RecordType::kEvent) continue;
+    if (auto e = EventRecord::decode(trace.read(i), trace.path()).exception) event = e;
   }
   ASSERT_TRUE(event.has_value()) << "the recorder noted no exception";
   EXPECT_EQ(event->step, 3);
