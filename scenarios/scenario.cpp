@@ -1,8 +1,12 @@
 #include <retrace/scenario.h>
 
+#include <retrace/autocast.h>
 #include <retrace/checkpoint.h>
 #include <retrace/error.h>
 
+#include <ATen/ops/lstm.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
 #include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
@@ -13,6 +17,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <sstream>
 
 namespace retrace {
@@ -499,11 +504,16 @@ ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
     }
   }
 
-  if (m.type == "lstm" && s.training.precision == "fp16" && s.training.device == "cpu") {
+  if (m.type == "lstm" && s.training.device == "cpu" &&
+      (s.training.precision == "fp16" || (s.training.precision == "bf16" && !cpu_runs_lstm_at("bf16")))) {
     const YAML::Node t = root["training"];
     p.fail(t.IsDefined() && t["precision"].IsDefined() ? t["precision"] : root, "training.precision",
-           "fp16 autocast cannot run an lstm on the CPU (oneDNN has no fp16 LSTM primitive: every step would raise); "
-           "use bf16 or fp32, or device cuda");
+           s.training.precision == "fp16"
+               ? "fp16 autocast cannot run an lstm on the CPU (oneDNN has no fp16 LSTM primitive: every step would raise); "
+                 "use bf16 or fp32, or device cuda"
+               : s.training.precision + " autocast cannot run an lstm on this machine's CPU (its oneDNN has no " +
+                     s.training.precision + " LSTM primitive for this instruction set, e.g. without AVX-512: every step "
+                     "would raise); use fp32, or device cuda");
   }
   if (const YAML::Node d = root["defenses"]; d.IsDefined()) parse_defenses(p, d, s.defenses, /*builtin_model=*/true);
   if (s.training.clip_grad_norm > 0 && s.defenses.clip.mode == ClipMode::kOff) {  // the shorthand
@@ -738,6 +748,36 @@ bool ExpectSpec::any() const {
   return params_finite || loss_finite || max_skipped_steps || min_skipped_steps || min_scale_backoffs ||
          min_scale_growths || min_rollbacks || final_loss_below || min_applied_steps || recompute_bitwise || replay_bitwise ||
          injections_fired || raises || diverges;
+}
+
+bool cpu_runs_lstm_at(const std::string& precision) {
+  static std::mutex mutex;
+  static std::map<std::string, bool> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (const auto it = known.find(precision); it != known.end()) return it->second;
+  const at::ScalarType dtype = precision == "bf16" ? at::kBFloat16 : precision == "fp16" ? at::kHalf : at::kFloat;
+  bool runs = true;
+  try {
+    // Under CPU autocast at that dtype, as the harness trains (the same op outside autocast, on
+    // tensors already in that dtype, takes another kernel and runs where autocast's does not).
+    AutocastState autocast = AutocastState::capture();
+    for (AutocastState::Entry& e : autocast.entries) {
+      if (e.device_type == c10::DeviceType::CPU) {
+        e.enabled = dtype != at::kFloat;
+        e.dtype = dtype;
+      }
+    }
+    const AutocastGuard guard(autocast);
+    const auto o = at::TensorOptions().dtype(at::kFloat);
+    const std::vector<at::Tensor> hx = {at::zeros({1, 1, 1}, o), at::zeros({1, 1, 1}, o)};
+    const std::vector<at::Tensor> params = {at::zeros({4, 1}, o), at::zeros({4, 1}, o), at::zeros({4}, o), at::zeros({4}, o)};
+    at::lstm(at::zeros({2, 1, 1}, o), hx, params, /*has_biases=*/true, /*num_layers=*/1, /*dropout=*/0.0,
+             /*train=*/true, /*bidirectional=*/false, /*batch_first=*/false);
+  } catch (const std::exception&) {  // a c10::Error, or oneDNN's own dnnl::error
+    runs = false;
+  }
+  known[precision] = runs;
+  return runs;
 }
 
 }  // namespace retrace

@@ -109,4 +109,11 @@ ScenarioSpec parse_scenario_text(const std::string& text, const std::string& ori
 // Canonical YAML with every field; parse_scenario_text(to_yaml(s)) == s.
 std::string to_yaml(const ScenarioSpec& spec);
 
+// Whether this machine's CPU kernels (oneDNN) run an LSTM at `precision` ("fp32", "bf16", "fp16"):
+// it depends on the instruction set (an AVX2-only CPU has no bf16 LSTM primitive, and no CPU has
+// an fp16 one). Probed once per precision by a one-unit LSTM forward (microseconds), then cached.
+// Thread-safe. The parser refuses an lstm scenario on the CPU under bf16 where this says no, and
+// under fp16 always.
+bool cpu_runs_lstm_at(const std::string& precision);
+
 }  // namespace retrace
