@@ -15,8 +15,32 @@ namespace retrace::io {
 namespace {
 
 [[noreturn]] void fail(const std::string& what, const std::string& path, int err) {
-  throw Error(what + " '" + path + "': " + std::strerror(err));
+  throw IoError(what, path, err);
 }
+
+class PosixReadableFile final : public ReadableFile {
+ public:
+  PosixReadableFile(std::string path, int fd, std::uint64_t size) : path_(std::move(path)), fd_(fd), size_(size) {}
+  ~PosixReadableFile() override { ::close(fd_); }
+  void read_at(std::uint64_t offset, void* out, std::size_t n) const override {
+    auto* p = static_cast<char*>(out);
+    while (n > 0) {
+      const ssize_t r = ::pread(fd_, p, n, static_cast<off_t>(offset));
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) fail("read", path_, errno);
+      if (r == 0) throw IoError("read", path_, "unexpected end of file");
+      p += r;
+      n -= static_cast<std::size_t>(r);
+      offset += static_cast<std::uint64_t>(r);
+    }
+  }
+  std::uint64_t size() const override { return size_; }
+
+ private:
+  std::string path_;
+  int fd_;
+  std::uint64_t size_;
+};
 
 class PosixFile final : public WritableFile {
  public:
@@ -30,7 +54,7 @@ class PosixFile final : public WritableFile {
       const ssize_t w = ::write(fd_, p, n);
       if (w < 0) {
         if (errno == EINTR) continue;
-        fail("cannot write", path_, errno);
+        fail("write", path_, errno);
       }
       p += w;
       n -= static_cast<std::size_t>(w);
@@ -38,13 +62,13 @@ class PosixFile final : public WritableFile {
     }
   }
   void sync() override {
-    if (::fsync(fd_) != 0) fail("cannot fsync", path_, errno);
+    if (::fsync(fd_) != 0) fail("fsync", path_, errno);
   }
   void close() override {
     if (fd_ < 0) return;
     const int fd = fd_;
     fd_ = -1;
-    if (::close(fd) != 0) fail("cannot close", path_, errno);
+    if (::close(fd) != 0) fail("close", path_, errno);
   }
   std::uint64_t size() const override { return size_; }
 
@@ -56,28 +80,51 @@ class PosixFile final : public WritableFile {
 
 class PosixFileSystem final : public FileSystem {
  public:
+  std::unique_ptr<ReadableFile> open(const std::string& path) override {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) fail("open", path, errno);
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) {
+      const int err = errno;
+      ::close(fd);
+      fail("stat", path, err);
+    }
+    if (S_ISDIR(st.st_mode)) {
+      ::close(fd);
+      fail("read", path, EISDIR);
+    }
+    return std::make_unique<PosixReadableFile>(path, fd, static_cast<std::uint64_t>(st.st_size));
+  }
   std::unique_ptr<WritableFile> create(const std::string& path) override {
     const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) fail("cannot create", path, errno);
+    if (fd < 0) fail("create", path, errno);
     return std::make_unique<PosixFile>(path, fd);
   }
   void rename(const std::string& from, const std::string& to) override {
-    if (::rename(from.c_str(), to.c_str()) != 0) fail("cannot rename to '" + to + "' from", from, errno);
+    if (::rename(from.c_str(), to.c_str()) != 0) fail("rename to '" + to + "' from", from, errno);
   }
   void sync_directory(const std::string& directory) override {
     const int fd = ::open(directory.empty() ? "." : directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) fail("cannot open directory", directory, errno);
+    if (fd < 0) fail("open directory", directory, errno);
     const int rc = ::fsync(fd);
     const int err = errno;
     ::close(fd);
-    if (rc != 0) fail("cannot fsync directory", directory, err);
+    if (rc != 0) fail("fsync directory", directory, err);
   }
   void remove(const std::string& path) override {
-    if (::unlink(path.c_str()) != 0 && errno != ENOENT) fail("cannot remove", path, errno);
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT) fail("remove", path, errno);
   }
 };
 
 }  // namespace
+
+IoError::IoError(std::string operation, std::string path, int os_error)
+    : IoError(std::move(operation), std::move(path), std::string(std::strerror(os_error))) {
+  os_error_ = os_error;
+}
+
+IoError::IoError(std::string operation, std::string path, std::string reason)
+    : Error("cannot " + operation + " '" + path + "': " + reason), path_(std::move(path)), reason_(std::move(reason)) {}
 
 FileSystem& posix_file_system() {
   static PosixFileSystem fs;
@@ -86,7 +133,7 @@ FileSystem& posix_file_system() {
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot open", path, errno);
+  if (!in) fail("open", path, errno);
   std::ostringstream ss;
   ss << in.rdbuf();
   return ss.str();

@@ -1,5 +1,7 @@
 #include <retrace/recorder.h>
 
+#include <retrace/records.h>
+
 #include <retrace/digest.h>
 #include <retrace/environment.h>
 #include <retrace/number.h>
@@ -387,7 +389,7 @@ struct Recorder::Impl {
     return true;
   }
 
-  void segment(const SegmentEvent& e, const char* phase, const char* in_prefix, const char* out_prefix) {
+  void segment(const SegmentEvent& e) {
     if (step < 0 || closed || disabled) return;  // outside a recorded step, after a signal closed the trace, or a write failed
     std::int64_t ordinal;
     if (e.phase == SegmentPhase::kForward) {
@@ -397,15 +399,14 @@ struct Recorder::Impl {
       auto it = ordinals.find(e.invocation);
       ordinal = it == ordinals.end() ? -1 : it->second;
     }
-    nlohmann::json meta = {{"step", step}, {"segment", e.segment}, {"phase", phase}, {"ordinal", ordinal}};
+    nlohmann::json meta = SegmentRecord{step, e.segment, e.phase, ordinal}.to_meta();
     std::vector<TensorToWrite> tensors;
-    if (in_prefix) {
-      for (std::size_t i = 0; i < e.inputs.size(); ++i) {
-        if (e.inputs[i].defined()) tensors.push_back(entry(in_prefix + std::to_string(i), e.inputs[i], store_values()));
-      }
+    for (std::size_t i = 0; i < e.inputs.size(); ++i) {
+      const std::optional<std::string> name = tensor_names::segment_input(e.phase, i);
+      if (name && e.inputs[i].defined()) tensors.push_back(entry(*name, e.inputs[i], store_values()));
     }
     for (std::size_t i = 0; i < e.outputs.size(); ++i) {
-      if (e.outputs[i].defined()) tensors.push_back(entry(out_prefix + std::to_string(i), e.outputs[i], store_values()));
+      if (e.outputs[i].defined()) tensors.push_back(entry(tensor_names::segment_output(e.phase, i), e.outputs[i], store_values()));
     }
     io([&] { writer->push(RecordType::kSegment, std::move(meta), std::move(tensors), stats); });
   }
@@ -413,12 +414,12 @@ struct Recorder::Impl {
   void dump_ring(const std::string& reason) {
     if (ring.empty() || disabled) return;
     io([&] {
-      nlohmann::json steps = nlohmann::json::array();
+      RingDumpEvent dump{reason, {}};
       for (RingEntry& r : ring) {
-        steps.push_back(r.step);
+        dump.steps.push_back(r.step);
         writer->push(RecordType::kStepBegin, r.meta, r.tensors, stats);
       }
-      writer->push(RecordType::kEvent, {{"event", "ring_dump"}, {"reason", reason}, {"steps", steps}}, {}, stats);
+      writer->push(RecordType::kEvent, dump.to_meta(), {}, stats);
       writer->flush(/*sync=*/true);
       ring.clear();
       ++stats.ring_dumps;
@@ -435,17 +436,13 @@ Recorder::Recorder(const std::string& path, const Program& program, RecorderOpti
   impl_->path = path;
   impl_->options = options;
   if (options.every < 0 || options.ring < 0) throw Error("--every and --ring must not be negative");
-  nlohmann::json header = {
-      {"environment", Environment::current().to_json()},
-      {"program", {{"name", program.name()}, {"config", program.config()}}},
-      {"recorder",
-       {{"mode", options.mode == RecordMode::kFull ? "full" : "digest"},
-        {"every", options.every},
-        {"ring", options.ring},
-        {"write_ahead", options.write_ahead}}},
-  };
+  TraceHeader header;
+  header.environment = Environment::current();
+  header.program = ProgramRef{program.name(), program.config()};
+  header.recorder = RecorderSettings{options.mode == RecordMode::kFull ? "full" : "digest", options.every, options.ring,
+                                     options.write_ahead};
   impl_->writer = std::make_unique<BackgroundWriter>(
-      std::make_unique<TraceWriter>(path, std::move(header), options.writer), options.queue_bytes);
+      std::make_unique<TraceWriter>(path, header.to_meta(), options.writer), options.queue_bytes);
   if (options.ring > 0 && options.dump_on_signal && g_signal_recorder == nullptr && ::pipe(g_signal_pipe) == 0) {
     g_signal_recorder = this;
     g_signal_write_end.store(g_signal_pipe[1]);
@@ -499,39 +496,42 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
   m.after_backward.clear();
   const bool full = m.full_now(step);
   const bool ring = m.options.ring > 0;
-  nlohmann::json meta = {{"step", step}, {"lr", json_number(lr)}, {"loss_scale", json_number(loss_scale)}, {"full", full}};
+  StepBeginRecord record;
+  record.step = step;
+  record.lr = lr;
+  record.loss_scale = loss_scale;
+  record.full = full;
   const std::vector<std::uint8_t> rng = RngState::capture_all().serialize();
   at::Tensor rng_tensor = at::empty({static_cast<std::int64_t>(rng.size())}, at::kByte);
   std::memcpy(rng_tensor.data_ptr(), rng.data(), rng.size());
 
-  std::vector<TensorToWrite> common{{"rng", rng_tensor, true, std::nullopt}};
-  nlohmann::json batch_kinds = nlohmann::json::object();  // what replay hands the program back
+  std::vector<TensorToWrite> common{{std::string(tensor_names::kRng), rng_tensor, true, std::nullopt}};
+  record.batch_kinds.emplace();  // what replay hands the program back
   for (const NamedTensor& b : batch) {
-    common.push_back(entry("batch." + b.name, b.tensor, true));
-    if (b.kind != TensorKind::kOther) batch_kinds[b.name] = to_string(b.kind);
+    common.push_back(entry(tensor_names::batch(b.name), b.tensor, true));
+    if (b.kind != TensorKind::kOther) (*record.batch_kinds)[b.name] = b.kind;
   }
-  meta["batch_kinds"] = std::move(batch_kinds);
   std::vector<TensorToWrite> full_state;
-  if (full || ring) full_state = snapshot(state, "state.", m.pool);
+  if (full || ring) full_state = snapshot(state, std::string(tensor_names::kStatePrefix), m.pool);
   if (ring) {
     std::vector<TensorToWrite> snapshot = common;
     snapshot.insert(snapshot.end(), full_state.begin(), full_state.end());
-    nlohmann::json ring_meta = meta;
-    ring_meta["full"] = true;
-    ring_meta["ring"] = true;
-    m.ring.push_back({step, std::move(ring_meta), std::move(snapshot)});
+    StepBeginRecord ring_record = record;
+    ring_record.full = true;
+    ring_record.ring = true;
+    m.ring.push_back({step, ring_record.to_meta(), std::move(snapshot)});
     while (static_cast<int>(m.ring.size()) > m.options.ring) m.ring.pop_front();
   }
   std::vector<TensorToWrite> tensors = std::move(common);
   if (full) {
     tensors.insert(tensors.end(), full_state.begin(), full_state.end());
   } else if (m.unchanged_since_end(state)) {
-    meta["state_as_step_end"] = m.end_state_step;  // same bits as that step_end's state digests
+    record.state_as_step_end = m.end_state_step;  // same bits as that step_end's state digests
   } else {
-    for (TensorToWrite& w : digest_entries("state.", state)) tensors.push_back(std::move(w));
+    for (TensorToWrite& w : digest_entries(std::string(tensor_names::kStatePrefix), state)) tensors.push_back(std::move(w));
   }
   m.io([&] {
-    m.writer->push(RecordType::kStepBegin, std::move(meta), std::move(tensors), m.stats);
+    m.writer->push(RecordType::kStepBegin, record.to_meta(), std::move(tensors), m.stats);
     if (m.options.write_ahead) m.writer->flush(/*sync=*/true);
   });
   m.first_step = false;
@@ -539,24 +539,24 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
 
 void Recorder::on_forward(SegmentEvent& e) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
-  impl_->segment(e, "forward", "input.", "output.");
+  impl_->segment(e);
 }
 
 void Recorder::on_recompute(SegmentEvent& e) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
-  impl_->segment(e, "recompute", nullptr, "output.");
+  impl_->segment(e);
 }
 
 void Recorder::on_backward(SegmentEvent& e) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
-  impl_->segment(e, "backward", "grad_output.", "grad_input.");
+  impl_->segment(e);
 }
 
 void Recorder::after_backward(const at::Tensor& loss, const std::vector<NamedTensor>& grads) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
   Impl& m = *impl_;
   if (m.step < 0 || m.closed || m.disabled) return;
-  m.after_backward.push_back(entry("loss", loss, true));
+  m.after_backward.push_back(entry(std::string(tensor_names::kLoss), loss, true));
   if (m.store_values()) {
     for (const NamedTensor& g : grads) m.after_backward.push_back(entry(g.name, g.tensor, true));
   } else {
@@ -572,19 +572,18 @@ void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std
     ++m.stats.steps;
     return;
   }
-  nlohmann::json meta = {{"step", step},
-                         {"loss", json_number(outcome.loss)},
-                         {"grad_norm", json_number(outcome.grad_norm)},
-                         {"loss_scale", json_number(outcome.loss_scale)},
-                         {"lr", json_number(outcome.lr)},
-                         {"skipped", outcome.skipped},
-                         {"finite", outcome.finite()}};
-  if (!outcome.skip_reason.empty()) meta["skip_reason"] = outcome.skip_reason;
-  if (outcome.rolled_back) {
-    meta["rolled_back"] = true;
-    meta["rolled_back_to"] = outcome.rolled_back_to;
-  }
-  if (!outcome.injected.empty()) meta["injected"] = outcome.injected;  // tagged: not a real fault
+  StepEndRecord record;
+  record.step = step;
+  record.loss = outcome.loss;
+  record.grad_norm = outcome.grad_norm;
+  record.loss_scale = outcome.loss_scale;
+  record.lr = outcome.lr;
+  record.skipped = outcome.skipped;
+  record.finite = outcome.finite();
+  record.skip_reason = outcome.skip_reason;
+  record.rolled_back = outcome.rolled_back;
+  record.rolled_back_to = outcome.rolled_back_to;
+  record.injected = outcome.injected;  // tagged: not a real fault
   std::vector<TensorToWrite> tensors = std::move(m.after_backward);
   m.after_backward.clear();
   m.end_state.clear();
@@ -593,16 +592,16 @@ void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std
     const NamedTensor& s = state_after[i];
     const PendingDigest& d = digests[i];
     if (m.store_values()) {
-      TensorToWrite w = stored("state." + s.name, s.tensor);
+      TensorToWrite w = stored(tensor_names::state(s.name), s.tensor);
       w.digest_later = [d] { return d.get(); };
       tensors.push_back(std::move(w));
     } else {
-      tensors.push_back(TensorToWrite::digest_only("state." + s.name, s.tensor, d));
+      tensors.push_back(TensorToWrite::digest_only(tensor_names::state(s.name), s.tensor, d));
     }
     m.end_state.push_back({s.name, s.tensor, s.tensor._version(), d});
   }
   m.end_state_step = step;
-  m.io([&] { m.writer->push(RecordType::kStepEnd, std::move(meta), std::move(tensors), m.stats); });
+  m.io([&] { m.writer->push(RecordType::kStepEnd, record.to_meta(), std::move(tensors), m.stats); });
   ++m.stats.steps;
   m.step = -1;
   if (!outcome.finite()) {

@@ -1,3 +1,4 @@
+#include <retrace/records.h>
 #include <retrace/state_check.h>
 
 #include <retrace/rng.h>

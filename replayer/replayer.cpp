@@ -1,5 +1,7 @@
 #include <retrace/replayer.h>
 
+#include <retrace/records.h>
+
 #include "provenance.h"
 
 #include <retrace/determinism.h>
@@ -116,12 +118,8 @@ EnvironmentMismatch::EnvironmentMismatch(std::vector<EnvironmentDifference> d)
     : Error(describe_differences(d)), differences_(std::move(d)) {}
 
 std::unique_ptr<Program> program_from_trace(const TraceReader& trace) {
-  const nlohmann::json& h = trace.header();
-  if (!h.contains("program") || !h["program"].is_object() || !h["program"].contains("name") ||
-      !h["program"]["name"].is_string() || !h["program"].contains("config") || !h["program"]["config"].is_string()) {
-    throw Error("the trace header names no program; was it written by retrace record?");
-  }
-  return make_program(h["program"]["name"].get<std::string>(), h["program"]["config"].get<std::string>());
+  const ProgramRef program = TraceHeader::decode(trace).require_program(trace.path());
+  return make_program(program.name, program.config);
 }
 
 namespace {
@@ -143,16 +141,16 @@ class Comparer : public SegmentObserver, public StepMonitor {
   // True when the trace holds no outcome of the step: the run died during it, or raised.
   bool died() const { return !records_.end; }
 
-  void on_forward(SegmentEvent& e) override { guarded([&] { segment(e, "forward", "input.", "output."); }); }
-  void on_recompute(SegmentEvent& e) override { guarded([&] { segment(e, "recompute", nullptr, "output."); }); }
-  void on_backward(SegmentEvent& e) override { guarded([&] { segment(e, "backward", "grad_output.", "grad_input."); }); }
+  void on_forward(SegmentEvent& e) override { guarded([&] { segment(e); }); }
+  void on_recompute(SegmentEvent& e) override { guarded([&] { segment(e); }); }
+  void on_backward(SegmentEvent& e) override { guarded([&] { segment(e); }); }
 
   void after_backward(const at::Tensor& loss, const std::vector<NamedTensor>& grads) override {
     reached_segment_.clear();
     reached_phase_ = "optimizer";
     if (first || !end_) return;
     guarded([&] {
-      compare(*end_, "loss", loss, "(loss)", "forward");
+      compare(*end_, std::string(tensor_names::kLoss), loss, "(loss)", "forward");
       for (const NamedTensor& g : grads) compare(*end_, g.name, g.tensor, "(parameters)", "backward");
     });
   }
@@ -169,11 +167,11 @@ class Comparer : public SegmentObserver, public StepMonitor {
       unrecorded = true;
       return;
     }
-    for (const NamedTensor& s : state_after) compare(*end_, "state." + s.name, s.tensor, "(state)", "optimizer");
+    for (const NamedTensor& s : state_after) compare(*end_, tensor_names::state(s.name), s.tensor, "(state)", "optimizer");
     // Every tensor the recorded monitor saw after backward (the loss and the gradients, whatever
     // the program named them), and every state tensor.
-    require_all(*end_, [](const std::string& n) { return n.rfind("state.", 0) != 0; }, "(parameters)", "backward");
-    require_all(*end_, [](const std::string& n) { return n.rfind("state.", 0) == 0; }, "(state)", "optimizer");
+    require_all(*end_, [](const std::string& n) { return !tensor_names::state_name(n); }, "(parameters)", "backward");
+    require_all(*end_, [](const std::string& n) { return tensor_names::state_name(n).has_value(); }, "(state)", "optimizer");
   }
 
   void compare(const Record& rec, const std::string& name, const at::Tensor& t, const std::string& segment,
@@ -267,7 +265,8 @@ class Comparer : public SegmentObserver, public StepMonitor {
     }
   }
 
-  void segment(SegmentEvent& e, const char* phase, const char* in_prefix, const char* out_prefix) {
+  void segment(SegmentEvent& e) {
+    const char* phase = to_string(e.phase);
     reached_segment_ = e.segment;
     reached_phase_ = phase;
     if (first) return;
@@ -277,19 +276,18 @@ class Comparer : public SegmentObserver, public StepMonitor {
       return;
     }
     const Record rec = trace_.read(records_.segments[next_++]);
-    const std::string rec_segment = rec.meta.value("segment", std::string());
-    const std::string rec_phase = rec.meta.value("phase", std::string());
-    if (rec_segment != e.segment || rec_phase != phase) {
-      diverge(e.segment, phase, "", "the trace's next event is segment '" + rec_segment + "' phase " + rec_phase);
+    const SegmentRecord recorded = SegmentRecord::decode(rec, trace_.path());
+    if (recorded.segment != e.segment || recorded.phase != e.phase) {
+      diverge(e.segment, phase, "",
+              "the trace's next event is segment '" + recorded.segment + "' phase " + to_string(recorded.phase));
       return;
     }
-    if (in_prefix) {
-      for (std::size_t i = 0; i < e.inputs.size(); ++i) {
-        if (e.inputs[i].defined()) compare(rec, in_prefix + std::to_string(i), e.inputs[i], e.segment, phase);
-      }
+    for (std::size_t i = 0; i < e.inputs.size(); ++i) {
+      const std::optional<std::string> name = tensor_names::segment_input(e.phase, i);
+      if (name && e.inputs[i].defined()) compare(rec, *name, e.inputs[i], e.segment, phase);
     }
     for (std::size_t i = 0; i < e.outputs.size(); ++i) {
-      if (e.outputs[i].defined()) compare(rec, out_prefix + std::to_string(i), e.outputs[i], e.segment, phase);
+      if (e.outputs[i].defined()) compare(rec, tensor_names::segment_output(e.phase, i), e.outputs[i], e.segment, phase);
     }
     require_all(rec, [](const std::string&) { return true; }, e.segment, phase);
   }
@@ -303,10 +301,12 @@ class Comparer : public SegmentObserver, public StepMonitor {
   std::string reached_segment_, reached_phase_ = "forward";     // how far the replay got
 };
 
-std::vector<NamedTensor> tensors_with_prefix(const TraceReader& trace, const Record& rec, const std::string& prefix) {
+// The record's state.* (or batch.*) tensors, decoded, under the program's names.
+std::vector<NamedTensor> named_tensors(const TraceReader& trace, const Record& rec,
+                                       std::optional<std::string_view> (*program_name)(std::string_view)) {
   std::vector<NamedTensor> out;
   for (const TensorEntry& e : rec.tensors) {
-    if (e.name.rfind(prefix, 0) == 0) out.push_back({e.name.substr(prefix.size()), trace.decode(rec, e)});
+    if (const auto name = program_name(e.name)) out.push_back({std::string(*name), trace.decode(rec, e)});
   }
   return out;
 }
@@ -314,13 +314,13 @@ std::vector<NamedTensor> tensors_with_prefix(const TraceReader& trace, const Rec
 // The recorded batch with the kinds the program gave its tensors. Traces from before kinds were
 // recorded (no "batch_kinds") name the built-in program's input and target.
 std::vector<NamedTensor> batch_of(const TraceReader& trace, const Record& begin) {
-  std::vector<NamedTensor> batch = tensors_with_prefix(trace, begin, "batch.");
-  const auto kinds = begin.meta.find("batch_kinds");
+  std::vector<NamedTensor> batch = named_tensors(trace, begin, tensor_names::batch_name);
+  const StepBeginRecord record = StepBeginRecord::decode(begin, trace.path());
   for (NamedTensor& b : batch) {
-    if (kinds != begin.meta.end() && kinds->is_object()) {
-      const auto k = kinds->find(b.name);
-      if (k != kinds->end() && k->is_string()) b.kind = tensor_kind_from_string(k->get<std::string>());
-    } else if (kinds == begin.meta.end()) {
+    if (record.batch_kinds) {
+      const auto k = record.batch_kinds->find(b.name);
+      if (k != record.batch_kinds->end()) b.kind = k->second;
+    } else {
       b.kind = b.name == "input" ? TensorKind::kInput : b.name == "target" ? TensorKind::kTarget : TensorKind::kOther;
     }
   }
@@ -328,9 +328,10 @@ std::vector<NamedTensor> batch_of(const TraceReader& trace, const Record& begin)
 }
 
 std::vector<std::uint8_t> rng_bytes(const TraceReader& trace, const Record& rec) {
-  const TensorEntry* e = rec.find("rng");
-  if (!e) throw Error("the step_begin record of step " + std::to_string(rec.meta.value("step", -1)) + " holds no RNG state");
-  if (e->dtype != at::kByte || e->shape.size() != 1) throw Error("the RNG state of step " + std::to_string(rec.meta.value("step", -1)) + " is not a byte vector");
+  const std::int64_t step = StepBeginRecord::decode(rec, trace.path()).step;
+  const TensorEntry* e = rec.find(std::string(tensor_names::kRng));
+  if (!e) throw Error("the step_begin record of step " + std::to_string(step) + " holds no RNG state");
+  if (e->dtype != at::kByte || e->shape.size() != 1) throw Error("the RNG state of step " + std::to_string(step) + " is not a byte vector");
   const at::Tensor t = trace.decode(rec, *e);
   const auto* p = t.const_data_ptr<std::uint8_t>();
   return {p, p + t.numel()};
@@ -351,7 +352,7 @@ Replayer::Replayer(const TraceReader& trace, Program& program) : trace_(trace), 
 ReplayResult Replayer::run(const ReplayOptions& options) {
   ReplayResult result;
   if (trace_.truncated()) result.notes.push_back(trace_.warning());
-  const Environment recorded = Environment::from_json(trace_.header().value("environment", nlohmann::json()));
+  const Environment recorded = TraceHeader::decode(trace_).environment;
   // A run recorded under DeterministicGuard is replayed under it too.
   std::optional<DeterministicGuard> deterministic;
   if (auto it = recorded.bitwise.find("deterministic_algorithms"); it != recorded.bitwise.end() && it->second == "on") {
@@ -369,8 +370,9 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
       case RecordType::kSegment: steps[r.step].segments.push_back(i); break;
       case RecordType::kStepEnd: steps[r.step].end = i; break;
       case RecordType::kEvent:
-        if (const auto e = ExceptionEvent::from_meta(trace_.read(i).meta); e && e->raised_by_step && e->step == r.step) {
-          steps[r.step].raised = e->what;
+        if (const EventRecord e = EventRecord::decode(trace_.read(i), trace_.path());
+            e.exception && e.exception->raised_by_step && e.exception->step == r.step) {
+          steps[r.step].raised = e.exception->what;
         }
         break;
       default: break;
@@ -405,9 +407,8 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
     --it;
     for (auto r = it->second.begins.rbegin(); r != it->second.begins.rend(); ++r) {
       Record rec = trace_.read(*r);
-      const auto full = rec.meta.find("full");
-      if (full == rec.meta.end() || !full->is_boolean() || !full->get<bool>()) continue;
-      std::vector<NamedTensor> state = tensors_with_prefix(trace_, rec, "state.");
+      if (!StepBeginRecord::decode(rec, trace_.path()).full) continue;
+      std::vector<NamedTensor> state = named_tensors(trace_, rec, tensor_names::state_name);
       if (all_finite(state)) {
         anchor = std::move(rec);
         anchor_state = std::move(state);
@@ -424,7 +425,7 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
     anchor_state = std::move(nonfinite_anchor_state);
   }
   if (!anchor) throw Error("no full snapshot at or before step " + std::to_string(target) + " to replay from");
-  result.from_step = anchor->meta.value("step", std::int64_t{-1});
+  result.from_step = StepBeginRecord::decode(*anchor, trace_.path()).step;
   result.to_step = target;
   program_.load_state(anchor_state);
 
@@ -436,11 +437,13 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
     const std::vector<std::uint8_t> rng = rng_bytes(trace_, begin);
     if (s != result.from_step) {
       // A step_begin that says its state is the previous step_end's was checked there.
-      if (!begin.meta.contains("state_as_step_end")) {
-        for (const NamedTensor& st : program_.state()) comparer.compare(begin, "state." + st.name, st.tensor, "(state)", "step_begin");
+      if (!StepBeginRecord::decode(begin, trace_.path()).state_as_step_end) {
+        for (const NamedTensor& st : program_.state()) {
+          comparer.compare(begin, tensor_names::state(st.name), st.tensor, "(state)", "step_begin");
+        }
       }
       if (!comparer.first && RngState::capture_all().serialize() != rng) {
-        comparer.diverge("", "step_begin", "rng", "the RNG state differs from the recorded one");
+        comparer.diverge("", "step_begin", std::string(tensor_names::kRng), "the RNG state differs from the recorded one");
       }
     }
     RngState::deserialize(rng.data(), rng.size()).restore();

@@ -4,6 +4,7 @@
 #include <retrace/error.h>
 #include <retrace/number.h>
 #include <retrace/replayer.h>
+#include <retrace/records.h>
 #include <retrace/trace.h>
 #include <retrace/trainer.h>
 
@@ -388,23 +389,23 @@ Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options
   register_builtin_programs();
   const ThreadsGuard threads(options.threads);
   const TraceReader trace(path);
-  const nlohmann::json& h = trace.header();
-  const std::string program = h.value("/program/name"_json_pointer, std::string());
+  const TraceHeader header = TraceHeader::decode(trace);
+  const std::string program = header.program ? header.program->name : std::string();
   if (program != "retrace.scenario") {
     throw Error(path + ": diagnose re-runs variants of a built-in scenario program ('retrace.scenario'); this trace was "
                 "recorded by '" + program + "'. Record with 'retrace record SCENARIO.yaml' or diagnose the scenario file");
   }
-  const ScenarioSpec spec = parse_scenario_text(h.at("program").at("config").get<std::string>(), path + " (program config)");
+  const ScenarioSpec spec = parse_scenario_text(header.program->config, path + " (program config)");
   Diagnosis d;
   d.source = path;
   double loss = 0, norm = 0;
-  auto num = [](const nlohmann::json& j) { return number_from_json(j).value_or(std::numeric_limits<double>::quiet_NaN()); };
   // Replaying to a step, and re-executing it bit for bit, needs the intra-op thread count the
   // trace was recorded with (the replayer refuses another); only the variants' timing uses
   // options.threads.
   int recorded_threads = 0;
   {
-    const std::string t = h.value("/environment/bitwise/intra_op_threads"_json_pointer, std::string());
+    const auto it = header.environment.bitwise.find("intra_op_threads");
+    const std::string t = it == header.environment.bitwise.end() ? std::string() : it->second;
     if (!t.empty() && t.find_first_not_of("0123456789") == std::string::npos && t.size() < 6) recorded_threads = std::stoi(t);
   }
   // The first failing step as recorded: a non-finite step the defenses did not skip, or a step
@@ -412,18 +413,18 @@ Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options
   for (std::size_t i = 0; i < trace.records().size() && d.failing_step < 0; ++i) {
     const RecordType type = trace.records()[i].type;
     if (type == RecordType::kEvent) {
-      const auto e = ExceptionEvent::from_meta(trace.read(i).meta);
+      const std::optional<ExceptionEvent> e = EventRecord::decode(trace.read(i), path).exception;
       if (!e || !e->raised_by_step) continue;
       d.failing_step = e->step;
       loss = norm = std::numeric_limits<double>::quiet_NaN();
       d.failure_kind = "raised";
       d.failure = "step " + std::to_string(e->step) + " raised: " + e->what;
     } else if (type == RecordType::kStepEnd) {
-      const Record rec = trace.read(i);
-      if (rec.meta.value("finite", true) || rec.meta.value("skipped", false)) continue;  // fine, or handled
-      d.failing_step = rec.meta.at("step").get<std::int64_t>();
-      loss = num(rec.meta.at("loss"));
-      norm = num(rec.meta.at("grad_norm"));
+      const StepEndRecord rec = StepEndRecord::decode(trace.read(i), path);
+      if (rec.finite || rec.skipped) continue;  // fine, or handled
+      d.failing_step = rec.step;
+      loss = rec.loss;
+      norm = rec.grad_norm;
       d.failure_kind = nonfinite_kind(loss, norm);
       d.failure = failure_text(d.failing_step, d.failure_kind);
     }
@@ -455,10 +456,10 @@ Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options
     at_failure = state_before(d.failing_step);
     for (std::size_t i = 0; i < trace.records().size(); ++i) {
       if (trace.records()[i].type != RecordType::kStepEnd) continue;
-      const Record rec = trace.read(i);
-      if (rec.meta.value("step", std::int64_t{-1}) != d.failing_step) continue;
-      loss = num(rec.meta.at("loss"));
-      norm = num(rec.meta.at("grad_norm"));
+      const StepEndRecord rec = StepEndRecord::decode(trace.read(i), path);
+      if (rec.step != d.failing_step) continue;
+      loss = rec.loss;
+      norm = rec.grad_norm;
     }
   }
   {

@@ -2,6 +2,7 @@
 #include <retrace/report.h>
 
 #include <retrace/number.h>
+#include <retrace/records.h>
 #include <retrace/version.h>
 
 #include <cmath>
@@ -230,53 +231,24 @@ std::string html_run_report(const std::vector<ScenarioResult>& results, double s
 
 RecordedRun recorded_run(const TraceReader& trace) {
   RecordedRun run;
-  const nlohmann::json& h = trace.header();
-  if (h.is_object() && h.contains("program") && h["program"].is_object() && h["program"].contains("name") &&
-      h["program"]["name"].is_string()) {
-    run.program = h["program"]["name"].get<std::string>();
-  }
-  auto number = [](const nlohmann::json& meta, const char* key, double fallback) {
-    const auto it = meta.find(key);
-    if (it == meta.end()) return fallback;
-    // The trace's codec (number.h): a number, or "nan", "inf", "-inf"; anything else reads as NaN.
-    return number_from_json(*it).value_or(std::numeric_limits<double>::quiet_NaN());
-  };
-  auto flag = [](const nlohmann::json& meta, const char* key) {
-    const auto it = meta.find(key);
-    return it != meta.end() && it->is_boolean() && it->get<bool>();
-  };
-  std::map<std::int64_t, StepPoint> by_step;  // the last step_end of a step wins
-  for (std::size_t i = 0; i < trace.records().size(); ++i) {
-    const RecordInfo& info = trace.records()[i];
-    if (info.type != RecordType::kStepEnd || info.step < 0) continue;
-    Record rec;
-    try {
-      rec = trace.read(i);
-    } catch (const std::exception&) {
-      continue;  // a record that fails its checksum: the curves go without that step
-    }
-    const nlohmann::json& m = rec.meta;
+  const TraceHeader header = TraceHeader::decode(trace);
+  if (header.program) run.program = header.program->name;
+  for (const StepEndRecord& e : recorded_steps(trace).steps) {  // a damaged record: the curves go without it
     StepPoint p;
-    p.step = info.step;
-    p.loss = number(m, "loss", std::numeric_limits<double>::quiet_NaN());
-    p.grad_norm = number(m, "grad_norm", std::numeric_limits<double>::quiet_NaN());
-    p.loss_scale = number(m, "loss_scale", 1.0);
-    p.lr = number(m, "lr", 0.0);
-    p.skipped = flag(m, "skipped");
-    p.rolled_back = flag(m, "rolled_back");
-    const auto inj = m.find("injected");
-    if (inj != m.end() && inj->is_array()) {
-      for (const auto& line : *inj) {
-        if (!line.is_string()) continue;
-        p.injected = true;
-        add_note(run.notes, p.step, "injected " + line.get<std::string>());
-      }
+    p.step = e.step;
+    p.loss = e.loss;
+    p.grad_norm = e.grad_norm;
+    p.loss_scale = e.loss_scale;
+    p.lr = e.lr;
+    p.skipped = e.skipped;
+    p.rolled_back = e.rolled_back;
+    for (const std::string& line : e.injected) {
+      p.injected = true;
+      add_note(run.notes, p.step, "injected " + line);
     }
-    const auto why = m.find("skip_reason");
-    if (why != m.end() && why->is_string()) add_note(run.notes, p.step, "skipped: " + why->get<std::string>());
-    by_step[p.step] = p;
+    if (!e.skip_reason.empty()) add_note(run.notes, p.step, "skipped: " + e.skip_reason);
+    run.steps.push_back(p);
   }
-  for (const auto& [s, p] : by_step) run.steps.push_back(p);
   return run;
 }
 

@@ -2,13 +2,16 @@
 #include "commands.h"
 
 #include <retrace/number.h>
+#include <retrace/records.h>
 #include <retrace/trace.h>
 
 #include <boost/program_options.hpp>
 #include <torch/serialize.h>
 
 #include <filesystem>
+#include <cmath>
 #include <iostream>
+#include <sstream>
 
 namespace retrace::cli {
 
@@ -28,11 +31,44 @@ std::string shape(const std::vector<std::int64_t>& v) {
   return s + "]";
 }
 
-// A step_end number as stored (json_number): finite ones as written, "nan", "inf", "-inf" bare.
-std::string number(const nlohmann::json& v) {
-  if (v.is_number()) return v.dump();
-  const std::optional<double> d = number_from_json(v);
-  return d ? number_text(*d) : v.dump();
+// A recorded number as stored: finite ones in the shortest text that reads back to the same
+// double, "nan", "inf", "-inf" bare (number.h).
+std::string exact(double v) { return std::isfinite(v) ? nlohmann::json(v).dump() : number_text(v); }
+
+// What the text listing says of a record after its index, offset and type, from its typed
+// record (records.h).
+std::string describe(const Record& r, const std::string& path) {
+  std::ostringstream os;
+  switch (r.type) {
+    case RecordType::kStepBegin: {
+      const StepBeginRecord b = StepBeginRecord::decode(r, path);
+      os << " step " << b.step << (b.full ? " full" : " digest") << (b.ring ? " (flight ring)" : "");
+      break;
+    }
+    case RecordType::kSegment: {
+      const SegmentRecord g = SegmentRecord::decode(r, path);
+      os << " step " << g.step << " " << g.segment << " " << to_string(g.phase);
+      break;
+    }
+    case RecordType::kStepEnd: {
+      const StepEndRecord e = StepEndRecord::decode(r, path);
+      os << " step " << e.step << " loss " << exact(e.loss) << " grad_norm " << exact(e.grad_norm);
+      if (e.skipped) os << " SKIPPED (" << (e.skip_reason.empty() ? "?" : e.skip_reason) << ")";
+      if (e.rolled_back) os << " rolled back to the start of step " << e.rolled_back_to;
+      for (const std::string& i : e.injected) os << " [injected: " << i << "]";
+      break;
+    }
+    case RecordType::kEvent: {
+      const EventRecord e = EventRecord::decode(r, path);
+      if (e.exception) os << " step " << e.exception->step << " " << e.name << ": " << e.exception->what;
+      else if (e.ring_dump) os << " " << e.name << ": " << e.ring_dump->reason;
+      else os << " " << e.name;
+      break;
+    }
+    case RecordType::kHeader:
+    case RecordType::kIndex: break;
+  }
+  return os.str();
 }
 
 }  // namespace
@@ -58,9 +94,12 @@ int run_inspect(const std::vector<std::string>& args) {
     if (ec) throw Error("cannot create --export folder '" + export_dir + "': " + ec.message());
   }
   nlohmann::json records = nlohmann::json::array();
+  std::vector<std::string> described;  // the text listing's words for each record
   std::size_t exported = 0;
   for (std::size_t i = 0; i < trace.records().size(); ++i) {
     const Record r = trace.read(i);
+    described.push_back(describe(r, trace_path));
+    const RecordInfo& info = trace.records()[i];
     nlohmann::json tensors = nlohmann::json::array();
     for (const TensorEntry& e : r.tensors) {
       tensors.push_back({{"name", e.name}, {"dtype", c10::toString(e.dtype)}, {"shape", e.shape},
@@ -69,8 +108,8 @@ int run_inspect(const std::vector<std::string>& args) {
       if (!export_dir.empty() && e.has_data()) {
         const std::vector<char> bytes = torch::pickle_save(trace.decode(r, e));
         const std::string file = export_dir + "/" + std::to_string(i) + "_" + to_string(r.type) + "_step" +
-                                 std::to_string(r.meta.value("step", -1)) + "_" + safe(r.meta.value("segment", "")) +
-                                 (r.meta.contains("segment") ? "_" + safe(r.meta.value("phase", "")) + "_" : "") + safe(e.name) + ".pt";
+                                 std::to_string(info.step) + "_" + safe(info.segment) +
+                                 (r.type == RecordType::kSegment ? "_" + safe(info.phase) + "_" : "") + safe(e.name) + ".pt";
         write_file(file, std::string_view(bytes.data(), bytes.size()), "");
         ++exported;
       }
@@ -85,33 +124,24 @@ int run_inspect(const std::vector<std::string>& args) {
                           {"file_bytes", trace.file_size()}, {"header", trace.header()}, {"records", records}};
     std::cout << doc.dump(2) << "\n";
   } else {
-    const nlohmann::json& h = trace.header();
+    const TraceHeader h = TraceHeader::decode(trace);
     std::cout << trace_path << ": " << trace.file_size() << " bytes, " << trace.records().size() << " records, "
               << (trace.complete() ? "complete" : "incomplete") << "\n";
     if (trace.truncated()) std::cout << "warning: " << trace.warning() << "\n";
-    std::cout << "writer: " << h.value("writer", "?") << ", format " << h.value("format_version", 0) << "\n";
-    if (h.contains("program")) std::cout << "program: " << h["program"].value("name", "?") << "\n";
-    if (h.contains("recorder")) std::cout << "recorder: " << h["recorder"].dump() << "\n";
-    if (h.contains("environment") && h["environment"].contains("bitwise")) {
+    std::cout << "writer: " << (h.writer.empty() ? "?" : h.writer) << ", format " << h.format_version << "\n";
+    if (h.program) std::cout << "program: " << h.program->name << "\n";
+    if (h.recorder) {
+      std::cout << "recorder: mode " << h.recorder->mode << ", every " << h.recorder->every << ", ring " << h.recorder->ring
+                << (h.recorder->write_ahead ? ", write-ahead" : "") << "\n";
+    }
+    if (!h.environment.bitwise.empty()) {
       std::cout << "environment:";
-      for (auto it = h["environment"]["bitwise"].begin(); it != h["environment"]["bitwise"].end(); ++it) {
-        std::cout << " " << it.key() << "=" << it.value().get<std::string>();
-      }
+      for (const auto& [key, value] : h.environment.bitwise) std::cout << " " << key << "=" << value;
       std::cout << "\n";
     }
-    for (const nlohmann::json& r : records) {
-      const nlohmann::json& m = r["meta"];
-      std::cout << "#" << r["index"].get<std::size_t>() << " @" << r["offset"].get<std::uint64_t>() << " " << r["type"].get<std::string>();
-      if (m.contains("step")) std::cout << " step " << m["step"].dump();
-      if (m.contains("segment")) std::cout << " " << m["segment"].get<std::string>() << " " << m.value("phase", "");
-      if (m.contains("full")) std::cout << (m["full"].get<bool>() ? " full" : " digest");
-      if (m.value("ring", false)) std::cout << " (flight ring)";
-      if (m.contains("loss")) std::cout << " loss " << number(m["loss"]) << " grad_norm " << number(m.value("grad_norm", nlohmann::json()));
-      if (m.value("skipped", false)) std::cout << " SKIPPED (" << m.value("skip_reason", std::string("?")) << ")";
-      if (m.contains("injected")) {
-        for (const auto& i : m["injected"]) std::cout << " [injected: " << i.get<std::string>() << "]";
-      }
-      if (m.contains("event")) std::cout << " " << m["event"].get<std::string>() << ": " << m.value("reason", m.value("what", ""));
+    for (std::size_t i = 0; i < records.size(); ++i) {
+      const nlohmann::json& r = records[i];
+      std::cout << "#" << i << " @" << r["offset"].get<std::uint64_t>() << " " << r["type"].get<std::string>() << described[i];
       std::uint64_t raw = 0, stored = 0;
       for (const auto& t : r["tensors"]) {
         raw += t["raw_bytes"].get<std::uint64_t>();

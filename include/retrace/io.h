@@ -3,6 +3,8 @@
 // FileSystem, so that tests can substitute one that fails the Nth write, fsync or rename, makes
 // short writes, or drops unsynced data (LevelDB's fault-injecting Env is the model).
 
+#include <retrace/error.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -10,8 +12,33 @@
 
 namespace retrace::io {
 
-// An open file written front to back. Methods throw retrace::Error (naming the path and the OS
-// error) on failure.
+// A failed file operation: what was done, on which path, and the OS's reason (errno and its
+// text). what() is "cannot OPERATION 'PATH': REASON".
+class IoError : public Error {
+ public:
+  IoError(std::string operation, std::string path, int os_error);
+  IoError(std::string operation, std::string path, std::string reason);  // no errno (e.g. a short file)
+  const std::string& path() const noexcept { return path_; }
+  const std::string& reason() const noexcept { return reason_; }
+  int os_error() const noexcept { return os_error_; }  // 0 when there is none
+
+ private:
+  std::string path_, reason_;
+  int os_error_ = 0;
+};
+
+// An open file read at offsets. read_at may be called from several threads at once.
+class ReadableFile {
+ public:
+  virtual ~ReadableFile() = default;
+  // Reads exactly n bytes at `offset` (retrying short reads), or throws IoError: the OS's error,
+  // or "unexpected end of file" where the file holds fewer bytes.
+  virtual void read_at(std::uint64_t offset, void* out, std::size_t n) const = 0;
+  // The size when opened.
+  virtual std::uint64_t size() const = 0;
+};
+
+// An open file written front to back. Methods throw IoError on failure.
 class WritableFile {
  public:
   virtual ~WritableFile() = default;
@@ -26,6 +53,8 @@ class WritableFile {
 class FileSystem {
  public:
   virtual ~FileSystem() = default;
+  // Opens an existing file for reading; IoError when it cannot (a directory: os_error EISDIR).
+  virtual std::unique_ptr<ReadableFile> open(const std::string& path) = 0;
   // Creates or truncates.
   virtual std::unique_ptr<WritableFile> create(const std::string& path) = 0;
   // Atomic replace (rename(2)).

@@ -40,24 +40,6 @@ enum class RecordType : std::uint16_t {
 };
 const char* to_string(RecordType type);
 
-// An `exception` event record (docs/trace-format.md): an exception left a recorded step, or a
-// signal ended the run. Written by the recorder; read by the replayer and `retrace inspect`.
-struct ExceptionEvent {
-  std::int64_t step = -1;  // the step that was running; -1 between steps
-  std::string what;        // exception_message() of the exception, or "signal SIGTERM"
-  // True when the exception left Program::step itself: replay then expects the step to raise the
-  // same message. False for anything else (the data loader, a trace write, a signal) and in
-  // traces written before the field existed; replay does not hold a step to those.
-  bool raised_by_step = false;
-  nlohmann::json to_meta() const;
-  // nullopt when `meta` is not an exception event; fields of the wrong type read as their defaults.
-  static std::optional<ExceptionEvent> from_meta(const nlohmann::json& meta);
-};
-
-// An exception's message as the trace records it and replay compares it: what(), or for a
-// c10::Error what_without_backtrace() (its backtrace holds addresses that differ between runs).
-std::string exception_message(const std::exception& e);
-
 // How a tensor's bytes are stored.
 enum class TensorCodec : std::uint8_t {
   kDigestOnly = 0,   // no data, only the digest
@@ -208,6 +190,7 @@ struct ReaderOptions {
   std::uint64_t max_tensor_bytes = std::uint64_t{4} << 30;  // decoded size of one tensor
   std::uint32_t max_meta_bytes = 16u << 20;
   int max_meta_depth = 32;  // JSON nesting
+  io::FileSystem* fs = nullptr;  // nullptr: the POSIX file system (tests substitute failing ones)
 };
 
 struct RecordInfo {
@@ -228,6 +211,8 @@ class TraceReader {
   TraceReader(TraceReader&&) noexcept;
   TraceReader& operator=(TraceReader&&) = delete;
 
+  const std::string& path() const { return path_; }
+  // The header record's metadata as stored; TraceHeader::decode(trace) (records.h) reads it typed.
   const nlohmann::json& header() const { return header_; }
   // Every record after the header, in file order (the index record excluded).
   const std::vector<RecordInfo>& records() const { return records_; }
@@ -245,9 +230,10 @@ class TraceReader {
 
  private:
   Record load(std::uint64_t offset) const;
+  RecordInfo index_entry(const Record& record, std::uint32_t length) const;
   std::string path_;
   ReaderOptions options_;
-  int fd_ = -1;
+  std::unique_ptr<io::ReadableFile> file_;
   std::uint64_t file_size_ = 0;
   nlohmann::json header_;
   std::vector<RecordInfo> records_;

@@ -5,6 +5,7 @@
 // leaves the recorded run bit for bit as it is without it.
 #include <retrace/cli.h>
 #include <retrace/recorder.h>
+#include <retrace/records.h>
 #include <retrace/replayer.h>
 #include <retrace/trainer.h>
 
@@ -186,7 +187,7 @@ TEST(RecordStateCheck, StateWithoutAdamMomentsIsCaughtNamingTheTensorsThatDiffer
     const RecordInfo& info = trace.records()[i];
     if (info.type == RecordType::kStepEnd) last_end = info.step;
     if (info.type != RecordType::kEvent) continue;
-    if (const auto ev = ExceptionEvent::from_meta(trace.read(i).meta)) {
+    if (const auto ev = EventRecord::decode(trace.read(i), trace.path()).exception) {
       noted = ev->what.find("state() is probably incomplete") != std::string::npos && !ev->raised_by_step;
     }
   }

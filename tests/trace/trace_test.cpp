@@ -1,6 +1,7 @@
 // The trace format: round trips, golden files, truncation at every byte, bit flips, size caps.
 #include <retrace/gtest.h>
 #include <retrace/number.h>
+#include <retrace/records.h>
 #include <retrace/trace.h>
 
 #include <torch/torch.h>
@@ -348,30 +349,24 @@ TEST(Trace, WrongMagicFutureVersionAndMissingFileAreTypedErrors) {
   fs::remove(path);
 }
 
-// Well-framed records with metadata of the wrong types are malformed, never another exception.
-TEST(Trace, MetadataOfTheWrongTypeIsMalformed) {
+// Records with metadata of the wrong types are never written (the writer runs the reader's typed
+// decoders, records.h); a well-framed one made by hand is refused by the reader at open
+// (Records.TheReaderRefusesAWellFramedRecordOfTheWrongTypeAtOpen).
+TEST(Trace, MetadataOfTheWrongTypeIsNeverWritten) {
   const std::vector<nlohmann::json> metas = {
       {{"step", "1"}}, {{"step", nullptr}}, {{"step", 1.5}}, {{"segment", 0}}, {{"phase", true}}};
+  const std::string path = temp_path("types");
+  TraceWriter w(path, nlohmann::json::object());
   for (const nlohmann::json& meta : metas) {
     SCOPED_TRACE(meta.dump());
-    const std::string path = temp_path("types");
-    {
-      TraceWriter w(path, nlohmann::json::object());
-      w.append(RecordType::kSegment, meta, {});
-      w.close();
-    }
-    try {
-      TraceReader r(path);
-      ADD_FAILURE() << "accepted";
-    } catch (const TraceError& e) {
-      EXPECT_EQ(e.kind(), TraceError::Kind::kMalformed);
-    }
-    fs::remove(path);
+    EXPECT_THROW(w.append(RecordType::kSegment, meta, {}), Error);
   }
+  w.append(RecordType::kSegment, {{"step", 1}, {"segment", "b"}, {"phase", "forward"}}, {});  // control
+  w.close();
+  EXPECT_EQ(TraceReader(path).records().size(), 1u);
+  fs::remove(path);
 }
 
-// An empty tensor declares 0 bytes whatever its other sizes; sizes whose strides overflow int64
-// are refused at open (LibTorch cannot make such a tensor: decode() threw c10::Error, found by
 // fuzz_trace_reader). A shape LibTorch can hold still reads.
 TEST(Trace, EmptyTensorsWhoseStridesOverflowAreMalformed) {
   const std::int64_t big = std::int64_t{1} << 62;
@@ -442,9 +437,9 @@ TEST(Trace, TheWriterRefusesWhatTheReaderWouldRefuse) {
     big.dtype = at::kByte;
     big.shape = {std::int64_t{5} << 30};
     big.digest = Digest{1, 2, DigestAlgorithm::kXxh3_128};
-    EXPECT_NE(message([&] { w.append(RecordType::kEvent, {}, {big}); }).find("ReaderOptions::max_tensor_bytes"), std::string::npos);
+    EXPECT_NE(message([&] { w.append(RecordType::kEvent, {{"event", "big"}}, {big}); }).find("ReaderOptions::max_tensor_bytes"), std::string::npos);
     big.shape = {std::int64_t{1} << 30};  // control: 1 GiB declared is fine
-    EXPECT_EQ(message([&] { w.append(RecordType::kEvent, {}, {big}); }), "(written)");
+    EXPECT_EQ(message([&] { w.append(RecordType::kEvent, {{"event", "big"}}, {big}); }), "(written)");
     w.close();
   }
   EXPECT_EQ(TraceReader(path).records().size(), 1u);  // the event (the header and the index are not listed)
@@ -484,29 +479,25 @@ TEST(Numbers, NonFiniteNumbersHaveOneSpellingAndANaNNoSign) {
 }
 
 // The exception event: what the recorder writes reads back; a trace from before raised_by_step
-// reads as not raised by the step; an event of another kind or with fields of the wrong type is
-// no exception or keeps the defaults (untrusted metadata never throws).
-TEST(Trace, ExceptionEventReadsBackAndOldOrMalformedOnesReadAsDefaults) {
+// reads as not raised by the step; an event of another kind is no exception; fields of the wrong
+// type are malformed (records.h decodes every event the same way).
+TEST(Trace, ExceptionEventReadsBackAndOldOnesReadAsNotRaisedByTheStep) {
   const ExceptionEvent e{3, "step 3: clipping refuses it", true};
-  const std::optional<ExceptionEvent> back = ExceptionEvent::from_meta(e.to_meta());
-  ASSERT_TRUE(back.has_value());
-  EXPECT_EQ(back->step, 3);
-  EXPECT_EQ(back->what, e.what);
-  EXPECT_TRUE(back->raised_by_step);
+  const EventRecord back = EventRecord::decode(e.to_meta(), 0, "t");
+  ASSERT_TRUE(back.exception.has_value());
+  EXPECT_EQ(back.exception->step, 3);
+  EXPECT_EQ(back.exception->what, e.what);
+  EXPECT_TRUE(back.exception->raised_by_step);
   const nlohmann::json old = {{"event", "exception"}, {"what", "signal SIGTERM"}, {"step", 7}};
-  ASSERT_TRUE(ExceptionEvent::from_meta(old).has_value());
-  EXPECT_FALSE(ExceptionEvent::from_meta(old)->raised_by_step);
+  ASSERT_TRUE(EventRecord::decode(old, 0, "t").exception.has_value());
+  EXPECT_FALSE(EventRecord::decode(old, 0, "t").exception->raised_by_step);
   const ExceptionEvent signal{7, "signal SIGTERM", false};
   EXPECT_FALSE(signal.to_meta().contains("raised_by_step"));  // written as before the field existed
   const nlohmann::json dump = {{"event", "ring_dump"}, {"reason", "x"}};
-  EXPECT_FALSE(ExceptionEvent::from_meta(dump).has_value());
-  EXPECT_FALSE(ExceptionEvent::from_meta(nlohmann::json::array()).has_value());
+  EXPECT_FALSE(EventRecord::decode(dump, 0, "t").exception.has_value());
+  EXPECT_THROW(EventRecord::decode(nlohmann::json::array(), 0, "t"), TraceError);
   const nlohmann::json wrong_types = {{"event", "exception"}, {"what", 5}, {"step", "3"}, {"raised_by_step", 1}};
-  const std::optional<ExceptionEvent> bad = ExceptionEvent::from_meta(wrong_types);
-  ASSERT_TRUE(bad.has_value());
-  EXPECT_EQ(bad->step, -1);
-  EXPECT_EQ(bad->what, "");
-  EXPECT_FALSE(bad->raised_by_step);
+  EXPECT_THROW(EventRecord::decode(wrong_types, 0, "t"), TraceError);
 }
 
 // A c10::Error's message is recorded without its backtrace (frame addresses differ between runs).

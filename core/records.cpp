@@ -1,0 +1,400 @@
+#include <retrace/records.h>
+
+#include <retrace/number.h>
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <limits>
+#include <map>
+
+namespace retrace {
+
+// --- tensor names ------------------------------------------------------------------------------
+
+namespace tensor_names {
+
+namespace {
+std::optional<std::string_view> after(std::string_view prefix, std::string_view entry) {
+  if (entry.substr(0, prefix.size()) != prefix) return std::nullopt;
+  return entry.substr(prefix.size());
+}
+}  // namespace
+
+std::string state(std::string_view name) { return std::string(kStatePrefix) + std::string(name); }
+std::string batch(std::string_view name) { return std::string(kBatchPrefix) + std::string(name); }
+std::optional<std::string_view> state_name(std::string_view entry) { return after(kStatePrefix, entry); }
+std::optional<std::string_view> batch_name(std::string_view entry) { return after(kBatchPrefix, entry); }
+
+std::optional<std::string> segment_input(SegmentPhase phase, std::size_t i) {
+  switch (phase) {
+    case SegmentPhase::kForward: return "input." + std::to_string(i);
+    case SegmentPhase::kRecompute: return std::nullopt;
+    case SegmentPhase::kBackward: return "grad_output." + std::to_string(i);
+  }
+  return std::nullopt;
+}
+
+std::string segment_output(SegmentPhase phase, std::size_t i) {
+  switch (phase) {
+    case SegmentPhase::kForward:
+    case SegmentPhase::kRecompute: return "output." + std::to_string(i);
+    case SegmentPhase::kBackward: return "grad_input." + std::to_string(i);
+  }
+  return "output." + std::to_string(i);
+}
+
+}  // namespace tensor_names
+
+std::optional<SegmentPhase> segment_phase_from_string(std::string_view name) {
+  for (SegmentPhase p : {SegmentPhase::kForward, SegmentPhase::kRecompute, SegmentPhase::kBackward}) {
+    if (name == to_string(p)) return p;
+  }
+  return std::nullopt;
+}
+
+// --- the decoder's field readers ---------------------------------------------------------------
+
+namespace {
+
+// Reads the fields of one metadata object; every failure is a TraceError naming the record.
+class Fields {
+ public:
+  Fields(const nlohmann::json& meta, const std::string& source, std::uint64_t offset, const char* record)
+      : meta_(meta), source_(source), offset_(offset), record_(record) {
+    if (!meta.is_object()) fail("", "is not an object");
+  }
+
+  [[noreturn]] void fail(const std::string& key, const std::string& what) const {
+    std::string msg = source_ + ": the " + record_ + " record's ";
+    msg += key.empty() ? std::string("metadata") : "'" + key + "'";
+    msg += " " + what + " at byte offset " + std::to_string(offset_);
+    throw TraceError(TraceError::Kind::kMalformed, offset_, msg);
+  }
+
+  const nlohmann::json* find(const char* key) const {
+    const auto it = meta_.find(key);
+    return it == meta_.end() ? nullptr : &*it;
+  }
+
+  std::int64_t integer(const char* key, std::optional<std::int64_t> fallback = std::nullopt) const {
+    const nlohmann::json* v = find(key);
+    if (!v) {
+      if (fallback) return *fallback;
+      fail(key, "is missing");
+    }
+    if (!v->is_number_integer() || (v->is_number_unsigned() && v->get<std::uint64_t>() > std::numeric_limits<std::int64_t>::max())) {
+      fail(key, "is not an integer (" + v->dump().substr(0, 40) + ")");
+    }
+    return v->get<std::int64_t>();
+  }
+
+  std::int64_t step(const char* key = "step") const {
+    const std::int64_t s = integer(key);
+    if (s < 0) fail(key, "is negative (" + std::to_string(s) + ")");
+    return s;
+  }
+
+  // A number as json_number writes it: a JSON number, or "nan", "inf", "-inf".
+  double number(const char* key, std::optional<double> fallback = std::nullopt) const {
+    const nlohmann::json* v = find(key);
+    if (!v) {
+      if (fallback) return *fallback;
+      fail(key, "is missing");
+    }
+    const std::optional<double> d = number_from_json(*v);
+    if (!d) fail(key, "is not a number or \"nan\", \"inf\", \"-inf\" (" + v->dump().substr(0, 40) + ")");
+    return *d;
+  }
+
+  bool flag(const char* key, bool fallback) const {
+    const nlohmann::json* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_boolean()) fail(key, "is not true or false (" + v->dump().substr(0, 40) + ")");
+    return v->get<bool>();
+  }
+
+  std::string text(const char* key, std::optional<std::string> fallback = std::nullopt) const {
+    const nlohmann::json* v = find(key);
+    if (!v) {
+      if (fallback) return *fallback;
+      fail(key, "is missing");
+    }
+    if (!v->is_string()) fail(key, "is not a string (" + v->dump().substr(0, 40) + ")");
+    return v->get<std::string>();
+  }
+
+  std::vector<std::string> texts(const char* key) const {
+    std::vector<std::string> out;
+    const nlohmann::json* v = find(key);
+    if (!v) return out;
+    if (!v->is_array()) fail(key, "is not a list");
+    for (const nlohmann::json& x : *v) {
+      if (!x.is_string()) fail(key, "holds a non-string (" + x.dump().substr(0, 40) + ")");
+      out.push_back(x.get<std::string>());
+    }
+    return out;
+  }
+
+  const nlohmann::json& meta() const { return meta_; }
+
+ private:
+  const nlohmann::json& meta_;
+  const std::string& source_;
+  std::uint64_t offset_;
+  const char* record_;
+};
+
+void expect_type(const Record& r, RecordType type, const std::string& source) {
+  if (r.type != type) {
+    throw TraceError(TraceError::Kind::kMalformed, r.offset,
+                     source + ": the record at byte offset " + std::to_string(r.offset) + " is a " + to_string(r.type) +
+                         " record, not a " + to_string(type) + " record");
+  }
+}
+
+}  // namespace
+
+// --- header --------------------------------------------------------------------------------------
+
+nlohmann::json TraceHeader::to_meta() const {
+  nlohmann::json meta = {{"environment", environment.to_json()}};
+  if (program) meta["program"] = {{"name", program->name}, {"config", program->config}};
+  if (recorder) {
+    meta["recorder"] = {{"mode", recorder->mode},
+                        {"every", recorder->every},
+                        {"ring", recorder->ring},
+                        {"write_ahead", recorder->write_ahead}};
+  }
+  return meta;
+}
+
+TraceHeader TraceHeader::decode(const nlohmann::json& meta, const std::string& source) {
+  constexpr std::uint64_t kHeaderOffset = 12;  // the header record follows the 12-byte file header
+  const Fields f(meta, source, kHeaderOffset, "header");
+  TraceHeader h;
+  const std::int64_t version = f.integer("format_version", 0);
+  if (version < 0 || version > std::numeric_limits<std::uint32_t>::max()) f.fail("format_version", "is out of range");
+  h.format_version = static_cast<std::uint32_t>(version);
+  h.writer = f.text("writer", "");
+  if (const nlohmann::json* env = f.find("environment")) {
+    if (!env->is_object()) f.fail("environment", "is not an object");
+    for (const char* part : {"bitwise", "info"}) {
+      const auto it = env->find(part);
+      if (it == env->end()) continue;
+      if (!it->is_object()) f.fail(std::string("environment.") + part, "is not an object");
+      for (auto kv = it->begin(); kv != it->end(); ++kv) {
+        if (!kv.value().is_string()) f.fail(std::string("environment.") + part + "." + kv.key(), "is not a string");
+      }
+    }
+    h.environment = Environment::from_json(*env);
+  }
+  if (const nlohmann::json* p = f.find("program")) {
+    const Fields pf(*p, source, kHeaderOffset, "header");
+    h.program = ProgramRef{pf.text("name"), pf.text("config")};
+  }
+  if (const nlohmann::json* r = f.find("recorder")) {
+    const Fields rf(*r, source, kHeaderOffset, "header");
+    RecorderSettings s;
+    s.mode = rf.text("mode", "digest");
+    s.every = rf.integer("every", 0);
+    s.ring = rf.integer("ring", 0);
+    s.write_ahead = rf.flag("write_ahead", false);
+    h.recorder = s;
+  }
+  return h;
+}
+
+const ProgramRef& TraceHeader::require_program(const std::string& source) const {
+  if (!program) throw Error(source + ": the trace header names no program; was it written by retrace record?");
+  return *program;
+}
+
+// --- step_begin ----------------------------------------------------------------------------------
+
+nlohmann::json StepBeginRecord::to_meta() const {
+  nlohmann::json meta = {{"step", step}, {"lr", json_number(lr)}, {"loss_scale", json_number(loss_scale)}, {"full", full}};
+  if (ring) meta["ring"] = true;
+  if (batch_kinds) {
+    nlohmann::json kinds = nlohmann::json::object();
+    for (const auto& [name, kind] : *batch_kinds) kinds[name] = to_string(kind);
+    meta["batch_kinds"] = std::move(kinds);
+  }
+  if (state_as_step_end) meta["state_as_step_end"] = *state_as_step_end;
+  return meta;
+}
+
+StepBeginRecord StepBeginRecord::decode(const Record& record, const std::string& source) {
+  expect_type(record, RecordType::kStepBegin, source);
+  return decode(record.meta, record.offset, source);
+}
+
+StepBeginRecord StepBeginRecord::decode(const nlohmann::json& meta, std::uint64_t offset, const std::string& source) {
+  const Fields f(meta, source, offset, "step_begin");
+  StepBeginRecord b;
+  b.step = f.step();
+  b.lr = f.number("lr", 0.0);
+  b.loss_scale = f.number("loss_scale", 1.0);
+  b.full = f.flag("full", false);
+  b.ring = f.flag("ring", false);
+  if (const nlohmann::json* kinds = f.find("batch_kinds")) {
+    if (!kinds->is_object()) f.fail("batch_kinds", "is not an object");
+    std::map<std::string, TensorKind> out;
+    for (auto it = kinds->begin(); it != kinds->end(); ++it) {
+      if (!it.value().is_string()) f.fail("batch_kinds." + it.key(), "is not a string");
+      out[it.key()] = tensor_kind_from_string(it.value().get<std::string>());  // a newer kind reads as other
+    }
+    b.batch_kinds = std::move(out);
+  }
+  if (f.find("state_as_step_end")) b.state_as_step_end = f.step("state_as_step_end");
+  return b;
+}
+
+// --- segment -------------------------------------------------------------------------------------
+
+nlohmann::json SegmentRecord::to_meta() const {
+  return {{"step", step}, {"segment", segment}, {"phase", to_string(phase)}, {"ordinal", ordinal}};
+}
+
+SegmentRecord SegmentRecord::decode(const Record& record, const std::string& source) {
+  expect_type(record, RecordType::kSegment, source);
+  return decode(record.meta, record.offset, source);
+}
+
+SegmentRecord SegmentRecord::decode(const nlohmann::json& meta, std::uint64_t offset, const std::string& source) {
+  const Fields f(meta, source, offset, "segment");
+  SegmentRecord s;
+  s.step = f.step();
+  s.segment = f.text("segment");
+  const std::string phase = f.text("phase");
+  const std::optional<SegmentPhase> p = segment_phase_from_string(phase);
+  if (!p) f.fail("phase", "is '" + phase.substr(0, 40) + "', not forward, recompute or backward");
+  s.phase = *p;
+  s.ordinal = f.integer("ordinal", -1);
+  return s;
+}
+
+// --- step_end ------------------------------------------------------------------------------------
+
+nlohmann::json StepEndRecord::to_meta() const {
+  nlohmann::json meta = {{"step", step},
+                         {"loss", json_number(loss)},
+                         {"grad_norm", json_number(grad_norm)},
+                         {"loss_scale", json_number(loss_scale)},
+                         {"lr", json_number(lr)},
+                         {"skipped", skipped},
+                         {"finite", finite}};
+  if (!skip_reason.empty()) meta["skip_reason"] = skip_reason;
+  if (rolled_back) {
+    meta["rolled_back"] = true;
+    meta["rolled_back_to"] = rolled_back_to;
+  }
+  if (!injected.empty()) meta["injected"] = injected;
+  return meta;
+}
+
+StepEndRecord StepEndRecord::decode(const Record& record, const std::string& source) {
+  expect_type(record, RecordType::kStepEnd, source);
+  return decode(record.meta, record.offset, source);
+}
+
+StepEndRecord StepEndRecord::decode(const nlohmann::json& meta, std::uint64_t offset, const std::string& source) {
+  const Fields f(meta, source, offset, "step_end");
+  StepEndRecord e;
+  e.step = f.step();
+  e.loss = f.number("loss");
+  // Golden v1 and v2 traces (tests/data) hold step_end records without grad_norm or finite.
+  const bool has_norm = f.find("grad_norm") != nullptr;
+  e.grad_norm = f.number("grad_norm", std::numeric_limits<double>::quiet_NaN());
+  e.loss_scale = f.number("loss_scale", 1.0);
+  e.lr = f.number("lr", 0.0);
+  e.skipped = f.flag("skipped", false);
+  e.finite = f.flag("finite", std::isfinite(e.loss) && (!has_norm || std::isfinite(e.grad_norm)));
+  e.skip_reason = f.text("skip_reason", "");
+  e.rolled_back = f.flag("rolled_back", false);
+  if (e.rolled_back && f.find("rolled_back_to")) e.rolled_back_to = f.integer("rolled_back_to");
+  e.injected = f.texts("injected");
+  return e;
+}
+
+// --- events --------------------------------------------------------------------------------------
+
+nlohmann::json ExceptionEvent::to_meta() const {
+  nlohmann::json meta = {{"event", "exception"}, {"what", what}, {"step", step}};
+  if (raised_by_step) meta["raised_by_step"] = true;
+  return meta;
+}
+
+nlohmann::json RingDumpEvent::to_meta() const {
+  return {{"event", "ring_dump"}, {"reason", reason}, {"steps", steps}};
+}
+
+EventRecord EventRecord::decode(const Record& record, const std::string& source) {
+  expect_type(record, RecordType::kEvent, source);
+  return decode(record.meta, record.offset, source);
+}
+
+EventRecord EventRecord::decode(const nlohmann::json& meta, std::uint64_t offset, const std::string& source) {
+  const Fields f(meta, source, offset, "event");
+  EventRecord e;
+  e.name = f.text("event");
+  if (e.name == "exception") {
+    e.kind = Kind::kException;
+    ExceptionEvent x;
+    x.step = f.integer("step", -1);
+    if (x.step < -1) f.fail("step", "is below -1 (" + std::to_string(x.step) + ")");
+    x.what = f.text("what");
+    x.raised_by_step = f.flag("raised_by_step", false);
+    e.exception = std::move(x);
+  } else if (e.name == "ring_dump") {
+    e.kind = Kind::kRingDump;
+    RingDumpEvent d;
+    d.reason = f.text("reason", "");
+    if (const nlohmann::json* steps = f.find("steps")) {
+      if (!steps->is_array()) f.fail("steps", "is not a list");
+      for (const nlohmann::json& s : *steps) {
+        if (!s.is_number_integer() || s.get<std::int64_t>() < 0) f.fail("steps", "holds a non-step (" + s.dump().substr(0, 40) + ")");
+        d.steps.push_back(s.get<std::int64_t>());
+      }
+    }
+    e.ring_dump = std::move(d);
+  }
+  return e;
+}
+
+std::string exception_message(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
+  return e.what();
+}
+
+void validate_record_meta(RecordType type, const nlohmann::json& meta, const std::string& source, std::uint64_t offset) {
+  switch (type) {
+    case RecordType::kHeader: TraceHeader::decode(meta, source); break;
+    case RecordType::kStepBegin: StepBeginRecord::decode(meta, offset, source); break;
+    case RecordType::kSegment: SegmentRecord::decode(meta, offset, source); break;
+    case RecordType::kStepEnd: StepEndRecord::decode(meta, offset, source); break;
+    case RecordType::kEvent: EventRecord::decode(meta, offset, source); break;
+    case RecordType::kIndex: break;
+  }
+}
+
+// --- the trace as steps --------------------------------------------------------------------------
+
+RecordedSteps recorded_steps(const TraceReader& trace) {
+  RecordedSteps out;
+  std::map<std::int64_t, StepEndRecord> by_step;  // the last step_end of a step wins
+  for (std::size_t i = 0; i < trace.records().size(); ++i) {
+    const RecordInfo& info = trace.records()[i];
+    if (info.type != RecordType::kStepEnd) continue;
+    try {
+      StepEndRecord e = StepEndRecord::decode(trace.read(i), trace.path());
+      by_step[e.step] = std::move(e);
+    } catch (const Error&) {
+      ++out.unreadable;  // a damaged record: the curves go without that step
+    }
+  }
+  for (auto& [s, e] : by_step) out.steps.push_back(std::move(e));
+  return out;
+}
+
+}  // namespace retrace

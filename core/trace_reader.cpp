@@ -1,0 +1,346 @@
+#include <retrace/trace.h>
+
+#include "trace_format.h"
+
+#include <retrace/records.h>
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+
+namespace retrace {
+
+using namespace format;
+
+// --- reader ----------------------------------------------------------------------------------
+
+namespace {
+
+[[noreturn]] void bad(TraceError::Kind kind, const std::string& path, std::uint64_t offset,
+                      const std::string& what) {
+  throw TraceError(kind, offset, path + ": " + what + " at byte offset " + std::to_string(offset));
+}
+
+// Reads exactly n bytes at `offset` through the file layer; its failure is a kIo TraceError naming
+// the byte offset.
+void read_exactly(const io::ReadableFile& file, void* out, std::size_t n, std::uint64_t offset, const std::string& path) {
+  try {
+    file.read_at(offset, out, n);
+  } catch (const io::IoError& e) {
+    bad(TraceError::Kind::kIo, path, offset, e.reason());
+  }
+}
+
+nlohmann::json parse_meta(const std::string& text, int max_depth, const std::string& path,
+                          std::uint64_t offset) {
+  try {
+    // The callback sees each value's depth before it is built: deep nesting is refused early.
+    return nlohmann::json::parse(text, [&](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
+      if (depth > max_depth) throw std::runtime_error("nesting deeper than " + std::to_string(max_depth));
+      return true;
+    });
+  } catch (const std::exception& e) {
+    bad(TraceError::Kind::kMalformed, path, offset, std::string("record metadata is not valid JSON (") + e.what() + ")");
+  }
+}
+
+// A metadata field of exactly type T: integers must be JSON integers in T's range (nlohmann
+// would otherwise cast floats and booleans), strings strings, lists lists of such.
+template <typename T>
+bool valid_as(const nlohmann::json& v) {
+  if constexpr (std::is_same_v<T, std::string>) {
+    return v.is_string();
+  } else if constexpr (std::is_same_v<T, std::vector<std::int64_t>>) {
+    if (!v.is_array()) return false;
+    for (const nlohmann::json& x : v) {
+      if (!valid_as<std::int64_t>(x)) return false;
+    }
+    return true;
+  } else {
+    static_assert(std::is_integral_v<T>);
+    if (v.is_number_unsigned()) return v.get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<T>::max());
+    if (v.is_number_integer()) {
+      const auto x = v.get<std::int64_t>();
+      return std::is_signed_v<T> ? x >= static_cast<std::int64_t>(std::numeric_limits<T>::min()) &&
+                                       x <= static_cast<std::int64_t>(std::numeric_limits<T>::max())
+                                 : x >= 0;
+    }
+    return false;
+  }
+}
+
+template <typename T>
+T field(const nlohmann::json& j, const char* key, const std::string& path, std::uint64_t offset) {
+  auto it = j.find(key);
+  if (it == j.end() || !valid_as<T>(*it)) {
+    bad(TraceError::Kind::kMalformed, path, offset, std::string("record metadata lacks a valid '") + key + "'");
+  }
+  return it->get<T>();
+}
+
+// An optional field: absent gives `fallback`, a wrong type is malformed.
+template <typename T>
+T optional_field(const nlohmann::json& j, const char* key, T fallback, const std::string& path, std::uint64_t offset) {
+  return j.contains(key) ? field<T>(j, key, path, offset) : fallback;
+}
+
+}  // namespace
+
+// A record's index entry, from its typed decoder (records.h): every step_begin, segment, step_end
+// and event record is validated once, when the trace is opened.
+RecordInfo TraceReader::index_entry(const Record& r, std::uint32_t length) const {
+  RecordInfo info{r.type, r.offset, length};
+  switch (r.type) {
+    case RecordType::kStepBegin: info.step = StepBeginRecord::decode(r, path_).step; break;
+    case RecordType::kStepEnd: info.step = StepEndRecord::decode(r, path_).step; break;
+    case RecordType::kSegment: {
+      const SegmentRecord s = SegmentRecord::decode(r, path_);
+      info.step = s.step;
+      info.segment = s.segment;
+      info.phase = to_string(s.phase);
+      break;
+    }
+    case RecordType::kEvent: {
+      const EventRecord e = EventRecord::decode(r, path_);
+      if (e.exception) info.step = e.exception->step;
+      break;
+    }
+    case RecordType::kHeader:
+    case RecordType::kIndex: break;
+  }
+  return info;
+}
+
+TraceReader::TraceReader(const std::string& path, ReaderOptions options)
+    : path_(path), options_(options) {
+  io::FileSystem& fs = options.fs ? *options.fs : io::posix_file_system();
+  try {
+    file_ = fs.open(path);
+  } catch (const io::IoError& e) {
+    if (e.os_error() == EISDIR) throw TraceError(TraceError::Kind::kIo, 0, "'" + path + "' is a directory, not a trace");
+    throw TraceError(TraceError::Kind::kIo, 0, "cannot open trace '" + path + "': " + e.reason());
+  }
+  file_size_ = file_->size();
+  try {
+    if (file_size_ < kFileHeaderBytes) bad(TraceError::Kind::kBadMagic, path, 0, "too short to be a retrace trace");
+    unsigned char head[kFileHeaderBytes];
+    read_exactly(*file_, head, sizeof head, 0, path);
+    if (std::memcmp(head, kTraceMagic, 8) != 0) bad(TraceError::Kind::kBadMagic, path, 0, "not a retrace trace (bad magic)");
+    std::uint32_t version;
+    std::memcpy(&version, head + 8, 4);
+    if (version == 0 || version > kTraceFormatVersion) {
+      bad(TraceError::Kind::kVersion, path, 8,
+          "format version " + std::to_string(version) + " is not readable by this build (reads 1.." +
+              std::to_string(kTraceFormatVersion) + "); upgrade retrace");
+    }
+    version_ = version;
+    std::uint64_t pos = kFileHeaderBytes;
+    bool seen_index = false;
+    std::uint64_t index_offset = 0;
+    while (pos < file_size_) {
+      const std::uint64_t left = file_size_ - pos;
+      if (seen_index) {
+        if (left < kTrailerBytes) {
+          warning_ = path + ": ends inside the trailer at byte offset " + std::to_string(pos) + "; all " +
+                     std::to_string(records_.size()) + " records are readable";
+          break;
+        }
+        if (left > kTrailerBytes) bad(TraceError::Kind::kMalformed, path, pos, "bytes after the index are not the trailer");
+        unsigned char trailer[kTrailerBytes];
+        read_exactly(*file_, trailer, sizeof trailer, pos, path);
+        std::uint64_t declared;
+        std::memcpy(&declared, trailer, 8);
+        if (std::memcmp(trailer + 8, kTrailerMagic, 8) != 0 || declared != index_offset) {
+          bad(TraceError::Kind::kMalformed, path, pos, "corrupt trailer");
+        }
+        complete_ = true;
+        break;
+      }
+      if (left < kRecordHeaderBytes) {
+        warning_ = path + ": ends inside a record header at byte offset " + std::to_string(pos) + " (" +
+                   std::to_string(left) + " trailing bytes ignored); all " + std::to_string(records_.size()) +
+                   " complete records are readable";
+        break;
+      }
+      unsigned char raw[kRecordHeaderBytes];
+      read_exactly(*file_, raw, sizeof raw, pos, path);
+      const RecordHeader h = decode_header(raw);
+      if (h.magic != kRecordMagic) bad(TraceError::Kind::kMalformed, path, pos, "no record starts here (bad record magic)");
+      if (!header_checksum_matches(h, raw)) {
+        bad(TraceError::Kind::kChecksum, path, pos, "record header checksum mismatch");
+      }
+      if (h.flags != 0) bad(TraceError::Kind::kMalformed, path, pos, "record flags " + std::to_string(h.flags) + " are not defined in format version 1");
+      if (h.length > options_.max_record_bytes) {
+        bad(TraceError::Kind::kTooLarge, path, pos,
+            "record of " + std::to_string(h.length) + " bytes exceeds the cap of " +
+                std::to_string(options_.max_record_bytes) + " (ReaderOptions::max_record_bytes)");
+      }
+      if (h.length > left - kRecordHeaderBytes) {
+        warning_ = path + ": ends inside the record at byte offset " + std::to_string(pos) + " (" +
+                   std::to_string(h.length - (left - kRecordHeaderBytes)) + " bytes missing); all " +
+                   std::to_string(records_.size()) + " complete records are readable";
+        break;
+      }
+      const Record r = load(pos);
+      if (records_.empty() && !header_.is_object()) {
+        if (r.type != RecordType::kHeader) bad(TraceError::Kind::kMalformed, path, pos, "the first record is not the header");
+        header_ = r.meta;
+        TraceHeader::decode(header_, path);  // validates the header's fields once, here
+      } else if (r.type == RecordType::kHeader) {
+        bad(TraceError::Kind::kMalformed, path, pos, "a second header record");
+      } else if (r.type == RecordType::kIndex) {
+        const auto& list = r.meta.contains("records") ? r.meta["records"] : nlohmann::json();
+        if (!list.is_array() || list.size() != records_.size()) {
+          bad(TraceError::Kind::kMalformed, path, pos, "the index does not list the records before it");
+        }
+        for (std::size_t i = 0; i < list.size(); ++i) {
+          if (!list[i].is_array() || list[i].size() < 2 || list[i][0] != static_cast<int>(records_[i].type) ||
+              list[i][1] != records_[i].offset) {
+            bad(TraceError::Kind::kMalformed, path, pos, "index entry " + std::to_string(i) + " does not match the record");
+          }
+        }
+        seen_index = true;
+        index_offset = pos;
+      } else {
+        records_.push_back(index_entry(r, h.length));
+      }
+      pos += kRecordHeaderBytes + h.length;
+    }
+    if (!header_.is_object()) bad(TraceError::Kind::kMalformed, path, kFileHeaderBytes, "no header record");
+    if (seen_index && !complete_ && warning_.empty()) {
+      warning_ = path + ": ends after the index without its trailer; all " + std::to_string(records_.size()) +
+                 " records are readable";
+    }
+  } catch (...) {
+    file_.reset();
+    throw;
+  }
+}
+
+TraceReader::~TraceReader() = default;
+
+TraceReader::TraceReader(TraceReader&& o) noexcept = default;
+
+Record TraceReader::read(std::size_t i) const {
+  if (i >= records_.size()) throw Error("record " + std::to_string(i) + " does not exist in " + path_);
+  return load(records_[i].offset);
+}
+
+Record TraceReader::load(std::uint64_t offset) const {
+  unsigned char raw[kRecordHeaderBytes];
+  read_exactly(*file_, raw, sizeof raw, offset, path_);
+  const RecordHeader h = decode_header(raw);
+  // Callers checked framing, header checksum and size before calling.
+  std::string payload(h.length, '\0');
+  read_exactly(*file_, payload.data(), h.length, offset + kRecordHeaderBytes, path_);
+  if (payload_checksum(h.type, h.flags, h.length, payload.data()) != h.payload_checksum) {
+    bad(TraceError::Kind::kChecksum, path_, offset, "record payload checksum mismatch");
+  }
+  Record r;
+  r.offset = offset;
+  switch (h.type) {
+    case 1: case 2: case 3: case 4: case 5: case 15: r.type = static_cast<RecordType>(h.type); break;
+    default: bad(TraceError::Kind::kMalformed, path_, offset, "unknown record type " + std::to_string(h.type));
+  }
+  if (h.length < 4) bad(TraceError::Kind::kMalformed, path_, offset, "record payload shorter than its metadata length");
+  std::uint32_t meta_len;
+  std::memcpy(&meta_len, payload.data(), 4);
+  if (meta_len > options_.max_meta_bytes || meta_len > h.length - 4) {
+    bad(TraceError::Kind::kMalformed, path_, offset, "metadata length " + std::to_string(meta_len) + " is out of bounds");
+  }
+  r.meta = parse_meta(payload.substr(4, meta_len), options_.max_meta_depth, path_, offset);
+  if (!r.meta.is_object()) bad(TraceError::Kind::kMalformed, path_, offset, "record metadata is not an object");
+  r.blob = payload.substr(4 + meta_len);
+  if (r.meta.contains("tensors")) {
+    const nlohmann::json& list = r.meta["tensors"];
+    if (!list.is_array()) bad(TraceError::Kind::kMalformed, path_, offset, "'tensors' is not a list");
+    for (const nlohmann::json& t : list) {
+      if (!t.is_object()) bad(TraceError::Kind::kMalformed, path_, offset, "a tensor entry is not an object");
+      TensorEntry e;
+      e.name = field<std::string>(t, "name", path_, offset);
+      const auto dtype = dtype_from_name(field<std::string>(t, "dtype", path_, offset));
+      if (!dtype) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown dtype");
+      e.dtype = *dtype;
+      e.shape = field<std::vector<std::int64_t>>(t, "shape", path_, offset);
+      if (e.shape.size() > kMaxRank) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has rank over 64");
+      // numel * element size without overflow, against the cap. An empty tensor declares 0 bytes
+      // whatever its other sizes, but LibTorch still computes its contiguous strides in int64 (the
+      // stride of dimension 0 is the product of the later sizes, a 0 counted as 1): those must
+      // fit too.
+      unsigned __int128 bytes = c10::elementSize(e.dtype);
+      unsigned __int128 stride = 1;
+      for (std::size_t d = 0; d < e.shape.size(); ++d) {
+        const std::int64_t s = e.shape[d];
+        if (s < 0) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has a negative size");
+        bytes *= static_cast<unsigned __int128>(s);
+        if (bytes > options_.max_tensor_bytes) {
+          bad(TraceError::Kind::kTooLarge, path_, offset,
+              "tensor '" + e.name + "' declares more than " + std::to_string(options_.max_tensor_bytes) +
+                  " bytes (ReaderOptions::max_tensor_bytes)");
+        }
+        if (d > 0) stride *= static_cast<unsigned __int128>(std::max<std::int64_t>(s, 1));
+        if (stride > static_cast<unsigned __int128>(std::numeric_limits<std::int64_t>::max())) {
+          bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has sizes whose strides overflow 64 bits");
+        }
+      }
+      e.raw_bytes = field<std::uint64_t>(t, "raw_bytes", path_, offset);
+      if (e.raw_bytes != static_cast<std::uint64_t>(bytes)) {
+        bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' raw_bytes does not match its shape");
+      }
+      const std::string hex = field<std::string>(t, "digest", path_, offset);
+      if (hex.size() != 32 || hex.find_first_not_of("0123456789abcdef") != std::string::npos) {
+        bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has a malformed digest");
+      }
+      e.digest.hi = std::stoull(hex.substr(0, 16), nullptr, 16);
+      e.digest.lo = std::stoull(hex.substr(16), nullptr, 16);
+      const int alg = field<int>(t, "digest_algorithm", path_, offset);
+      if (alg < 1 || alg > 2) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown digest algorithm");
+      e.digest.algorithm = static_cast<DigestAlgorithm>(alg);
+      const int codec = optional_field<int>(t, "codec", 0, path_, offset);
+      if (codec < 0 || codec > 3) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown codec");
+      if (codec == 3 && version_ < 2) {
+        bad(TraceError::Kind::kMalformed, path_, offset,
+            "tensor '" + e.name + "' has codec 3, which format version " + std::to_string(version_) + " does not define");
+      }
+      e.codec = static_cast<TensorCodec>(codec);
+      if (e.has_data()) {
+        e.offset = field<std::uint64_t>(t, "offset", path_, offset);
+        e.stored_bytes = field<std::uint64_t>(t, "stored_bytes", path_, offset);
+      }
+      if (e.has_data() && (e.offset > r.blob.size() || e.stored_bytes > r.blob.size() - e.offset)) {
+        bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' data lies outside its record");
+      }
+      r.tensors.push_back(std::move(e));
+    }
+  }
+  return r;
+}
+
+at::Tensor TraceReader::decode(const Record& record, const TensorEntry& e) const {
+  if (!e.has_data()) {
+    throw Error(path_ + ": tensor '" + e.name + "' in the record at byte offset " + std::to_string(record.offset) +
+                " holds only a digest (recorded in digest mode)");
+  }
+  const char* src = record.blob.data() + e.offset;
+  const std::optional<std::uint64_t> declared = declared_payload_size(src, e.stored_bytes, e.codec);
+  if (!declared || *declared != e.raw_bytes) {
+    bad(TraceError::Kind::kMalformed, path_, record.offset,
+        "tensor '" + e.name + "' payload does not declare its size of " + std::to_string(e.raw_bytes) + " bytes");
+  }
+  at::Tensor out = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+  try {
+    decode_tensor_payload(src, e.stored_bytes, e.codec, out);
+  } catch (const Error& err) {
+    bad(TraceError::Kind::kChecksum, path_, record.offset, "tensor '" + e.name + "' " + err.what());
+  }
+  if (e.digest.algorithm == DigestAlgorithm::kXxh3_128 && digest(out) != e.digest) {
+    bad(TraceError::Kind::kChecksum, path_, record.offset, "tensor '" + e.name + "' does not match its digest");
+  }
+  return out;
+}
+
+}  // namespace retrace

@@ -1,0 +1,237 @@
+#include <retrace/trace.h>
+
+#include "trace_format.h"
+
+#include <retrace/records.h>
+
+#include <retrace/version.h>
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+
+namespace retrace {
+
+using namespace format;
+
+TensorToWrite TensorToWrite::digest_only(std::string name, const at::Tensor& t, const Digest& d) {
+  TensorToWrite w;
+  w.name = std::move(name);
+  w.digest = d;
+  w.dtype = t.scalar_type();
+  w.shape = t.sizes().vec();
+  return w;
+}
+
+TensorToWrite TensorToWrite::digest_only(std::string name, const at::Tensor& t, const PendingDigest& d) {
+  if (d.ready()) return digest_only(std::move(name), t, d.get());
+  TensorToWrite w;
+  w.name = std::move(name);
+  w.digest_later = [d] { return d.get(); };
+  w.dtype = t.scalar_type();
+  w.shape = t.sizes().vec();
+  return w;
+}
+
+const TensorEntry* Record::find(const std::string& name) const {
+  for (const TensorEntry& e : tensors) {
+    if (e.name == name) return &e;
+  }
+  return nullptr;
+}
+
+// --- writer ----------------------------------------------------------------------------------
+
+namespace {
+
+// Nesting of a JSON value as the reader's parse callback counts it: a scalar 0, a container one more
+// than its deepest element.
+int json_depth(const nlohmann::json& j) {
+  if (!j.is_structured()) return 0;
+  int deepest = 0;
+  for (const nlohmann::json& v : j) deepest = std::max(deepest, json_depth(v));
+  return deepest + 1;
+}
+
+// What the default reader would refuse is never written (ReaderOptions' defaults are the
+// contract): the metadata's nesting and each tensor's declared size, before anything is written.
+void check_readable(RecordType type, const nlohmann::json& meta, const std::vector<TensorEntry>& tensors) {
+  const ReaderOptions reader;
+  const int depth = std::max(json_depth(meta), tensors.empty() ? 0 : 4);  // the tensor table nests 4 deep
+  if (depth > reader.max_meta_depth) {
+    throw Error("retrace::TraceWriter: a " + std::string(to_string(type)) + " record's metadata nests " +
+                std::to_string(depth) + " levels deep, over the reader's cap of " + std::to_string(reader.max_meta_depth) +
+                " (ReaderOptions::max_meta_depth); flatten what the program puts there (its config)");
+  }
+  for (const TensorEntry& e : tensors) {
+    if (e.raw_bytes > reader.max_tensor_bytes) {
+      throw Error("retrace::TraceWriter: tensor '" + e.name + "' is " + std::to_string(e.raw_bytes) +
+                  " bytes, over the reader's cap of " + std::to_string(reader.max_tensor_bytes) +
+                  " for one tensor (ReaderOptions::max_tensor_bytes), so the trace could not be read back");
+    }
+  }
+}
+
+void check_meta_size(RecordType type, std::size_t meta_bytes) {
+  const ReaderOptions reader;
+  if (meta_bytes > reader.max_meta_bytes) {
+    throw Error("retrace::TraceWriter: a " + std::string(to_string(type)) + " record's metadata would be " +
+                std::to_string(meta_bytes) + " bytes, over the reader's cap of " + std::to_string(reader.max_meta_bytes) +
+                " (ReaderOptions::max_meta_bytes); shorten what goes there (a scenario's description, a program's "
+                "config) or record fewer tensors per record");
+  }
+}
+
+}  // namespace
+
+TraceWriter::TraceWriter(std::string path, nlohmann::json header, WriterOptions options)
+    : path_(std::move(path)), options_(options),
+      fs_(options.fs ? options.fs : &io::posix_file_system()) {
+  header["format_version"] = kTraceFormatVersion;
+  header["writer"] = std::string("retrace ") + kVersion;
+  // A header the reader would refuse (a huge or deeply nested program config or description) fails
+  // here, before the file exists and before any training.
+  check_readable(RecordType::kHeader, header, {});
+  check_meta_size(RecordType::kHeader, header.dump().size());
+  file_ = fs_->create(incomplete_path());
+  unsigned char head[kFileHeaderBytes];
+  std::memcpy(head, kTraceMagic, 8);
+  const std::uint32_t version = kTraceFormatVersion;
+  std::memcpy(head + 8, &version, 4);
+  file_->append(head, sizeof head);
+  write_record(RecordType::kHeader, header, {}, {});
+}
+
+TraceWriter::~TraceWriter() = default;
+
+std::uint64_t TraceWriter::bytes_written() const { return file_ ? file_->size() : 0; }
+
+std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta,
+                                  const std::vector<TensorToWrite>& tensors) {
+  if (closed_) throw Error("retrace::TraceWriter: append after close of " + path_);
+  std::string blob;
+  std::vector<TensorEntry> entries;
+  for (const TensorToWrite& w : tensors) {
+    TensorEntry e;
+    e.name = w.name;
+    if (!w.tensor.defined()) {
+      if (w.store_data || (!w.digest && !w.digest_later)) {
+        throw Error("retrace::TraceWriter: entry '" + w.name + "' has neither a tensor nor a digest");
+      }
+      e.dtype = w.dtype;
+      dtype_name(e.dtype);
+      e.shape = w.shape;
+      unsigned __int128 bytes = c10::elementSize(e.dtype);
+      for (std::int64_t size : e.shape) bytes *= static_cast<unsigned __int128>(size);
+      e.raw_bytes = static_cast<std::uint64_t>(bytes);
+      e.digest = w.digest ? *w.digest : w.digest_later();
+      entries.push_back(std::move(e));
+      continue;
+    }
+    if (w.ready) w.ready();  // an asynchronous device-to-host copy must land before we read it
+    const at::Tensor t = w.tensor.detach();
+    e.dtype = t.scalar_type();
+    dtype_name(e.dtype);  // throws for dtypes the format cannot store
+    e.shape = t.sizes().vec();
+    e.raw_bytes = static_cast<std::uint64_t>(t.numel()) * t.element_size();
+    e.digest = w.digest ? *w.digest : w.digest_later ? w.digest_later() : digest(t);
+    if (w.store_data) {
+      const at::Tensor host = t.resolve_conj().resolve_neg().cpu().contiguous();
+      e.codec = choose_codec(host, options_);
+      const std::string frame = encode_tensor_payload(host, e.codec, options_.zstd_level);
+      e.offset = blob.size();
+      e.stored_bytes = frame.size();
+      blob += frame;
+    }
+    entries.push_back(std::move(e));
+  }
+  const std::uint64_t offset = file_->size();
+  write_record(type, meta, blob, entries);
+  nlohmann::json item = {static_cast<int>(type), offset};
+  if (meta.contains("step")) item.push_back(meta["step"]);
+  index_.push_back(std::move(item));
+  return offset;
+}
+
+
+void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, const std::string& blob,
+                               const std::vector<TensorEntry>& tensors) {
+  check_readable(type, meta_in, tensors);
+  // The schema (records.h): a record the reader's typed decoder would refuse is not written.
+  try {
+    validate_record_meta(type, meta_in.is_null() ? nlohmann::json::object() : meta_in, path_, file_->size());
+  } catch (const TraceError& e) {
+    throw Error(std::string("retrace::TraceWriter: refuses to write what the reader would refuse: ") + e.what());
+  }
+  // The tensor table is written as JSON text directly: building an nlohmann object per entry
+  // cost the writer thread ~5 us per tensor, most of a digest-mode record's cost.
+  std::string meta_text = meta_in.is_null() ? std::string("{}") : meta_in.dump();
+  if (meta_text.empty() || meta_text.back() != '}') throw Error("retrace::TraceWriter: record metadata must be an object");
+  if (!tensors.empty()) {
+    if (meta_in.is_object() && meta_in.contains("tensors")) throw Error("retrace::TraceWriter: 'tensors' is reserved in record metadata");
+    std::string table = meta_text.size() > 2 ? ",\"tensors\":[" : "\"tensors\":[";
+    table.reserve(table.size() + tensors.size() * 160);
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      const TensorEntry& e = tensors[i];
+      if (i) table += ',';
+      table += "{\"name\":";
+      table += nlohmann::json(e.name).dump();  // escapes what needs escaping
+      table += ",\"dtype\":\"";
+      table += dtype_name(e.dtype);
+      table += "\",\"shape\":[";
+      for (std::size_t d = 0; d < e.shape.size(); ++d) {
+        if (d) table += ',';
+        table += std::to_string(e.shape[d]);
+      }
+      table += "],\"digest\":\"" + e.digest.hex() + "\",\"digest_algorithm\":" +
+               std::to_string(static_cast<int>(e.digest.algorithm)) + ",\"raw_bytes\":" + std::to_string(e.raw_bytes);
+      if (e.has_data()) {  // digest-only entries leave codec, offset and stored_bytes at 0
+        table += ",\"codec\":" + std::to_string(static_cast<int>(e.codec)) + ",\"offset\":" + std::to_string(e.offset) +
+                 ",\"stored_bytes\":" + std::to_string(e.stored_bytes);
+      }
+      table += '}';
+    }
+    table += ']';
+    meta_text.insert(meta_text.size() - 1, table);
+  }
+  check_meta_size(type, meta_text.size());
+  const std::uint64_t payload_size = 4 + meta_text.size() + blob.size();
+  if (payload_size > std::min<std::uint64_t>(ReaderOptions{}.max_record_bytes, 0xffffffffu)) {
+    throw Error("a trace record would be " + std::to_string(payload_size) +
+                " bytes, over the format's 4 GiB limit; record fewer tensors per step (--mode digest)");
+  }
+  std::string payload;
+  payload.reserve(payload_size);
+  const auto meta_len = static_cast<std::uint32_t>(meta_text.size());
+  payload.append(reinterpret_cast<const char*>(&meta_len), 4);
+  payload.append(meta_text);
+  payload.append(blob);
+  RecordHeader h{kRecordMagic, static_cast<std::uint16_t>(type), 0,
+                 static_cast<std::uint32_t>(payload.size()), 0, 0};
+  h.payload_checksum = payload_checksum(h.type, h.flags, h.length, payload.data());
+  unsigned char head[kRecordHeaderBytes];
+  encode_header(h, head);
+  file_->append(head, sizeof head);
+  file_->append(payload.data(), payload.size());
+}
+
+void TraceWriter::sync() { file_->sync(); }
+
+void TraceWriter::close() {
+  if (closed_) return;
+  const std::uint64_t index_offset = file_->size();
+  write_record(RecordType::kIndex, {{"records", index_}}, {}, {});
+  unsigned char trailer[kTrailerBytes];
+  std::memcpy(trailer, &index_offset, 8);
+  std::memcpy(trailer + 8, kTrailerMagic, 8);
+  file_->append(trailer, sizeof trailer);
+  file_->sync();
+  file_->close();
+  fs_->rename(incomplete_path(), path_);
+  fs_->sync_directory(std::filesystem::path(path_).parent_path().string());
+  closed_ = true;
+}
+
+}  // namespace retrace
