@@ -150,8 +150,8 @@ void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
           r.replayed && r.replay_bitwise == *e.replay_bitwise);
   }
   if (e.injections_fired) {
-    check(r, "injections_fired", b(*e.injections_fired), std::to_string(r.injected.size()) + " fired",
-          r.injected.empty() != *e.injections_fired);
+    const std::size_t fired = r.notes_of(StepNoteKind::kInjected).size();
+    check(r, "injections_fired", b(*e.injections_fired), std::to_string(fired) + " fired", (fired == 0) != *e.injections_fired);
   }
   // Every injection entry must have fired on a step it was due: an injection that did nothing
   // lets a defense "hold", or a control "break", for another reason. An entry due on no step the
@@ -275,7 +275,30 @@ const char* to_string(BreakKind kind) {
   return "?";
 }
 
+const char* to_string(StepNoteKind kind) {
+  switch (kind) {
+    case StepNoteKind::kInjected: return "injected";
+    case StepNoteKind::kSkipped: return "skipped";
+  }
+  return "?";
+}
+
+std::vector<StepNote> ScenarioResult::notes_of(StepNoteKind kind) const {
+  std::vector<StepNote> out;
+  for (const StepNote& n : notes) {
+    if (n.kind == kind) out.push_back(n);
+  }
+  return out;
+}
+
 namespace {
+StepNoteKind parse_step_note_kind(const std::string& name) {
+  for (StepNoteKind k : {StepNoteKind::kInjected, StepNoteKind::kSkipped}) {
+    if (name == to_string(k)) return k;
+  }
+  throw Error("unknown step note kind '" + name + "' in a scenario result");
+}
+
 BreakKind parse_break_kind(const std::string& name) {
   for (BreakKind k : {BreakKind::kNonFiniteParams, BreakKind::kNonFiniteLoss, BreakKind::kFinalLoss,
                       BreakKind::kSilentRecompute, BreakKind::kNoProgress, BreakKind::kRaised}) {
@@ -397,14 +420,14 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
         if (r.first_nonfinite_loss_step == 0) r.first_nonfinite_loss_step = step;
       }
       if (!o.skipped && !o.finite()) ++r.applied_nonfinite_steps;
+      for (const std::string& i : o.injected) r.notes.push_back({step, StepNoteKind::kInjected, i});
       if (o.skipped) {
         ++r.skipped_steps;
-        r.skip_reasons.push_back("step " + std::to_string(step) + ": " + o.skip_reason);
+        r.notes.push_back({step, StepNoteKind::kSkipped, o.skip_reason});
       } else if (step >= r.fault_step) {
         ++r.applied_from_fault;
       }
       r.last_step_applied = !o.skipped;
-      for (const std::string& i : o.injected) r.injected.push_back("step " + std::to_string(step) + ": " + i);
       tally_injections(step);
       const std::size_t now = verifier.mismatches().size();
       r.recompute_mismatches += static_cast<std::int64_t>(now - seen_mismatches);
@@ -560,13 +583,10 @@ ScenarioResult bench_scenario(const ScenarioSpec& spec, int repeats) {
   if (first > 0) {
     // Disturbed: a skipped step, a non-finite loss, or one more than 10% off the fault-free run's.
     auto disturbed = [&](std::size_t i) {
-      const double a = r.losses[i], b = fault_free.losses[i];
-      const std::string tag = "step " + std::to_string(i + 1) + ":";
-      const bool skipped = std::any_of(r.skip_reasons.begin(), r.skip_reasons.end(),
-                                       [&](const std::string& why) { return why.rfind(tag, 0) == 0; });
-      return skipped || !std::isfinite(a) || std::abs(a - b) > 0.1 * std::abs(b);
+      const double a = r.steps[i].loss, b = fault_free.steps[i].loss;
+      return r.steps[i].skipped || !std::isfinite(a) || std::abs(a - b) > 0.1 * std::abs(b);
     };
-    const std::size_t n = std::min(r.losses.size(), fault_free.losses.size());
+    const std::size_t n = std::min(r.steps.size(), fault_free.steps.size());
     std::size_t hit = n;
     for (std::size_t i = static_cast<std::size_t>(first - 1); i < n && hit == n; ++i) {
       if (disturbed(i)) hit = i;
@@ -641,8 +661,13 @@ std::string ScenarioResult::to_json() const {
                           {"clipped_grad_norm", num(p.clipped_grad_norm)}, {"skipped", p.skipped},
                           {"injected", p.injected}, {"rolled_back", p.rolled_back}});
   }
-  j["injected"] = injected;
-  j["skip_reasons"] = skip_reasons;
+  j["notes"] = nlohmann::json::array();
+  for (const StepNote& n : notes) j["notes"].push_back({{"step", n.step}, {"kind", to_string(n.kind)}, {"text", n.text}});
+  // The same notes as lines, for readers of --json (from_json reads "notes").
+  j["injected"] = nlohmann::json::array();
+  for (const StepNote& n : notes_of(StepNoteKind::kInjected)) j["injected"].push_back(n.line());
+  j["skip_reasons"] = nlohmann::json::array();
+  for (const StepNote& n : notes_of(StepNoteKind::kSkipped)) j["skip_reasons"].push_back(n.line());
   j["replayed"] = replayed;
   j["replay_bitwise"] = replay_bitwise;
   j["replay_report"] = replay_report;
@@ -718,8 +743,12 @@ ScenarioResult ScenarioResult::from_json(const std::string& text) {
                          p.at("injected").get<bool>(), p.at("rolled_back").get<bool>()});
     }
   }
-  r.injected = j.at("injected").get<std::vector<std::string>>();
-  r.skip_reasons = j.at("skip_reasons").get<std::vector<std::string>>();
+  if (j.contains("notes")) {
+    for (const auto& n : j["notes"]) {
+      r.notes.push_back({n.at("step").get<std::int64_t>(), parse_step_note_kind(n.at("kind").get<std::string>()),
+                         n.at("text").get<std::string>()});
+    }
+  }
   r.replayed = j.at("replayed");
   r.replay_bitwise = j.at("replay_bitwise");
   r.replay_report = j.at("replay_report");

@@ -57,6 +57,22 @@ struct Breakage {
   bool counts = false; // at or after the fault step, and of a kind the scenario's verdict accepts
 };
 
+// What a step did that the run's counters do not say: an injection that fired in it, or why a
+// defense skipped it. Kept as data (step, kind, text); reporters render it ("step 3: ...").
+enum class StepNoteKind {
+  kInjected,  // text: the injection's own line, "TYPE WHERE: DETAIL" (StepOutcome::injected)
+  kSkipped,   // text: the skip reason (StepOutcome::skip_reason), a rollback's restore included
+};
+const char* to_string(StepNoteKind kind);  // "injected", "skipped"
+
+struct StepNote {
+  std::int64_t step = 0;
+  StepNoteKind kind = StepNoteKind::kInjected;
+  std::string text;
+  std::string line() const { return "step " + std::to_string(step) + ": " + text; }  // "step N: TEXT"
+  bool operator==(const StepNote& o) const { return step == o.step && kind == o.kind && text == o.text; }
+};
+
 // One entry of the scenario's injection list, and what became of it in the run.
 struct InjectionTally {
   std::size_t entry = 0;            // index in spec.injections
@@ -91,8 +107,7 @@ struct ScenarioResult {
                                                  // (final_window_first .. last_step); NaN: none
   std::vector<double> losses, scales, lrs;       // per step
   std::vector<StepPoint> steps;                  // per step, all of it (the report's curves)
-  std::vector<std::string> injected;             // "step N: ..." per fired injection
-  std::vector<std::string> skip_reasons;         // "step N: ..." per skipped step
+  std::vector<StepNote> notes;                   // in step order; per step, its injections before its skip
   bool replayed = false, replay_bitwise = false;
   std::string replay_report;                     // the first divergence when not bitwise
   double seconds = 0;
@@ -141,6 +156,8 @@ struct ScenarioResult {
   std::vector<std::string> reasons;  // why it did not pass, one line each (empty when it passed)
 
   std::string outcome() const { return broke ? "broke" : "held"; }
+  // The notes of one kind, in step order.
+  std::vector<StepNote> notes_of(StepNoteKind kind) const;
   // The first breakage that counts (a control's evidence), or nullptr.
   const Breakage* evidence() const;
   // The matrix's verdict: "ok", or "FAILED" followed by the reasons in parentheses.
