@@ -17,12 +17,10 @@
 #include <cmath>
 #include <ctime>
 #include <filesystem>
-#include <iomanip>
 #include <limits>
 #include <mutex>
 #include <optional>
 #include <sstream>
-#include <tuple>
 #include <unistd.h>
 
 namespace retrace {
@@ -538,18 +536,6 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
   return r;
 }
 
-namespace {
-// Widths of the scenario, fault and defense columns the tables share.
-std::tuple<std::size_t, std::size_t, std::size_t> column_widths(const std::vector<ScenarioResult>& results) {
-  std::size_t wn = 8, wf = 5, wd = 7;
-  for (const ScenarioResult& r : results) {
-    wn = std::max(wn, r.name.size());
-    wf = std::max(wf, r.fault.size());
-    wd = std::max(wd, r.defense.size());
-  }
-  return {wn, wf, wd};
-}
-}  // namespace
 
 ScenarioResult bench_scenario(const ScenarioSpec& spec, int repeats) {
   ScenarioResult r = run_scenario(spec);
@@ -602,31 +588,7 @@ ScenarioResult bench_scenario(const ScenarioSpec& spec, int repeats) {
   return r;
 }
 
-std::string stability_table(const std::vector<ScenarioResult>& results) {
-  std::size_t wn = 0, wf = 0, wd = 0;  // (not a structured binding: the lambdas below capture them)
-  std::tie(wn, wf, wd) = column_widths(results);
-  std::ostringstream os;
-  os << std::left << std::setw(static_cast<int>(wn)) << "scenario" << "  " << std::setw(static_cast<int>(wf)) << "fault"
-     << "  " << std::setw(static_cast<int>(wd)) << "defense" << "  " << std::setw(7) << "outcome" << std::right
-     << std::setw(8) << "skipped" << std::setw(10) << "recovery" << std::setw(14) << "loss delta" << std::setw(10)
-     << "overhead" << "\n";
-  for (const ScenarioResult& r : results) {
-    os << std::left << std::setw(static_cast<int>(wn)) << r.name << "  " << std::setw(static_cast<int>(wf)) << r.fault << "  "
-       << std::setw(static_cast<int>(wd)) << r.defense << "  " << std::setw(7) << r.outcome() << std::right << std::setw(8)
-       << r.skipped_steps;
-    if (!r.bench.measured) {
-      os << "  (not measured)\n";
-      continue;
-    }
-    const std::string recovery = !r.bench.injected ? "-" : r.bench.steps_to_recover < 0 ? "never" : std::to_string(r.bench.steps_to_recover) + " st";
-    const std::string delta = r.bench.injected ? fmt(r.bench.final_loss_delta) : "-";
-    os << std::setw(10) << recovery << std::setw(14) << delta << std::setw(9) << std::fixed
-       << std::setprecision(2) << r.bench.overhead << "x" << std::defaultfloat << "\n";
-  }
-  return os.str();
-}
-
-std::string ScenarioResult::to_json() const {
+nlohmann::json ScenarioResult::to_json() const {
   nlohmann::json j;
   j["name"] = name;
   j["origin"] = origin;
@@ -703,11 +665,10 @@ std::string ScenarioResult::to_json() const {
   for (const ExpectationCheck& c : checks) {
     j["checks"].push_back({{"name", c.name}, {"expected", c.expected}, {"observed", c.observed}, {"passed", c.passed}});
   }
-  return j.dump();
+  return j;
 }
 
-ScenarioResult ScenarioResult::from_json(const std::string& text) {
-  const nlohmann::json j = nlohmann::json::parse(text);
+ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
   ScenarioResult r;
   r.name = j.at("name");
   r.origin = j.at("origin");
@@ -815,66 +776,6 @@ std::string ScenarioResult::verdict() const {
   std::string v = "FAILED";
   for (const std::string& why : reasons) v += " (" + why + ")";
   return v;
-}
-
-std::string outcome_matrix(const std::vector<ScenarioResult>& results) {
-  std::size_t wn = 0, wf = 0, wd = 0;  // (not a structured binding: the lambdas below capture them)
-  std::tie(wn, wf, wd) = column_widths(results);
-  std::ostringstream os;
-  auto row = [&](const std::string& n, const std::string& f, const std::string& d, const std::string& o,
-                 const std::string& e, const std::string& v) {
-    os << std::left << std::setw(static_cast<int>(wn)) << n << "  " << std::setw(static_cast<int>(wf)) << f << "  "
-       << std::setw(static_cast<int>(wd)) << d << "  " << std::setw(7) << o << "  " << std::setw(8) << e << "  " << v << "\n";
-  };
-  row("scenario", "fault", "defense", "outcome", "expected", "verdict");
-  for (const ScenarioResult& r : results) {
-    row(r.name, r.fault, r.defense, r.outcome(), r.expected_to_break ? "broke" : "held", r.verdict());
-  }
-  return os.str();
-}
-
-namespace {
-std::string xml_escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20 && c != '\n' && c != '\t') out += ' ';
-        else out += c;
-    }
-  }
-  return out;
-}
-}  // namespace
-
-std::string junit_xml(const std::vector<ScenarioResult>& results, double seconds) {
-  std::size_t failures = 0;
-  for (const ScenarioResult& r : results) failures += r.passed ? 0 : 1;
-  std::ostringstream os;
-  os << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
-  os << "<testsuites tests=\"" << results.size() << "\" failures=\"" << failures << "\" time=\"" << seconds << "\">\n";
-  os << "  <testsuite name=\"retrace.scenarios\" tests=\"" << results.size() << "\" failures=\"" << failures
-     << "\" time=\"" << seconds << "\">\n";
-  for (const ScenarioResult& r : results) {
-    os << "    <testcase classname=\"retrace.scenarios\" name=\"" << xml_escape(r.name) << "\" time=\"" << r.seconds << "\">\n";
-    if (!r.passed) {
-      std::string msg;
-      for (const std::string& why : r.reasons) msg += (msg.empty() ? "" : "; ") + why;
-      os << "      <failure message=\"" << xml_escape(msg) << "\">";
-      for (const ExpectationCheck& c : r.checks) {
-        os << xml_escape(c.name + ": expected " + c.expected + ", observed " + c.observed + (c.passed ? "" : "  <-- failed")) << "\n";
-      }
-      os << "</failure>\n";
-    }
-    os << "      <system-out>" << xml_escape("fault: " + r.fault + "; defense: " + r.defense + "; outcome: " + r.outcome()) << "</system-out>\n";
-    os << "    </testcase>\n";
-  }
-  os << "  </testsuite>\n</testsuites>\n";
-  return os.str();
 }
 
 }  // namespace retrace

@@ -6,6 +6,7 @@
 
 #include <retrace/error.h>
 #include <retrace/report.h>
+#include <retrace/reporter.h>
 #include <retrace/runner.h>
 #include <retrace/trainer.h>
 
@@ -122,7 +123,7 @@ int run_child(const std::string& source, const std::string& result_path, int thr
   options.trace_path = result_path + ".trace";
   const ScenarioResult r = bench ? bench_scenario(spec) : run_scenario(spec, options);
   ::unlink(options.trace_path.c_str());
-  write_file(result_path, r.to_json() + "\n", "the result file");
+  write_file(result_path, r.to_json().dump() + "\n", "the result file");
   return 0;
 }
 
@@ -299,7 +300,7 @@ int run_run(const std::vector<std::string>& args) {
     bool parsed = false;
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0 && !text.str().empty()) {
       try {
-        r = ScenarioResult::from_json(text.str());
+        r = ScenarioResult::from_json(nlohmann::json::parse(text.str()));
         parsed = true;
       } catch (const std::exception&) {
         // A truncated or garbled result file: report the scenario as crashed below.
@@ -349,7 +350,7 @@ int run_run(const std::vector<std::string>& args) {
   }
   if (!json_path.empty()) {
     nlohmann::json all_results = nlohmann::json::array();
-    for (const ScenarioResult& r : results) all_results.push_back(nlohmann::json::parse(r.to_json()));
+    for (const ScenarioResult& r : results) all_results.push_back(r.to_json());
     const std::string out = nlohmann::json{{"scenarios", all_results}, {"failed", failed}, {"seconds", seconds}}.dump(2) + "\n";
     write_output(json_path, out, "--json file");
   }

@@ -7,6 +7,8 @@
 #include <retrace/rng.h>
 #include <retrace/scenario.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -162,9 +164,11 @@ struct ScenarioResult {
   const Breakage* evidence() const;
   // The matrix's verdict: "ok", or "FAILED" followed by the reasons in parentheses.
   std::string verdict() const;
-  // The result as JSON text (one object), and back (for results coming from a child process).
-  std::string to_json() const;
-  static ScenarioResult from_json(const std::string& text);
+  // The result as one JSON object (docs/scenarios.md, "JSON"), and back: results come from `retrace
+  // run`'s child processes this way. from_json throws nlohmann::json's errors for a missing or
+  // mistyped field and retrace::Error for an unknown kind of note or breakage.
+  nlohmann::json to_json() const;
+  static ScenarioResult from_json(const nlohmann::json& j);
 };
 
 struct RunOptions {
@@ -189,9 +193,6 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options 
 // loss delta and recovery) and without injections or defenses (for the defenses' overhead,
 // median of `repeats` runs each).
 ScenarioResult bench_scenario(const ScenarioSpec& spec, int repeats = 5);
-// The stability table: one row per scenario with skipped steps, steps to recover, final-loss
-// delta and overhead.
-std::string stability_table(const std::vector<ScenarioResult>& results);
 
 // "fault" and "defense" labels of a scenario, as the outcome matrix shows them.
 std::string fault_label(const ScenarioSpec& spec);
@@ -205,10 +206,6 @@ struct BuiltinScenario {
 const std::vector<BuiltinScenario>& builtin_suite();
 // "builtin:NAME" or a path -> the parsed scenario (retrace::Error for an unknown name).
 ScenarioSpec load_scenario(const std::string& path_or_builtin);
-
-// The outcome matrix: one row per result (fault, defense, outcome, expected, verdict), as text.
-std::string outcome_matrix(const std::vector<ScenarioResult>& results);
-// JUnit XML (one testsuite, a testcase per scenario, failures with their checks).
-std::string junit_xml(const std::vector<ScenarioResult>& results, double seconds);
+// The renderings of results -- console, JSON, JUnit, HTML -- are in reporter.h and report.h.
 
 }  // namespace retrace

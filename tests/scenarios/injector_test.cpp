@@ -8,6 +8,7 @@
 #include <retrace/gtest.h>
 #include <retrace/gtest_scenario.h>
 #include <retrace/injectors.h>
+#include <retrace/reporter.h>
 #include <retrace/runner.h>
 #include <retrace/trainer.h>
 
@@ -216,7 +217,7 @@ TEST(Runner, ResultsRoundTripThroughJson) {
   ASSERT_EQ(back.notes_of(StepNoteKind::kInjected).size(), 1u);
   EXPECT_EQ(back.notes_of(StepNoteKind::kInjected)[0].step, 3);
   // --json's readers also get the notes as lines.
-  const nlohmann::json j = nlohmann::json::parse(r.to_json());
+  const nlohmann::json j = r.to_json();
   EXPECT_EQ(j.at("skip_reasons"), nlohmann::json::array({"step 3: non-finite gradients"}));
   EXPECT_EQ(j.at("notes").at(1), (nlohmann::json{{"step", 3}, {"kind", "skipped"}, {"text", "non-finite gradients"}}));
 }
@@ -505,6 +506,8 @@ TEST(ScenarioTest, FailureMessageNamesTheUnmetExpectations) {
   const ::testing::AssertionResult bad = testing::ScenarioPasses("t", path);
   EXPECT_FALSE(bad);
   EXPECT_NE(std::string(bad.message()).find("! params_finite: expected true, observed false"), std::string::npos) << bad.message();
+  // As `retrace run` prints it (failure_details): the reasons, then every check, two spaces in.
+  EXPECT_NE(std::string(bad.message()).find("\n  - params_finite: expected true, got false\n"), std::string::npos) << bad.message();
   std::filesystem::remove(path);
 }
 
