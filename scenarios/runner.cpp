@@ -48,8 +48,6 @@ std::string steps_text(const std::vector<std::int64_t>& steps) {
   return out;
 }
 
-// The checks whose failure is a fault getting through (a negative control's evidence); every
-// other check describes the run and must pass in a control too.
 // What the runner watches in the segments: the recompute verifier, and the names of the
 // segments that ran (what a segment injection that never fired is compared with).
 class RunObserver : public SegmentObserver {
@@ -74,19 +72,26 @@ class RunObserver : public SegmentObserver {
   std::vector<std::string> names_;
 };
 
+// The checks whose failure is a fault getting through (a negative control's evidence); every
+// other check describes the run and must pass in a control too.
 bool is_evidence_check(const std::string& name) {
   return name == "params_finite" || name == "loss_finite" || name == "final_loss_below" || name == "recompute_bitwise" ||
          name == "min_applied_steps";
 }
 
-void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
+// "steps A..B": the final window the final loss averages (or that the run never reached it).
+std::string final_window(const ScenarioResult& r) {
+  return r.last_step >= r.final_window_first
+             ? "steps " + std::to_string(r.final_window_first) + ".." + std::to_string(r.last_step)
+             : "steps from " + std::to_string(r.final_window_first) + " (the run stopped at step " + std::to_string(r.last_step) + ")";
+}
+
+// Each expectation of the scenario against what the run did: r.checks.
+void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
   const ExpectSpec& e = spec.expect;
   const bool raise_expected = e.raises.value_or(false);
   auto b = [](bool v) { return std::string(v ? "true" : "false"); };
-  const std::string window = r.last_step >= r.final_window_first
-                                 ? "steps " + std::to_string(r.final_window_first) + ".." + std::to_string(r.last_step)
-                                 : "steps from " + std::to_string(r.final_window_first) + " (the run stopped at step " +
-                                       std::to_string(r.last_step) + ")";
+  const std::string window = final_window(r);
   if (e.params_finite) check(r, "params_finite", b(*e.params_finite), b(r.params_finite), r.params_finite == *e.params_finite);
   if (e.loss_finite) {
     // Vacuous when every step at the end was skipped: then no loss at the end was looked at.
@@ -182,8 +187,11 @@ void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
     check(r, "raises", b(*e.raises) + (e.raises_match.empty() ? "" : " with '" + e.raises_match + "'"),
           r.raised ? "raised: " + r.error : "did not raise", r.raised == *e.raises && (!r.raised || matches));
   }
+}
 
-  // What broke, and when.
+// What broke, and when: r.breakage, from the run and its failed checks.
+void find_breakage(const ExpectSpec& e, ScenarioResult& r) {
+  const bool raise_expected = e.raises.value_or(false);
   auto failed = [&](const char* name) {
     return std::any_of(r.checks.begin(), r.checks.end(), [&](const ExpectationCheck& c) { return c.name == name && !c.passed; });
   };
@@ -197,7 +205,7 @@ void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
     add(BreakKind::kNonFiniteLoss, r.first_nonfinite_loss_step, "step " + std::to_string(r.first_nonfinite_loss_step) + " applied a non-finite loss", true);
   }
   if (failed("final_loss_below")) {
-    add(BreakKind::kFinalLoss, r.last_step, "final loss " + fmt(r.final_loss) + " (" + window + "), expected below " + fmt(*e.final_loss_below), true);
+    add(BreakKind::kFinalLoss, r.last_step, "final loss " + fmt(r.final_loss) + " (" + final_window(r) + "), expected below " + fmt(*e.final_loss_below), true);
   }
   if (failed("recompute_bitwise") && r.first_silent_mismatch_step > 0) {
     add(BreakKind::kSilentRecompute, r.first_silent_mismatch_step,
@@ -212,7 +220,12 @@ void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
     add(BreakKind::kRaised, r.raised_at_step, "step " + std::to_string(r.raised_at_step) + " raised: " + r.error,
         e.diverges && raise_expected && !failed("raises"));
   }
+}
 
+// The verdict, computed once and stored: r.broke, r.passed and r.reasons -- why it did not pass,
+// one line each, the only such text; the reporters render these lines and never derive their own.
+void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
+  const bool raise_expected = e.raises.value_or(false);
   bool all = true;
   for (const ExpectationCheck& c : r.checks) all = all && c.passed;
   r.expected_to_break = e.diverges;
@@ -532,7 +545,9 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
   }
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.cpu_seconds = static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
-  evaluate(spec, r);
+  check_expectations(spec, r);
+  find_breakage(spec.expect, r);
+  decide_verdict(spec.expect, r);
   return r;
 }
 
