@@ -500,7 +500,7 @@ std::string Diagnosis::report() const {
   return os.str();
 }
 
-std::string Diagnosis::to_json() const {
+nlohmann::json Diagnosis::to_json() const {
   auto variant = [](const VariantResult& v) {
     nlohmann::json j = {{"name", v.name},           {"change", v.change},   {"fixes", v.fixes},
                         {"outcome", v.outcome},     {"cost", v.cost},       {"seconds_per_step", v.seconds_per_step},
@@ -527,7 +527,7 @@ std::string Diagnosis::to_json() const {
   }
   j["fixing_variants"] = fixing;
   j["not_applicable"] = not_applicable;
-  return j.dump(2);
+  return j;
 }
 
 }  // namespace retrace

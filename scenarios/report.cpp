@@ -159,13 +159,6 @@ void charts(std::ostringstream& os, const std::vector<StepPoint>& steps, const C
   os << "</div>\n";
 }
 
-// "step N: TEXT" -> N, or -1.
-std::int64_t step_of(const std::string& line) {
-  long long n = -1;
-  if (std::sscanf(line.c_str(), "step %lld:", &n) != 1) return -1;
-  return n;
-}
-
 void add_note(std::map<std::int64_t, std::string>& notes, std::int64_t step, const std::string& text) {
   std::string& n = notes[step];
   n += (n.empty() ? "" : "\n") + text;
@@ -202,8 +195,10 @@ std::string html_run_report(const std::vector<ScenarioResult>& results, double s
   for (std::size_t i = 0; i < results.size(); ++i) {
     const ScenarioResult& r = results[i];
     ChartMarks marks;
-    for (const std::string& line : r.injected) add_note(marks.notes, step_of(line), "injected " + line);
-    for (const std::string& line : r.skip_reasons) add_note(marks.notes, step_of(line), "skipped " + line);
+    const std::vector<StepNote> injected = r.notes_of(StepNoteKind::kInjected);
+    const std::vector<StepNote> skipped = r.notes_of(StepNoteKind::kSkipped);
+    for (const StepNote& n : injected) add_note(marks.notes, n.step, "injected " + n.line());
+    for (const StepNote& n : skipped) add_note(marks.notes, n.step, "skipped " + n.line());
     os << "<section class=\"scenario\" id=\"s" << i << "\"><div class=\"head\"><h3>" << html_escape(r.name) << "</h3>"
        << "<span class=\"badge " << verdict_class(r) << "\">" << (r.passed ? "ok" : "FAILED") << "</span>"
        << "<span class=\"meta mono\">" << html_escape(r.fault) << " &#215; " << html_escape(r.defense) << "</span>"
@@ -215,8 +210,8 @@ std::string html_run_report(const std::vector<ScenarioResult>& results, double s
     charts(os, r.steps, marks);
     std::ostringstream events;
     if (r.raised) events << "<li class=\"err\">raised: " << html_escape(r.error) << "</li>";
-    for (const std::string& line : r.injected) events << "<li>injected: " << html_escape(line) << "</li>";
-    for (const std::string& line : r.skip_reasons) events << "<li>skipped: " << html_escape(line) << "</li>";
+    for (const StepNote& n : injected) events << "<li>injected: " << html_escape(n.line()) << "</li>";
+    for (const StepNote& n : skipped) events << "<li>skipped: " << html_escape(n.line()) << "</li>";
     for (const std::string& why : r.reasons) events << "<li class=\"err\">" << html_escape(why) << "</li>";
     if (const Breakage* x = r.expected_to_break ? r.evidence() : nullptr) {
       events << "<li>broke: " << html_escape(x->detail) << "</li>";

@@ -17,12 +17,10 @@
 #include <cmath>
 #include <ctime>
 #include <filesystem>
-#include <iomanip>
 #include <limits>
 #include <mutex>
 #include <optional>
 #include <sstream>
-#include <tuple>
 #include <unistd.h>
 
 namespace retrace {
@@ -50,8 +48,6 @@ std::string steps_text(const std::vector<std::int64_t>& steps) {
   return out;
 }
 
-// The checks whose failure is a fault getting through (a negative control's evidence); every
-// other check describes the run and must pass in a control too.
 // What the runner watches in the segments: the recompute verifier, and the names of the
 // segments that ran (what a segment injection that never fired is compared with).
 class RunObserver : public SegmentObserver {
@@ -76,19 +72,26 @@ class RunObserver : public SegmentObserver {
   std::vector<std::string> names_;
 };
 
+// The checks whose failure is a fault getting through (a negative control's evidence); every
+// other check describes the run and must pass in a control too.
 bool is_evidence_check(const std::string& name) {
   return name == "params_finite" || name == "loss_finite" || name == "final_loss_below" || name == "recompute_bitwise" ||
          name == "min_applied_steps";
 }
 
-void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
+// "steps A..B": the final window the final loss averages (or that the run never reached it).
+std::string final_window(const ScenarioResult& r) {
+  return r.last_step >= r.final_window_first
+             ? "steps " + std::to_string(r.final_window_first) + ".." + std::to_string(r.last_step)
+             : "steps from " + std::to_string(r.final_window_first) + " (the run stopped at step " + std::to_string(r.last_step) + ")";
+}
+
+// Each expectation of the scenario against what the run did: r.checks.
+void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
   const ExpectSpec& e = spec.expect;
   const bool raise_expected = e.raises.value_or(false);
   auto b = [](bool v) { return std::string(v ? "true" : "false"); };
-  const std::string window = r.last_step >= r.final_window_first
-                                 ? "steps " + std::to_string(r.final_window_first) + ".." + std::to_string(r.last_step)
-                                 : "steps from " + std::to_string(r.final_window_first) + " (the run stopped at step " +
-                                       std::to_string(r.last_step) + ")";
+  const std::string window = final_window(r);
   if (e.params_finite) check(r, "params_finite", b(*e.params_finite), b(r.params_finite), r.params_finite == *e.params_finite);
   if (e.loss_finite) {
     // Vacuous when every step at the end was skipped: then no loss at the end was looked at.
@@ -150,8 +153,8 @@ void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
           r.replayed && r.replay_bitwise == *e.replay_bitwise);
   }
   if (e.injections_fired) {
-    check(r, "injections_fired", b(*e.injections_fired), std::to_string(r.injected.size()) + " fired",
-          r.injected.empty() != *e.injections_fired);
+    const std::size_t fired = r.notes_of(StepNoteKind::kInjected).size();
+    check(r, "injections_fired", b(*e.injections_fired), std::to_string(fired) + " fired", (fired == 0) != *e.injections_fired);
   }
   // Every injection entry must have fired on a step it was due: an injection that did nothing
   // lets a defense "hold", or a control "break", for another reason. An entry due on no step the
@@ -184,8 +187,11 @@ void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
     check(r, "raises", b(*e.raises) + (e.raises_match.empty() ? "" : " with '" + e.raises_match + "'"),
           r.raised ? "raised: " + r.error : "did not raise", r.raised == *e.raises && (!r.raised || matches));
   }
+}
 
-  // What broke, and when.
+// What broke, and when: r.breakage, from the run and its failed checks.
+void find_breakage(const ExpectSpec& e, ScenarioResult& r) {
+  const bool raise_expected = e.raises.value_or(false);
   auto failed = [&](const char* name) {
     return std::any_of(r.checks.begin(), r.checks.end(), [&](const ExpectationCheck& c) { return c.name == name && !c.passed; });
   };
@@ -199,7 +205,7 @@ void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
     add(BreakKind::kNonFiniteLoss, r.first_nonfinite_loss_step, "step " + std::to_string(r.first_nonfinite_loss_step) + " applied a non-finite loss", true);
   }
   if (failed("final_loss_below")) {
-    add(BreakKind::kFinalLoss, r.last_step, "final loss " + fmt(r.final_loss) + " (" + window + "), expected below " + fmt(*e.final_loss_below), true);
+    add(BreakKind::kFinalLoss, r.last_step, "final loss " + fmt(r.final_loss) + " (" + final_window(r) + "), expected below " + fmt(*e.final_loss_below), true);
   }
   if (failed("recompute_bitwise") && r.first_silent_mismatch_step > 0) {
     add(BreakKind::kSilentRecompute, r.first_silent_mismatch_step,
@@ -214,7 +220,12 @@ void evaluate(const ScenarioSpec& spec, ScenarioResult& r) {
     add(BreakKind::kRaised, r.raised_at_step, "step " + std::to_string(r.raised_at_step) + " raised: " + r.error,
         e.diverges && raise_expected && !failed("raises"));
   }
+}
 
+// The verdict, computed once and stored: r.broke, r.passed and r.reasons -- why it did not pass,
+// one line each, the only such text; the reporters render these lines and never derive their own.
+void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
+  const bool raise_expected = e.raises.value_or(false);
   bool all = true;
   for (const ExpectationCheck& c : r.checks) all = all && c.passed;
   r.expected_to_break = e.diverges;
@@ -275,7 +286,30 @@ const char* to_string(BreakKind kind) {
   return "?";
 }
 
+const char* to_string(StepNoteKind kind) {
+  switch (kind) {
+    case StepNoteKind::kInjected: return "injected";
+    case StepNoteKind::kSkipped: return "skipped";
+  }
+  return "?";
+}
+
+std::vector<StepNote> ScenarioResult::notes_of(StepNoteKind kind) const {
+  std::vector<StepNote> out;
+  for (const StepNote& n : notes) {
+    if (n.kind == kind) out.push_back(n);
+  }
+  return out;
+}
+
 namespace {
+StepNoteKind parse_step_note_kind(const std::string& name) {
+  for (StepNoteKind k : {StepNoteKind::kInjected, StepNoteKind::kSkipped}) {
+    if (name == to_string(k)) return k;
+  }
+  throw Error("unknown step note kind '" + name + "' in a scenario result");
+}
+
 BreakKind parse_break_kind(const std::string& name) {
   for (BreakKind k : {BreakKind::kNonFiniteParams, BreakKind::kNonFiniteLoss, BreakKind::kFinalLoss,
                       BreakKind::kSilentRecompute, BreakKind::kNoProgress, BreakKind::kRaised}) {
@@ -397,14 +431,14 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
         if (r.first_nonfinite_loss_step == 0) r.first_nonfinite_loss_step = step;
       }
       if (!o.skipped && !o.finite()) ++r.applied_nonfinite_steps;
+      for (const std::string& i : o.injected) r.notes.push_back({step, StepNoteKind::kInjected, i});
       if (o.skipped) {
         ++r.skipped_steps;
-        r.skip_reasons.push_back("step " + std::to_string(step) + ": " + o.skip_reason);
+        r.notes.push_back({step, StepNoteKind::kSkipped, o.skip_reason});
       } else if (step >= r.fault_step) {
         ++r.applied_from_fault;
       }
       r.last_step_applied = !o.skipped;
-      for (const std::string& i : o.injected) r.injected.push_back("step " + std::to_string(step) + ": " + i);
       tally_injections(step);
       const std::size_t now = verifier.mismatches().size();
       r.recompute_mismatches += static_cast<std::int64_t>(now - seen_mismatches);
@@ -511,22 +545,12 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
   }
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.cpu_seconds = static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
-  evaluate(spec, r);
+  check_expectations(spec, r);
+  find_breakage(spec.expect, r);
+  decide_verdict(spec.expect, r);
   return r;
 }
 
-namespace {
-// Widths of the scenario, fault and defense columns the tables share.
-std::tuple<std::size_t, std::size_t, std::size_t> column_widths(const std::vector<ScenarioResult>& results) {
-  std::size_t wn = 8, wf = 5, wd = 7;
-  for (const ScenarioResult& r : results) {
-    wn = std::max(wn, r.name.size());
-    wf = std::max(wf, r.fault.size());
-    wd = std::max(wd, r.defense.size());
-  }
-  return {wn, wf, wd};
-}
-}  // namespace
 
 ScenarioResult bench_scenario(const ScenarioSpec& spec, int repeats) {
   ScenarioResult r = run_scenario(spec);
@@ -560,13 +584,10 @@ ScenarioResult bench_scenario(const ScenarioSpec& spec, int repeats) {
   if (first > 0) {
     // Disturbed: a skipped step, a non-finite loss, or one more than 10% off the fault-free run's.
     auto disturbed = [&](std::size_t i) {
-      const double a = r.losses[i], b = fault_free.losses[i];
-      const std::string tag = "step " + std::to_string(i + 1) + ":";
-      const bool skipped = std::any_of(r.skip_reasons.begin(), r.skip_reasons.end(),
-                                       [&](const std::string& why) { return why.rfind(tag, 0) == 0; });
-      return skipped || !std::isfinite(a) || std::abs(a - b) > 0.1 * std::abs(b);
+      const double a = r.steps[i].loss, b = fault_free.steps[i].loss;
+      return r.steps[i].skipped || !std::isfinite(a) || std::abs(a - b) > 0.1 * std::abs(b);
     };
-    const std::size_t n = std::min(r.losses.size(), fault_free.losses.size());
+    const std::size_t n = std::min(r.steps.size(), fault_free.steps.size());
     std::size_t hit = n;
     for (std::size_t i = static_cast<std::size_t>(first - 1); i < n && hit == n; ++i) {
       if (disturbed(i)) hit = i;
@@ -582,31 +603,7 @@ ScenarioResult bench_scenario(const ScenarioSpec& spec, int repeats) {
   return r;
 }
 
-std::string stability_table(const std::vector<ScenarioResult>& results) {
-  std::size_t wn = 0, wf = 0, wd = 0;  // (not a structured binding: the lambdas below capture them)
-  std::tie(wn, wf, wd) = column_widths(results);
-  std::ostringstream os;
-  os << std::left << std::setw(static_cast<int>(wn)) << "scenario" << "  " << std::setw(static_cast<int>(wf)) << "fault"
-     << "  " << std::setw(static_cast<int>(wd)) << "defense" << "  " << std::setw(7) << "outcome" << std::right
-     << std::setw(8) << "skipped" << std::setw(10) << "recovery" << std::setw(14) << "loss delta" << std::setw(10)
-     << "overhead" << "\n";
-  for (const ScenarioResult& r : results) {
-    os << std::left << std::setw(static_cast<int>(wn)) << r.name << "  " << std::setw(static_cast<int>(wf)) << r.fault << "  "
-       << std::setw(static_cast<int>(wd)) << r.defense << "  " << std::setw(7) << r.outcome() << std::right << std::setw(8)
-       << r.skipped_steps;
-    if (!r.bench.measured) {
-      os << "  (not measured)\n";
-      continue;
-    }
-    const std::string recovery = !r.bench.injected ? "-" : r.bench.steps_to_recover < 0 ? "never" : std::to_string(r.bench.steps_to_recover) + " st";
-    const std::string delta = r.bench.injected ? fmt(r.bench.final_loss_delta) : "-";
-    os << std::setw(10) << recovery << std::setw(14) << delta << std::setw(9) << std::fixed
-       << std::setprecision(2) << r.bench.overhead << "x" << std::defaultfloat << "\n";
-  }
-  return os.str();
-}
-
-std::string ScenarioResult::to_json() const {
+nlohmann::json ScenarioResult::to_json() const {
   nlohmann::json j;
   j["name"] = name;
   j["origin"] = origin;
@@ -641,8 +638,13 @@ std::string ScenarioResult::to_json() const {
                           {"clipped_grad_norm", num(p.clipped_grad_norm)}, {"skipped", p.skipped},
                           {"injected", p.injected}, {"rolled_back", p.rolled_back}});
   }
-  j["injected"] = injected;
-  j["skip_reasons"] = skip_reasons;
+  j["notes"] = nlohmann::json::array();
+  for (const StepNote& n : notes) j["notes"].push_back({{"step", n.step}, {"kind", to_string(n.kind)}, {"text", n.text}});
+  // The same notes as lines, for readers of --json (from_json reads "notes").
+  j["injected"] = nlohmann::json::array();
+  for (const StepNote& n : notes_of(StepNoteKind::kInjected)) j["injected"].push_back(n.line());
+  j["skip_reasons"] = nlohmann::json::array();
+  for (const StepNote& n : notes_of(StepNoteKind::kSkipped)) j["skip_reasons"].push_back(n.line());
   j["replayed"] = replayed;
   j["replay_bitwise"] = replay_bitwise;
   j["replay_report"] = replay_report;
@@ -678,11 +680,10 @@ std::string ScenarioResult::to_json() const {
   for (const ExpectationCheck& c : checks) {
     j["checks"].push_back({{"name", c.name}, {"expected", c.expected}, {"observed", c.observed}, {"passed", c.passed}});
   }
-  return j.dump();
+  return j;
 }
 
-ScenarioResult ScenarioResult::from_json(const std::string& text) {
-  const nlohmann::json j = nlohmann::json::parse(text);
+ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
   ScenarioResult r;
   r.name = j.at("name");
   r.origin = j.at("origin");
@@ -718,8 +719,12 @@ ScenarioResult ScenarioResult::from_json(const std::string& text) {
                          p.at("injected").get<bool>(), p.at("rolled_back").get<bool>()});
     }
   }
-  r.injected = j.at("injected").get<std::vector<std::string>>();
-  r.skip_reasons = j.at("skip_reasons").get<std::vector<std::string>>();
+  if (j.contains("notes")) {
+    for (const auto& n : j["notes"]) {
+      r.notes.push_back({n.at("step").get<std::int64_t>(), parse_step_note_kind(n.at("kind").get<std::string>()),
+                         n.at("text").get<std::string>()});
+    }
+  }
   r.replayed = j.at("replayed");
   r.replay_bitwise = j.at("replay_bitwise");
   r.replay_report = j.at("replay_report");
@@ -786,66 +791,6 @@ std::string ScenarioResult::verdict() const {
   std::string v = "FAILED";
   for (const std::string& why : reasons) v += " (" + why + ")";
   return v;
-}
-
-std::string outcome_matrix(const std::vector<ScenarioResult>& results) {
-  std::size_t wn = 0, wf = 0, wd = 0;  // (not a structured binding: the lambdas below capture them)
-  std::tie(wn, wf, wd) = column_widths(results);
-  std::ostringstream os;
-  auto row = [&](const std::string& n, const std::string& f, const std::string& d, const std::string& o,
-                 const std::string& e, const std::string& v) {
-    os << std::left << std::setw(static_cast<int>(wn)) << n << "  " << std::setw(static_cast<int>(wf)) << f << "  "
-       << std::setw(static_cast<int>(wd)) << d << "  " << std::setw(7) << o << "  " << std::setw(8) << e << "  " << v << "\n";
-  };
-  row("scenario", "fault", "defense", "outcome", "expected", "verdict");
-  for (const ScenarioResult& r : results) {
-    row(r.name, r.fault, r.defense, r.outcome(), r.expected_to_break ? "broke" : "held", r.verdict());
-  }
-  return os.str();
-}
-
-namespace {
-std::string xml_escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20 && c != '\n' && c != '\t') out += ' ';
-        else out += c;
-    }
-  }
-  return out;
-}
-}  // namespace
-
-std::string junit_xml(const std::vector<ScenarioResult>& results, double seconds) {
-  std::size_t failures = 0;
-  for (const ScenarioResult& r : results) failures += r.passed ? 0 : 1;
-  std::ostringstream os;
-  os << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
-  os << "<testsuites tests=\"" << results.size() << "\" failures=\"" << failures << "\" time=\"" << seconds << "\">\n";
-  os << "  <testsuite name=\"retrace.scenarios\" tests=\"" << results.size() << "\" failures=\"" << failures
-     << "\" time=\"" << seconds << "\">\n";
-  for (const ScenarioResult& r : results) {
-    os << "    <testcase classname=\"retrace.scenarios\" name=\"" << xml_escape(r.name) << "\" time=\"" << r.seconds << "\">\n";
-    if (!r.passed) {
-      std::string msg;
-      for (const std::string& why : r.reasons) msg += (msg.empty() ? "" : "; ") + why;
-      os << "      <failure message=\"" << xml_escape(msg) << "\">";
-      for (const ExpectationCheck& c : r.checks) {
-        os << xml_escape(c.name + ": expected " + c.expected + ", observed " + c.observed + (c.passed ? "" : "  <-- failed")) << "\n";
-      }
-      os << "</failure>\n";
-    }
-    os << "      <system-out>" << xml_escape("fault: " + r.fault + "; defense: " + r.defense + "; outcome: " + r.outcome()) << "</system-out>\n";
-    os << "    </testcase>\n";
-  }
-  os << "  </testsuite>\n</testsuites>\n";
-  return os.str();
 }
 
 }  // namespace retrace

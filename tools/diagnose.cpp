@@ -47,7 +47,7 @@ int run_diagnose(const std::vector<std::string>& args) {
   const Diagnosis d = scenario ? diagnose_scenario(load_scenario(source), options) : diagnose_trace(source, options);
   std::ostream& out = json_path == "-" ? std::cerr : std::cout;
   out << d.report();
-  if (!json_path.empty()) write_output(json_path, d.to_json() + "\n", "--json file");
+  if (!json_path.empty()) write_output(json_path, d.to_json().dump(2) + "\n", "--json file");
   if (d.variants.empty()) return 0;  // nothing failed
   for (const VariantResult& v : d.variants) {
     if (v.fixes) return 0;

@@ -9,6 +9,8 @@
 #include <retrace/runner.h>
 #include <retrace/scenario.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -64,7 +66,7 @@ struct Diagnosis {
   std::vector<std::string> not_applicable;
   Classification classification;
   std::string report() const;     // the table a person reads
-  std::string to_json() const;
+  nlohmann::json to_json() const;  // what --json writes (indented by 2)
 };
 
 Diagnosis diagnose_scenario(const ScenarioSpec& spec, const DiagnoseOptions& options = {});

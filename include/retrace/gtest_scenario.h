@@ -8,6 +8,7 @@
 // `retrace run` runs scenarios in child processes (a crash is isolated); this runs them in the
 // test's own process, which is what a unit test of your own defenses wants.
 
+#include <retrace/reporter.h>
 #include <retrace/runner.h>
 
 #include <gtest/gtest.h>
@@ -22,11 +23,9 @@ inline ::testing::AssertionResult ScenarioPasses(const char* expr, const std::st
   ::testing::AssertionResult failure = ::testing::AssertionFailure();
   failure << "scenario " << expr << " (" << r.fault << " x " << r.defense << "): " << r.outcome() << ", expected "
           << (r.expected_to_break ? "broke" : "held");
-  for (const std::string& why : r.reasons) failure << "\n  - " << why;
-  for (const ExpectationCheck& c : r.checks) {
-    failure << "\n  " << (c.passed ? "  " : "! ") << c.name << ": expected " << c.expected << ", observed " << c.observed;
-  }
-  if (!r.replay_report.empty()) failure << "\n  replay: " << r.replay_report;
+  std::string details = failure_details(r, "  ");  // as `retrace run` prints it
+  if (!details.empty()) details.pop_back();        // its last newline
+  failure << "\n" << details;
   return failure;
 }
 

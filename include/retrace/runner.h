@@ -7,6 +7,8 @@
 #include <retrace/rng.h>
 #include <retrace/scenario.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -57,6 +59,22 @@ struct Breakage {
   bool counts = false; // at or after the fault step, and of a kind the scenario's verdict accepts
 };
 
+// What a step did that the run's counters do not say: an injection that fired in it, or why a
+// defense skipped it. Kept as data (step, kind, text); reporters render it ("step 3: ...").
+enum class StepNoteKind {
+  kInjected,  // text: the injection's own line, "TYPE WHERE: DETAIL" (StepOutcome::injected)
+  kSkipped,   // text: the skip reason (StepOutcome::skip_reason), a rollback's restore included
+};
+const char* to_string(StepNoteKind kind);  // "injected", "skipped"
+
+struct StepNote {
+  std::int64_t step = 0;
+  StepNoteKind kind = StepNoteKind::kInjected;
+  std::string text;
+  std::string line() const { return "step " + std::to_string(step) + ": " + text; }  // "step N: TEXT"
+  bool operator==(const StepNote& o) const { return step == o.step && kind == o.kind && text == o.text; }
+};
+
 // One entry of the scenario's injection list, and what became of it in the run.
 struct InjectionTally {
   std::size_t entry = 0;            // index in spec.injections
@@ -91,8 +109,7 @@ struct ScenarioResult {
                                                  // (final_window_first .. last_step); NaN: none
   std::vector<double> losses, scales, lrs;       // per step
   std::vector<StepPoint> steps;                  // per step, all of it (the report's curves)
-  std::vector<std::string> injected;             // "step N: ..." per fired injection
-  std::vector<std::string> skip_reasons;         // "step N: ..." per skipped step
+  std::vector<StepNote> notes;                   // in step order; per step, its injections before its skip
   bool replayed = false, replay_bitwise = false;
   std::string replay_report;                     // the first divergence when not bitwise
   double seconds = 0;
@@ -141,13 +158,17 @@ struct ScenarioResult {
   std::vector<std::string> reasons;  // why it did not pass, one line each (empty when it passed)
 
   std::string outcome() const { return broke ? "broke" : "held"; }
+  // The notes of one kind, in step order.
+  std::vector<StepNote> notes_of(StepNoteKind kind) const;
   // The first breakage that counts (a control's evidence), or nullptr.
   const Breakage* evidence() const;
   // The matrix's verdict: "ok", or "FAILED" followed by the reasons in parentheses.
   std::string verdict() const;
-  // The result as JSON text (one object), and back (for results coming from a child process).
-  std::string to_json() const;
-  static ScenarioResult from_json(const std::string& text);
+  // The result as one JSON object (docs/scenarios.md, "JSON"), and back: results come from `retrace
+  // run`'s child processes this way. from_json throws nlohmann::json's errors for a missing or
+  // mistyped field and retrace::Error for an unknown kind of note or breakage.
+  nlohmann::json to_json() const;
+  static ScenarioResult from_json(const nlohmann::json& j);
 };
 
 struct RunOptions {
@@ -172,9 +193,6 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options 
 // loss delta and recovery) and without injections or defenses (for the defenses' overhead,
 // median of `repeats` runs each).
 ScenarioResult bench_scenario(const ScenarioSpec& spec, int repeats = 5);
-// The stability table: one row per scenario with skipped steps, steps to recover, final-loss
-// delta and overhead.
-std::string stability_table(const std::vector<ScenarioResult>& results);
 
 // "fault" and "defense" labels of a scenario, as the outcome matrix shows them.
 std::string fault_label(const ScenarioSpec& spec);
@@ -188,10 +206,6 @@ struct BuiltinScenario {
 const std::vector<BuiltinScenario>& builtin_suite();
 // "builtin:NAME" or a path -> the parsed scenario (retrace::Error for an unknown name).
 ScenarioSpec load_scenario(const std::string& path_or_builtin);
-
-// The outcome matrix: one row per result (fault, defense, outcome, expected, verdict), as text.
-std::string outcome_matrix(const std::vector<ScenarioResult>& results);
-// JUnit XML (one testsuite, a testcase per scenario, failures with their checks).
-std::string junit_xml(const std::vector<ScenarioResult>& results, double seconds);
+// The renderings of results -- console, JSON, JUnit, HTML -- are in reporter.h and report.h.
 
 }  // namespace retrace

@@ -8,9 +8,11 @@
 #include <retrace/gtest.h>
 #include <retrace/gtest_scenario.h>
 #include <retrace/injectors.h>
+#include <retrace/reporter.h>
 #include <retrace/runner.h>
 #include <retrace/trainer.h>
 
+#include <nlohmann/json.hpp>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/torch.h>
 
@@ -196,9 +198,10 @@ TEST(Defenses, RollbackWalksBackThroughConsecutiveFailures) {
   ScenarioSpec spec = load_scenario("builtin:bitflip-optimizer-rollback");
   const ScenarioResult r = run_scenario(spec);
   EXPECT_TRUE(r.passed);
-  ASSERT_EQ(r.skip_reasons.size(), 2u);
-  EXPECT_NE(r.skip_reasons[0].find("restored the state from the start of step 4"), std::string::npos) << r.skip_reasons[0];
-  EXPECT_NE(r.skip_reasons[1].find("restored the state from the start of step 3"), std::string::npos) << r.skip_reasons[1];
+  const std::vector<StepNote> skips = r.notes_of(StepNoteKind::kSkipped);
+  ASSERT_EQ(skips.size(), 2u);
+  EXPECT_NE(skips[0].text.find("restored the state from the start of step 4"), std::string::npos) << skips[0].text;
+  EXPECT_NE(skips[1].text.find("restored the state from the start of step 3"), std::string::npos) << skips[1].text;
   EXPECT_TRUE(r.params_finite);
 }
 
@@ -209,7 +212,28 @@ TEST(Runner, ResultsRoundTripThroughJson) {
   const ScenarioResult back = ScenarioResult::from_json(r.to_json());
   EXPECT_EQ(back.to_json(), r.to_json());
   EXPECT_EQ(back.checks.size(), r.checks.size());
-  EXPECT_EQ(back.skip_reasons, std::vector<std::string>{"step 3: non-finite gradients"});
+  EXPECT_EQ(back.notes, r.notes);
+  EXPECT_EQ(back.notes_of(StepNoteKind::kSkipped), (std::vector<StepNote>{{3, StepNoteKind::kSkipped, "non-finite gradients"}}));
+  ASSERT_EQ(back.notes_of(StepNoteKind::kInjected).size(), 1u);
+  EXPECT_EQ(back.notes_of(StepNoteKind::kInjected)[0].step, 3);
+  // --json's readers also get the notes as lines.
+  const nlohmann::json j = r.to_json();
+  EXPECT_EQ(j.at("skip_reasons"), nlohmann::json::array({"step 3: non-finite gradients"}));
+  EXPECT_EQ(j.at("notes").at(1), (nlohmann::json{{"step", 3}, {"kind", "skipped"}, {"text", "non-finite gradients"}}));
+}
+
+TEST(Runner, StabilityFiguresCountASkippedStepAsDisturbed) {
+  // grad-nan-skip: step 3's gradients are NaN and skipped; its loss is the fault-free run's, so
+  // only the skip makes it disturbed, and step 4 is back on track.
+  const ScenarioResult r = bench_scenario(load_scenario("builtin:grad-nan-skip"), /*repeats=*/1);
+  ASSERT_TRUE(r.bench.measured && r.bench.injected);
+  ASSERT_GE(r.steps.size(), 4u);
+  EXPECT_TRUE(r.steps[2].skipped);
+  EXPECT_TRUE(std::isfinite(r.steps[2].loss));
+  EXPECT_EQ(r.bench.steps_to_recover, 1);
+  // Control: undefended, the NaN reaches the parameters and the run never gets back.
+  const ScenarioResult off = bench_scenario(load_scenario("builtin:grad-nan-skip-off"), /*repeats=*/1);
+  EXPECT_EQ(off.bench.steps_to_recover, -1);
 }
 
 TEST(Runner, AFailedExpectationFailsAndADivergingControlPasses) {
@@ -482,6 +506,8 @@ TEST(ScenarioTest, FailureMessageNamesTheUnmetExpectations) {
   const ::testing::AssertionResult bad = testing::ScenarioPasses("t", path);
   EXPECT_FALSE(bad);
   EXPECT_NE(std::string(bad.message()).find("! params_finite: expected true, observed false"), std::string::npos) << bad.message();
+  // As `retrace run` prints it (failure_details): the reasons, then every check, two spaces in.
+  EXPECT_NE(std::string(bad.message()).find("\n  - params_finite: expected true, got false\n"), std::string::npos) << bad.message();
   std::filesystem::remove(path);
 }
 

@@ -163,8 +163,10 @@ TEST(ProgramScenario, AnOptimizerBitFlipFindsTheProgramsOwnMomentumByKind) {
   // The momentum buffers are named "momentum.*": a flip of optimizer state finds them by kind.
   const ScenarioResult r = run_scenario(program_scenario(
       "injections: [{type: bit_flip, step: 3, target: optimizer, bit: 30}]\nexpect: {injections_fired: true}\n"));
-  ASSERT_EQ(r.injected.size(), 1u) << why(r);
-  EXPECT_NE(r.injected[0].find("bit_flip momentum.w"), std::string::npos) << r.injected[0];
+  const std::vector<StepNote> injected = r.notes_of(StepNoteKind::kInjected);
+  ASSERT_EQ(injected.size(), 1u) << why(r);
+  EXPECT_EQ(injected[0].step, 3);
+  EXPECT_EQ(injected[0].text.rfind("bit_flip momentum.w", 0), 0u) << injected[0].text;
   ASSERT_EQ(r.injections.size(), 1u);
   EXPECT_EQ(r.injections[0].fired, std::vector<std::int64_t>{3});
 }
@@ -174,8 +176,10 @@ TEST(ProgramScenario, NanFeaturesHitTheInputKindAndValidationSkipsThem) {
       "defenses: {validate_batch: true}\ninjections: [{type: corrupt_batch, step: 2, mode: nan_features}]\n"
       "expect: {params_finite: true, min_skipped_steps: 1, max_skipped_steps: 1, replay_bitwise: true}\n"));
   EXPECT_TRUE(held.passed) << why(held);
-  ASSERT_FALSE(held.skip_reasons.empty());
-  EXPECT_NE(held.skip_reasons[0].find("non-finite features in 'x'"), std::string::npos) << held.skip_reasons[0];
+  const std::vector<StepNote> skips = held.notes_of(StepNoteKind::kSkipped);
+  ASSERT_FALSE(skips.empty());
+  EXPECT_EQ(skips[0].step, 2);
+  EXPECT_NE(skips[0].text.find("non-finite features in 'x'"), std::string::npos) << skips[0].text;
   // Control: without validation the NaN features reach the parameters.
   const ScenarioResult broke = run_scenario(program_scenario(
       "injections: [{type: corrupt_batch, step: 2, mode: nan_features}]\nexpect: {params_finite: true, diverges: true}\n"));

@@ -1,6 +1,7 @@
 // The HTML report writer: text is escaped, NaN and Inf become labelled markers (never
 // coordinates), every scenario gets its four charts, the replay page names the divergence and the
 // first non-finite op, and per-step series survive the child process's JSON.
+#include <retrace/error.h>
 #include <retrace/report.h>
 #include <retrace/runner.h>
 #include <retrace/trace.h>
@@ -140,7 +141,7 @@ ScenarioResult result(const std::string& name, std::vector<StepPoint> steps, boo
 TEST(Report, EveryScenarioGetsItsChartsAndAMatrixRow) {
   std::vector<ScenarioResult> results;
   results.push_back(result("plain", steps_with_losses({4.0, 3.5, 3.0}), true));
-  results.back().injected = {"step 2: grad_nonfinite grad.w: element 4 = nan"};
+  results.back().notes = {{2, StepNoteKind::kInjected, "grad_nonfinite grad.w: element 4 = nan"}};
   ScenarioResult crashed = result("crashed", {}, false);  // a child that died: no steps
   crashed.raised = true;
   crashed.error = "the scenario's process died by signal 9 (Killed)";
@@ -171,6 +172,27 @@ TEST(Report, EveryScenarioGetsItsChartsAndAMatrixRow) {
   EXPECT_EQ(html.find("src="), std::string::npos);
   EXPECT_EQ(html.find("<link"), std::string::npos);
   EXPECT_EQ(html.find("http://"), html.find("http://www.w3.org/2000/svg"));
+}
+
+TEST(Report, StepNotesGoToTheirOwnStep) {
+  // The notes are data: each lands on its step's markers, whatever its text says.
+  std::vector<StepPoint> steps = steps_with_losses({4.0, 3.5, 3.0});
+  steps[1].injected = true;
+  steps[2].skipped = true;
+  ScenarioResult r = result("notes", steps, true);
+  r.notes = {{2, StepNoteKind::kInjected, "loss_spike x100: step 3: looks like a prefix"},
+             {3, StepNoteKind::kSkipped, "non-finite gradients"}};
+  const std::string html = html_run_report({r}, 1.0);
+  // The chart's tooltip of step 2's injection line carries its note, step 3's skip band its own.
+  EXPECT_NE(html.find("step 2: injected fault\ninjected step 2: loss_spike x100: step 3: looks like a prefix"), std::string::npos);
+  EXPECT_NE(html.find("step 3 skipped\nskipped step 3: non-finite gradients"), std::string::npos);
+  EXPECT_NE(html.find("<li>injected: step 2: loss_spike x100: step 3: looks like a prefix</li>"), std::string::npos);
+  EXPECT_NE(html.find("<li>skipped: step 3: non-finite gradients</li>"), std::string::npos);
+  // Control: a note on another step is not on step 2's markers.
+  r.notes[0].step = 1;
+  const std::string moved = html_run_report({r}, 1.0);
+  EXPECT_EQ(moved.find("step 2: injected fault\ninjected"), std::string::npos);
+  EXPECT_NE(moved.find("<li>injected: step 1: loss_spike"), std::string::npos);
 }
 
 TEST(Report, ReplayPageNamesTheDivergenceAndTheFirstNonFiniteOp) {
@@ -261,12 +283,27 @@ TEST(Report, PerStepSeriesSurviveTheResultJson) {
   EXPECT_DOUBLE_EQ(back.steps[0].loss_scale, 65536);
   EXPECT_EQ(back.to_json(), r.to_json());
   // Older result files, without "steps", still read.
-  std::string old = r.to_json();
+  std::string old = r.to_json().dump();
   const auto at = old.find("\"steps\":");
   ASSERT_NE(at, std::string::npos);
   const auto end = old.find("],", at);
   old.erase(at, end + 2 - at);
-  EXPECT_TRUE(ScenarioResult::from_json(old).steps.empty());
+  EXPECT_TRUE(ScenarioResult::from_json(nlohmann::json::parse(old)).steps.empty());
+}
+
+TEST(Report, StepNotesSurviveTheResultJson) {
+  ScenarioResult r = result("notes", steps_with_losses({4.0, 3.5}), true);
+  r.notes = {{2, StepNoteKind::kInjected, "grad_nonfinite grad.w: element 4 = nan"}, {2, StepNoteKind::kSkipped, "non-finite gradients"}};
+  const ScenarioResult back = ScenarioResult::from_json(r.to_json());
+  EXPECT_EQ(back.notes, r.notes);
+  EXPECT_EQ(back.to_json(), r.to_json());
+  // Control: a kind the reader does not know is an error, not a guess.
+  std::string bad = r.to_json().dump();
+  const std::string kind = "\"kind\":\"skipped\"";
+  const auto at = bad.find(kind);
+  ASSERT_NE(at, std::string::npos) << bad;
+  bad.replace(at, kind.size(), "\"kind\":\"shipped\"");
+  EXPECT_THROW(ScenarioResult::from_json(nlohmann::json::parse(bad)), Error);
 }
 
 }  // namespace

@@ -1,0 +1,211 @@
+#include "scenario_pool.h"
+
+#include "commands.h"
+#include "progress.h"
+
+#include <retrace/error.h>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <fcntl.h>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <spawn.h>
+#include <sstream>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+
+extern char** environ;
+
+namespace retrace::cli {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// A job's child process and its files.
+struct Child {
+  std::string result_path, log_path;
+  pid_t pid = -1;
+  std::chrono::steady_clock::time_point started;
+};
+
+std::string last_line(const std::string& path) {
+  std::ifstream in(path);
+  std::string line, last;
+  while (std::getline(in, line)) {
+    if (!line.empty()) last = line;
+  }
+  return last;
+}
+
+ScenarioResult crashed(const ScenarioJob& job, const Child& child, int status) {
+  ScenarioResult r;
+  r.name = job.spec.name.empty() ? job.source : job.spec.name;
+  r.origin = job.source;
+  r.fault = fault_label(job.spec);
+  r.defense = defense_label(job.spec);
+  r.raised = true;
+  if (WIFSIGNALED(status)) {
+    r.error = "the scenario's process died by signal " + std::to_string(WTERMSIG(status)) + " (" + strsignal(WTERMSIG(status)) + ")";
+  } else {
+    r.error = "the scenario's process exited with code " + std::to_string(WEXITSTATUS(status)) + " and no result";
+  }
+  const std::string tail = last_line(child.log_path);
+  if (!tail.empty()) r.error += ": " + tail;
+  r.params_finite = false;
+  r.expected_to_break = job.spec.expect.diverges;
+  r.broke = true;
+  // Never a pass, not even for a negative control: a process that died tells nothing of whether
+  // the fault bit (it may be the harness, the machine or the OOM killer).
+  r.harness_error = true;
+  r.reasons = {"harness error: " + r.error};
+  r.passed = false;
+  return r;
+}
+
+// The child's result, or nullopt when it did not exit 0 or its file is missing, truncated or garbled.
+std::optional<ScenarioResult> read_result(const Child& child, int status) {
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return std::nullopt;
+  std::ifstream in(child.result_path);
+  std::stringstream text;
+  text << in.rdbuf();
+  if (text.str().empty()) return std::nullopt;
+  try {
+    return ScenarioResult::from_json(nlohmann::json::parse(text.str()));
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+}  // namespace
+
+int run_child(const std::string& source, const std::string& result_path, int threads, bool bench) {
+  if (threads > 0) torch::set_num_threads(threads);
+  const ScenarioSpec spec = load_scenario(source);
+  // A recorded run's trace lives beside the result, in the parent's private folder, which the
+  // parent empties even when this process is killed mid-run.
+  RunOptions options;
+  options.trace_path = result_path + ".trace";
+  const ScenarioResult r = bench ? bench_scenario(spec) : run_scenario(spec, options);
+  ::unlink(options.trace_path.c_str());
+  write_file(result_path, r.to_json().dump() + "\n", "the result file");
+  return 0;
+}
+
+std::vector<ScenarioResult> run_in_children(const std::vector<ScenarioJob>& jobs, const PoolOptions& options,
+                                            const std::function<void(const ScenarioResult&)>& on_done) {
+  // A private folder of our own (mkdtemp: unpredictable name, mode 0700).
+  std::string work_template = (fs::temp_directory_path() / "retrace_run_XXXXXX").string();
+  if (::mkdtemp(work_template.data()) == nullptr) {
+    throw Error("cannot create a temporary folder in " + fs::temp_directory_path().string() + ": " + std::strerror(errno));
+  }
+  const fs::path work = work_template;
+  std::vector<Child> children(jobs.size());
+  std::map<pid_t, std::size_t> running;
+  // On any exception from here on, stop and reap the children and remove their files (file by
+  // file: libtorch.so exports its own std::filesystem::remove_all, which crashes here).
+  struct Cleanup {
+    std::map<pid_t, std::size_t>& running;
+    std::vector<Child>& children;
+    std::string dir;
+    ~Cleanup() {
+      for (const auto& [pid, i] : running) {
+        ::kill(pid, SIGKILL);
+        int st = 0;
+        ::waitpid(pid, &st, 0);
+      }
+      for (const Child& c : children) {
+        if (!c.log_path.empty()) ::unlink(c.log_path.c_str());
+        if (!c.result_path.empty()) {
+          ::unlink(c.result_path.c_str());
+          ::unlink((c.result_path + ".trace").c_str());
+          ::unlink((c.result_path + ".trace.incomplete").c_str());
+        }
+      }
+      ::rmdir(dir.c_str());
+    }
+  } cleanup{running, children, work.string()};
+
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int per_child_threads =
+      options.threads > 0 ? options.threads
+                          : std::max(1, cores / std::max(1, std::min<int>(options.jobs, static_cast<int>(jobs.size()))));
+  const std::string self = "/proc/self/exe";
+  auto start = [&](std::size_t i) {
+    Child& child = children[i];
+    child.result_path = (work / (std::to_string(i) + ".json")).string();
+    child.log_path = (work / (std::to_string(i) + ".log")).string();
+    std::vector<std::string> argv_s = {"retrace", "run", "--child", jobs[i].source, "--result", child.result_path,
+                                       "--threads", std::to_string(per_child_threads)};
+    if (options.bench) argv_s.push_back("--bench");
+    std::vector<char*> argv;
+    for (auto& s : argv_s) argv.push_back(s.data());
+    argv.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 1, child.log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+    pid_t pid = -1;
+    const int rc = posix_spawn(&pid, self.c_str(), &actions, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    if (rc != 0) throw Error(std::string("cannot start a scenario process: ") + std::strerror(rc));
+    child.pid = pid;
+    child.started = std::chrono::steady_clock::now();
+    running[pid] = i;
+  };
+
+  // On a terminal, the bar: polled every 100 ms so its clock moves; elsewhere a blocking wait.
+  ProgressBar bar(jobs.size());
+  auto running_names = [&] {
+    std::string names;
+    for (const auto& [pid, i] : running) {
+      const ScenarioJob& j = jobs[i];
+      names += (names.empty() ? "" : ", ") + (j.spec.name.empty() ? j.source : j.spec.name);
+    }
+    return names;
+  };
+  std::vector<ScenarioResult> results(jobs.size());
+  std::size_t next = 0, done = 0;
+  while (done < jobs.size()) {
+    while (next < jobs.size() && static_cast<int>(running.size()) < options.jobs) start(next++);
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, bar.enabled() ? WNOHANG : 0);
+    if (pid == 0) {
+      bar.update(done, running_names());
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      continue;
+    }
+    if (pid < 0) {
+      if (errno == EINTR) continue;
+      throw Error(std::string("waiting for scenario processes failed: ") + std::strerror(errno));
+    }
+    auto it = running.find(pid);
+    if (it == running.end()) continue;
+    const std::size_t i = it->second;
+    running.erase(it);
+    std::optional<ScenarioResult> r = read_result(children[i], status);
+    if (!r) {
+      r = crashed(jobs[i], children[i], status);
+      r->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - children[i].started).count();
+    }
+    ++done;
+    bar.clear();
+    on_done(*r);
+    results[i] = std::move(*r);
+    if (done < jobs.size()) bar.update(done, running_names());
+  }
+  bar.clear();
+  return results;
+}
+
+}  // namespace retrace::cli
