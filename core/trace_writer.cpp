@@ -161,7 +161,8 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
   check_readable(type, meta_in, tensors);
   // The schema (records.h): a record the reader's typed decoder would refuse is not written.
   try {
-    validate_record_meta(type, meta_in.is_null() ? nlohmann::json::object() : meta_in, path_, file_->size());
+    static const nlohmann::json kNoMeta = nlohmann::json::object();  // (a reference, not a copy, of meta_in)
+    validate_record_meta(type, meta_in.is_null() ? kNoMeta : meta_in, path_, file_->size());
   } catch (const TraceError& e) {
     throw Error(std::string("retrace::TraceWriter: refuses to write what the reader would refuse: ") + e.what());
   }

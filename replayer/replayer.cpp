@@ -313,9 +313,8 @@ std::vector<NamedTensor> named_tensors(const TraceReader& trace, const Record& r
 
 // The recorded batch with the kinds the program gave its tensors. Traces from before kinds were
 // recorded (no "batch_kinds") name the built-in program's input and target.
-std::vector<NamedTensor> batch_of(const TraceReader& trace, const Record& begin) {
+std::vector<NamedTensor> batch_of(const TraceReader& trace, const Record& begin, const StepBeginRecord& record) {
   std::vector<NamedTensor> batch = named_tensors(trace, begin, tensor_names::batch_name);
-  const StepBeginRecord record = StepBeginRecord::decode(begin, trace.path());
   for (NamedTensor& b : batch) {
     if (record.batch_kinds) {
       const auto k = record.batch_kinds->find(b.name);
@@ -327,8 +326,7 @@ std::vector<NamedTensor> batch_of(const TraceReader& trace, const Record& begin)
   return batch;
 }
 
-std::vector<std::uint8_t> rng_bytes(const TraceReader& trace, const Record& rec) {
-  const std::int64_t step = StepBeginRecord::decode(rec, trace.path()).step;
+std::vector<std::uint8_t> rng_bytes(const TraceReader& trace, const Record& rec, std::int64_t step) {
   const TensorEntry* e = rec.find(std::string(tensor_names::kRng));
   if (!e) throw Error("the step_begin record of step " + std::to_string(step) + " holds no RNG state");
   if (e->dtype != at::kByte || e->shape.size() != 1) throw Error("the RNG state of step " + std::to_string(step) + " is not a byte vector");
@@ -434,10 +432,11 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
     if (recs.begins.empty()) throw Error("the trace holds no step_begin record of step " + std::to_string(s));
     const Record begin = s == result.from_step ? *anchor : trace_.read(recs.begins.front());
     Comparer comparer(trace_, s, recs);
-    const std::vector<std::uint8_t> rng = rng_bytes(trace_, begin);
+    const StepBeginRecord begin_record = StepBeginRecord::decode(begin, trace_.path());
+    const std::vector<std::uint8_t> rng = rng_bytes(trace_, begin, s);
     if (s != result.from_step) {
       // A step_begin that says its state is the previous step_end's was checked there.
-      if (!StepBeginRecord::decode(begin, trace_.path()).state_as_step_end) {
+      if (!begin_record.state_as_step_end) {
         for (const NamedTensor& st : program_.state()) {
           comparer.compare(begin, tensor_names::state(st.name), st.tensor, "(state)", "step_begin");
         }
@@ -447,7 +446,7 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
       }
     }
     RngState::deserialize(rng.data(), rng.size()).restore();
-    std::vector<NamedTensor> batch = batch_of(trace_, begin);
+    std::vector<NamedTensor> batch = batch_of(trace_, begin, begin_record);
     const std::vector<NamedTensor> state_before = clone_all(program_.state());
 
     StepOutcome outcome;

@@ -719,11 +719,9 @@ ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
                          p.at("injected").get<bool>(), p.at("rolled_back").get<bool>()});
     }
   }
-  if (j.contains("notes")) {
-    for (const auto& n : j["notes"]) {
-      r.notes.push_back({n.at("step").get<std::int64_t>(), parse_step_note_kind(n.at("kind").get<std::string>()),
-                         n.at("text").get<std::string>()});
-    }
+  for (const auto& n : j.at("notes")) {  // written by this build's child processes: never absent
+    r.notes.push_back({n.at("step").get<std::int64_t>(), parse_step_note_kind(n.at("kind").get<std::string>()),
+                       n.at("text").get<std::string>()});
   }
   r.replayed = j.at("replayed");
   r.replay_bitwise = j.at("replay_bitwise");
