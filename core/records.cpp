@@ -2,6 +2,8 @@
 
 #include <retrace/number.h>
 
+#include "trace_fields.h"
+
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -53,97 +55,9 @@ std::optional<SegmentPhase> segment_phase_from_string(std::string_view name) {
   return std::nullopt;
 }
 
-// --- the decoder's field readers ---------------------------------------------------------------
-
 namespace {
 
-// Reads the fields of one metadata object; every failure is a TraceError naming the record.
-class Fields {
- public:
-  Fields(const nlohmann::json& meta, const std::string& source, std::uint64_t offset, const char* record)
-      : meta_(meta), source_(source), offset_(offset), record_(record) {
-    if (!meta.is_object()) fail("", "is not an object");
-  }
-
-  [[noreturn]] void fail(const std::string& key, const std::string& what) const {
-    std::string msg = source_ + ": the " + record_ + " record's ";
-    msg += key.empty() ? std::string("metadata") : "'" + key + "'";
-    msg += " " + what + " at byte offset " + std::to_string(offset_);
-    throw TraceError(TraceError::Kind::kMalformed, offset_, msg);
-  }
-
-  const nlohmann::json* find(const char* key) const {
-    const auto it = meta_.find(key);
-    return it == meta_.end() ? nullptr : &*it;
-  }
-
-  std::int64_t integer(const char* key, std::optional<std::int64_t> fallback = std::nullopt) const {
-    const nlohmann::json* v = find(key);
-    if (!v) {
-      if (fallback) return *fallback;
-      fail(key, "is missing");
-    }
-    if (!v->is_number_integer() || (v->is_number_unsigned() && v->get<std::uint64_t>() > std::numeric_limits<std::int64_t>::max())) {
-      fail(key, "is not an integer (" + v->dump().substr(0, 40) + ")");
-    }
-    return v->get<std::int64_t>();
-  }
-
-  std::int64_t step(const char* key = "step") const {
-    const std::int64_t s = integer(key);
-    if (s < 0) fail(key, "is negative (" + std::to_string(s) + ")");
-    return s;
-  }
-
-  // A number as json_number writes it: a JSON number, or "nan", "inf", "-inf".
-  double number(const char* key, std::optional<double> fallback = std::nullopt) const {
-    const nlohmann::json* v = find(key);
-    if (!v) {
-      if (fallback) return *fallback;
-      fail(key, "is missing");
-    }
-    const std::optional<double> d = number_from_json(*v);
-    if (!d) fail(key, "is not a number or \"nan\", \"inf\", \"-inf\" (" + v->dump().substr(0, 40) + ")");
-    return *d;
-  }
-
-  bool flag(const char* key, bool fallback) const {
-    const nlohmann::json* v = find(key);
-    if (!v) return fallback;
-    if (!v->is_boolean()) fail(key, "is not true or false (" + v->dump().substr(0, 40) + ")");
-    return v->get<bool>();
-  }
-
-  std::string text(const char* key, std::optional<std::string> fallback = std::nullopt) const {
-    const nlohmann::json* v = find(key);
-    if (!v) {
-      if (fallback) return *fallback;
-      fail(key, "is missing");
-    }
-    if (!v->is_string()) fail(key, "is not a string (" + v->dump().substr(0, 40) + ")");
-    return v->get<std::string>();
-  }
-
-  std::vector<std::string> texts(const char* key) const {
-    std::vector<std::string> out;
-    const nlohmann::json* v = find(key);
-    if (!v) return out;
-    if (!v->is_array()) fail(key, "is not a list");
-    for (const nlohmann::json& x : *v) {
-      if (!x.is_string()) fail(key, "holds a non-string (" + x.dump().substr(0, 40) + ")");
-      out.push_back(x.get<std::string>());
-    }
-    return out;
-  }
-
-  const nlohmann::json& meta() const { return meta_; }
-
- private:
-  const nlohmann::json& meta_;
-  const std::string& source_;
-  std::uint64_t offset_;
-  const char* record_;
-};
+using format::Fields;
 
 void expect_type(const Record& r, RecordType type, const std::string& source) {
   if (r.type != type) {
@@ -171,7 +85,7 @@ nlohmann::json TraceHeader::to_meta() const {
 
 TraceHeader TraceHeader::decode(const nlohmann::json& meta, const std::string& source) {
   constexpr std::uint64_t kHeaderOffset = 12;  // the header record follows the 12-byte file header
-  const Fields f(meta, source, kHeaderOffset, "header");
+  const Fields f(meta, source, kHeaderOffset, "the header record");
   TraceHeader h;
   const std::int64_t version = f.integer("format_version", 0);
   if (version < 0 || version > std::numeric_limits<std::uint32_t>::max()) f.fail("format_version", "is out of range");
@@ -190,11 +104,11 @@ TraceHeader TraceHeader::decode(const nlohmann::json& meta, const std::string& s
     h.environment = Environment::from_json(*env);
   }
   if (const nlohmann::json* p = f.find("program")) {
-    const Fields pf(*p, source, kHeaderOffset, "header");
+    const Fields pf(*p, source, kHeaderOffset, "the header record");
     h.program = ProgramRef{pf.text("name"), pf.text("config")};
   }
   if (const nlohmann::json* r = f.find("recorder")) {
-    const Fields rf(*r, source, kHeaderOffset, "header");
+    const Fields rf(*r, source, kHeaderOffset, "the header record");
     RecorderSettings s;
     s.mode = rf.text("mode", "digest");
     s.every = rf.integer("every", 0);
@@ -230,7 +144,7 @@ StepBeginRecord StepBeginRecord::decode(const Record& record, const std::string&
 }
 
 StepBeginRecord StepBeginRecord::decode(const nlohmann::json& meta, std::uint64_t offset, const std::string& source) {
-  const Fields f(meta, source, offset, "step_begin");
+  const Fields f(meta, source, offset, "the step_begin record");
   StepBeginRecord b;
   b.step = f.step();
   b.lr = f.number("lr", 0.0);
@@ -262,7 +176,7 @@ SegmentRecord SegmentRecord::decode(const Record& record, const std::string& sou
 }
 
 SegmentRecord SegmentRecord::decode(const nlohmann::json& meta, std::uint64_t offset, const std::string& source) {
-  const Fields f(meta, source, offset, "segment");
+  const Fields f(meta, source, offset, "the segment record");
   SegmentRecord s;
   s.step = f.step();
   s.segment = f.text("segment");
@@ -299,7 +213,7 @@ StepEndRecord StepEndRecord::decode(const Record& record, const std::string& sou
 }
 
 StepEndRecord StepEndRecord::decode(const nlohmann::json& meta, std::uint64_t offset, const std::string& source) {
-  const Fields f(meta, source, offset, "step_end");
+  const Fields f(meta, source, offset, "the step_end record");
   StepEndRecord e;
   e.step = f.step();
   e.loss = f.number("loss");
@@ -335,7 +249,7 @@ EventRecord EventRecord::decode(const Record& record, const std::string& source)
 }
 
 EventRecord EventRecord::decode(const nlohmann::json& meta, std::uint64_t offset, const std::string& source) {
-  const Fields f(meta, source, offset, "event");
+  const Fields f(meta, source, offset, "the event record");
   EventRecord e;
   e.name = f.text("event");
   if (e.name == "exception") {

@@ -1,5 +1,6 @@
 #include <retrace/trace.h>
 
+#include "trace_fields.h"
 #include "trace_format.h"
 
 #include <retrace/records.h>
@@ -46,46 +47,6 @@ nlohmann::json parse_meta(const std::string& text, int max_depth, const std::str
   } catch (const std::exception& e) {
     bad(TraceError::Kind::kMalformed, path, offset, std::string("record metadata is not valid JSON (") + e.what() + ")");
   }
-}
-
-// A metadata field of exactly type T: integers must be JSON integers in T's range (nlohmann
-// would otherwise cast floats and booleans), strings strings, lists lists of such.
-template <typename T>
-bool valid_as(const nlohmann::json& v) {
-  if constexpr (std::is_same_v<T, std::string>) {
-    return v.is_string();
-  } else if constexpr (std::is_same_v<T, std::vector<std::int64_t>>) {
-    if (!v.is_array()) return false;
-    for (const nlohmann::json& x : v) {
-      if (!valid_as<std::int64_t>(x)) return false;
-    }
-    return true;
-  } else {
-    static_assert(std::is_integral_v<T>);
-    if (v.is_number_unsigned()) return v.get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<T>::max());
-    if (v.is_number_integer()) {
-      const auto x = v.get<std::int64_t>();
-      return std::is_signed_v<T> ? x >= static_cast<std::int64_t>(std::numeric_limits<T>::min()) &&
-                                       x <= static_cast<std::int64_t>(std::numeric_limits<T>::max())
-                                 : x >= 0;
-    }
-    return false;
-  }
-}
-
-template <typename T>
-T field(const nlohmann::json& j, const char* key, const std::string& path, std::uint64_t offset) {
-  auto it = j.find(key);
-  if (it == j.end() || !valid_as<T>(*it)) {
-    bad(TraceError::Kind::kMalformed, path, offset, std::string("record metadata lacks a valid '") + key + "'");
-  }
-  return it->get<T>();
-}
-
-// An optional field: absent gives `fallback`, a wrong type is malformed.
-template <typename T>
-T optional_field(const nlohmann::json& j, const char* key, T fallback, const std::string& path, std::uint64_t offset) {
-  return j.contains(key) ? field<T>(j, key, path, offset) : fallback;
 }
 
 }  // namespace
@@ -259,13 +220,13 @@ Record TraceReader::load(std::uint64_t offset) const {
     const nlohmann::json& list = r.meta["tensors"];
     if (!list.is_array()) bad(TraceError::Kind::kMalformed, path_, offset, "'tensors' is not a list");
     for (const nlohmann::json& t : list) {
-      if (!t.is_object()) bad(TraceError::Kind::kMalformed, path_, offset, "a tensor entry is not an object");
+      const Fields f(t, path_, offset, "tensor entry " + std::to_string(r.tensors.size()));
       TensorEntry e;
-      e.name = field<std::string>(t, "name", path_, offset);
-      const auto dtype = dtype_from_name(field<std::string>(t, "dtype", path_, offset));
+      e.name = f.text("name");
+      const auto dtype = dtype_from_name(f.text("dtype"));
       if (!dtype) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown dtype");
       e.dtype = *dtype;
-      e.shape = field<std::vector<std::int64_t>>(t, "shape", path_, offset);
+      e.shape = f.integers("shape");
       if (e.shape.size() > kMaxRank) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has rank over 64");
       // numel * element size without overflow, against the cap. An empty tensor declares 0 bytes
       // whatever its other sizes, but LibTorch still computes its contiguous strides in int64 (the
@@ -287,20 +248,20 @@ Record TraceReader::load(std::uint64_t offset) const {
           bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has sizes whose strides overflow 64 bits");
         }
       }
-      e.raw_bytes = field<std::uint64_t>(t, "raw_bytes", path_, offset);
+      e.raw_bytes = f.count("raw_bytes");
       if (e.raw_bytes != static_cast<std::uint64_t>(bytes)) {
         bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' raw_bytes does not match its shape");
       }
-      const std::string hex = field<std::string>(t, "digest", path_, offset);
+      const std::string hex = f.text("digest");
       if (hex.size() != 32 || hex.find_first_not_of("0123456789abcdef") != std::string::npos) {
         bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has a malformed digest");
       }
       e.digest.hi = std::stoull(hex.substr(0, 16), nullptr, 16);
       e.digest.lo = std::stoull(hex.substr(16), nullptr, 16);
-      const int alg = field<int>(t, "digest_algorithm", path_, offset);
+      const std::int64_t alg = f.integer("digest_algorithm");
       if (alg < 1 || alg > 2) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown digest algorithm");
       e.digest.algorithm = static_cast<DigestAlgorithm>(alg);
-      const int codec = optional_field<int>(t, "codec", 0, path_, offset);
+      const std::int64_t codec = f.integer("codec", 0);
       if (codec < 0 || codec > 3) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown codec");
       if (codec == 3 && version_ < 2) {
         bad(TraceError::Kind::kMalformed, path_, offset,
@@ -308,8 +269,8 @@ Record TraceReader::load(std::uint64_t offset) const {
       }
       e.codec = static_cast<TensorCodec>(codec);
       if (e.has_data()) {
-        e.offset = field<std::uint64_t>(t, "offset", path_, offset);
-        e.stored_bytes = field<std::uint64_t>(t, "stored_bytes", path_, offset);
+        e.offset = f.count("offset");
+        e.stored_bytes = f.count("stored_bytes");
       }
       if (e.has_data() && (e.offset > r.blob.size() || e.stored_bytes > r.blob.size() - e.offset)) {
         bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' data lies outside its record");
