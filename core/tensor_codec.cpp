@@ -120,7 +120,10 @@ std::string encode_zstd(const at::Tensor& tensor, TensorCodec codec, int zstd_le
 }  // namespace
 
 std::string encode_tensor_payload(const at::Tensor& tensor, TensorCodec codec, int zstd_level) {
-  TORCH_INTERNAL_ASSERT(tensor.is_cpu() && tensor.is_contiguous(), "encode_tensor_payload needs a contiguous CPU tensor");
+  if (!tensor.is_cpu() || !tensor.is_contiguous()) {
+    throw Error(std::string("encode_tensor_payload: the tensor is ") + (tensor.is_cpu() ? "not contiguous" : "not on the CPU") +
+                "; pass tensor.cpu().contiguous()");
+  }
   switch (codec) {
     case TensorCodec::kBloscBitshuffleLz4: return encode_blosc(tensor);
     case TensorCodec::kZstd:

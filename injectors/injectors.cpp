@@ -164,9 +164,15 @@ bool InjectionSpec::operator==(const InjectionSpec& o) const {
 }
 
 void flip_bit(at::Tensor& t, std::int64_t index, int bit) {
-  TORCH_CHECK(index >= 0 && index < t.numel(), "flip_bit: element ", index, " of ", t.numel());
+  if (index < 0 || index >= t.numel()) {
+    throw Error("flip_bit: element " + std::to_string(index) + " is not in a tensor of " + std::to_string(t.numel()) +
+                " elements; use 0 .. " + std::to_string(t.numel() - 1));
+  }
   const int width = static_cast<int>(t.element_size()) * 8;
-  TORCH_CHECK(bit >= 0 && bit < width, "flip_bit: bit ", bit, " of a ", width, "-bit element");
+  if (bit < 0 || bit >= width) {
+    throw Error("flip_bit: bit " + std::to_string(bit) + " is not in a " + std::to_string(width) + "-bit element; use 0 .. " +
+                std::to_string(width - 1));
+  }
   at::NoGradGuard no_grad;
   // Through a contiguous CPU copy, so any layout and device works; written back with copy_.
   at::Tensor element = element_view(t, index);

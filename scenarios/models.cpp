@@ -1,11 +1,16 @@
 #include <retrace/models.h>
 
+#include <retrace/error.h>
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/dropout.h>
 #include <torch/nn/functional/loss.h>
 
 #include <cmath>
+#include <initializer_list>
+#include <string>
+#include <utility>
 
 namespace retrace::models {
 
@@ -26,6 +31,19 @@ at::Tensor SegmentedModel::loss(const Batch& batch, const CheckpointPlan& plan) 
 }
 
 namespace {
+// A model config's sizes must be at least 1 and its dropout in [0, 1): one retrace::Error naming
+// the config field, instead of an error from deep inside a LibTorch module constructor.
+void check_sizes(const char* model, std::initializer_list<std::pair<const char*, std::int64_t>> sizes, double dropout) {
+  for (const auto& [field, value] : sizes) {
+    if (value < 1) {
+      throw Error(std::string(model) + ": the config's " + field + " is " + std::to_string(value) + "; it must be at least 1");
+    }
+  }
+  if (!(dropout >= 0 && dropout < 1)) {
+    throw Error(std::string(model) + ": the config's dropout is " + std::to_string(dropout) + "; it must be in [0, 1)");
+  }
+}
+
 at::Generator seeded(std::uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
 
 // Arithmetic sequences mod vocab: x_t = (start + step * t) mod vocab, step in [1, 3].
@@ -98,8 +116,12 @@ struct TinyGpt::Block : torch::nn::Module {
 };
 
 TinyGpt::TinyGpt(GptConfig config) : config_(config) {
-  TORCH_CHECK(config.d_model % config.heads == 0, "TinyGpt: d_model (", config.d_model,
-              ") must be divisible by heads (", config.heads, ")");
+  check_sizes("TinyGpt", {{"vocab", config.vocab}, {"d_model", config.d_model}, {"heads", config.heads},
+                          {"layers", config.layers}, {"seq_len", config.seq_len}}, config.dropout);
+  if (config.d_model % config.heads != 0) {
+    throw Error("TinyGpt: GptConfig::d_model (" + std::to_string(config.d_model) + ") must be divisible by GptConfig::heads (" +
+                std::to_string(config.heads) + ")");
+  }
   token_embedding_ = register_module("token_embedding", torch::nn::Embedding(config.vocab, config.d_model));
   position_embedding_ =
       register_module("position_embedding", torch::nn::Embedding(config.seq_len, config.d_model));
@@ -140,6 +162,7 @@ Batch TinyGpt::make_batch(std::uint64_t seed) const {
 // --- LstmLm ----------------------------------------------------------------------------------
 
 LstmLm::LstmLm(LstmConfig config) : config_(config) {
+  check_sizes("LstmLm", {{"vocab", config.vocab}, {"hidden", config.hidden}, {"layers", config.layers}}, config.dropout);
   embedding_ = register_module("embedding", torch::nn::Embedding(config.vocab, config.hidden));
   for (std::int64_t i = 0; i < config.layers; ++i) {
     layers_.push_back(register_module(
@@ -176,6 +199,8 @@ Batch LstmLm::make_batch(std::uint64_t seed) const {
 // --- Mlp -------------------------------------------------------------------------------------
 
 Mlp::Mlp(MlpConfig config) : config_(config) {
+  check_sizes("Mlp", {{"in_features", config.in_features}, {"hidden", config.hidden}, {"layers", config.layers},
+                      {"out_features", config.out_features}}, config.dropout);
   input_ = register_module("input", torch::nn::Linear(config.in_features, config.hidden));
   for (std::int64_t i = 0; i < config.layers; ++i) {
     hidden_.push_back(register_module("layer" + std::to_string(i),

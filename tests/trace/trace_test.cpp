@@ -144,6 +144,19 @@ TEST(Trace, LargeBf16WeightsRoundTripInBothCompressions) {
 
 // A damaged payload is an error from the codec, never a crash or a read past the payload: every
 // truncation of a Blosc buffer, and a flip of every bit of its header.
+// The codec takes contiguous CPU tensors; anything else is the caller's mistake, said as one
+// retrace::Error with the fix.
+TEST(Trace, EncodingANonContiguousTensorIsAnErrorSayingTheFix) {
+  const at::Tensor w = torch::randn({4, 6});
+  try {
+    encode_tensor_payload(w.t(), TensorCodec::kZstd);
+    ADD_FAILURE() << "encoded a non-contiguous tensor";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not contiguous; pass tensor.cpu().contiguous()"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(encode_tensor_payload(w.t().contiguous(), TensorCodec::kZstd));  // control
+}
+
 TEST(Trace, DamagedBloscPayloadsAreErrors) {
   torch::manual_seed(0);
   const at::Tensor w = torch::randn({64, 33});
