@@ -201,7 +201,7 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
   const std::uint64_t payload_size = 4 + meta_text.size() + blob.size();
   if (payload_size > std::min<std::uint64_t>(ReaderOptions{}.max_record_bytes, 0xffffffffu)) {
     throw Error("a trace record would be " + std::to_string(payload_size) +
-                " bytes, over the format's 4 GiB limit; record fewer tensors per step (--mode digest)");
+                " bytes, over the format's 4 GiB limit; record fewer tensors per step (RecorderOptions::mode digest; retrace record --mode digest)");
   }
   std::string payload;
   payload.reserve(payload_size);

@@ -435,7 +435,7 @@ Recorder::Recorder(const std::string& path, const Program& program, RecorderOpti
     : impl_(std::make_unique<Impl>()) {
   impl_->path = path;
   impl_->options = options;
-  if (options.every < 0 || options.ring < 0) throw Error("--every and --ring must not be negative");
+  if (options.every < 0 || options.ring < 0) throw Error("RecorderOptions::every and RecorderOptions::ring must not be negative (retrace record --every, --ring)");
   TraceHeader header;
   header.environment = Environment::current();
   header.program = ProgramRef{program.name(), program.config()};

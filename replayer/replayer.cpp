@@ -110,7 +110,7 @@ std::string describe_differences(const std::vector<EnvironmentDifference>& diffs
     s += d.field + " was " + d.recorded + ", is " + d.current;
     if (!d.fix.empty()) s += " (" + d.fix + ")";
   }
-  return s + "; or pass --force to replay anyway";
+  return s + "; or replay anyway with ReplayOptions::force (retrace replay --force)";
 }
 }  // namespace
 
