@@ -1,6 +1,8 @@
 // `retrace record SCENARIO.yaml -o TRACE`: trains as the scenario says, recording a trace.
 #include "commands.h"
 
+#include <retrace/runner.h>
+
 #include <retrace/determinism.h>
 #include <retrace/number.h>
 #include <retrace/recorder.h>
@@ -24,7 +26,7 @@ int run_record(const std::vector<std::string>& args) {
   int every = 0, ring = 0;
   std::int64_t steps = 0;
   po::options_description opts(
-      "retrace record [SCENARIO.yaml] -o TRACE [options]\n\n"
+      "retrace record [SCENARIO.yaml | builtin:NAME] -o TRACE [options]\n\n"
       "Trains as SCENARIO.yaml says and records a trace; in a binary built on retrace::main with\n"
       "its own program and no SCENARIO, records that program (its config from --config FILE).\n"
       "Exit code 0 when every step stayed\n"
@@ -73,7 +75,7 @@ int run_record(const std::vector<std::string>& args) {
                 "config (its 'config:' section)");
   }
   if (!scenario.empty()) {
-    const ScenarioSpec spec = parse_scenario_file(scenario);
+    const ScenarioSpec spec = load_scenario(scenario);  // a file, or builtin:NAME as `run` and `diagnose` take
     program = make_scenario_program(spec);
   } else if (!default_program().empty()) {
     program = make_program(default_program(), config_path.empty() ? "" : read_text_file(config_path, "--config file"));
