@@ -16,7 +16,8 @@ inline double seconds(const std::function<void()>& f) {
 
 // Runs `a` and `b` once each (a first when a_first, then flips a_first); returns their times,
 // each measured by `time` (default: wall clock around the call).
-inline std::pair<double, double> alternate(bool& a_first, const std::function<void()>& a, const std::function<void()>& b,
+inline std::pair<double, double> alternate(bool& a_first, const std::function<void()>& a,
+                                           const std::function<void()>& b,
                                            const std::function<double(const std::function<void()>&)>& time = seconds) {
   double ta, tb;
   if (a_first) {

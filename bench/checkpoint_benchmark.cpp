@@ -50,8 +50,8 @@ struct Fixture {
 
 // Times a and b alternately (order flipped every iteration); reports b as the iteration time and
 // the ratio b / a as a counter.
-void interleave(benchmark::State& state, const std::function<void()>& a,
-                const std::function<void()>& b, const char* a_name, const char* b_name) {
+void interleave(benchmark::State& state, const std::function<void()>& a, const std::function<void()>& b,
+                const char* a_name, const char* b_name) {
   for (int i = 0; i < 3; ++i) {  // warm-up
     a();
     b();
@@ -74,15 +74,23 @@ void BM_CheckpointedVsPlainStep(benchmark::State& state) {
   Fixture f;
   const models::CheckpointPlan plain{0, {}};
   const models::CheckpointPlan ckpt{static_cast<int>(state.range(0)), {}};
-  interleave(state, [&] { f.step(plain); }, [&] { f.step(ckpt); }, "plain", "checkpointed");
+  interleave(
+      state, [&] { f.step(plain); }, [&] { f.step(ckpt); }, "plain", "checkpointed");
   const double plain_bytes = static_cast<double>(f.saved_bytes(plain));
   const double ckpt_bytes = static_cast<double>(f.saved_bytes(ckpt));
   state.counters["saved_MiB_plain"] = plain_bytes / (1 << 20);
   state.counters["saved_MiB_ckpt"] = ckpt_bytes / (1 << 20);
   state.counters["saved_ratio"] = ckpt_bytes / plain_bytes;
 }
-BENCHMARK(BM_CheckpointedVsPlainStep)->ArgName("segments")->Arg(1)->Arg(2)->Arg(4)->Arg(8)
-    ->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(2.0);
+BENCHMARK(BM_CheckpointedVsPlainStep)
+    ->ArgName("segments")
+    ->Arg(1)
+    ->Arg(2)
+    ->Arg(4)
+    ->Arg(8)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(2.0);
 
 // Live recompute verification in digest mode vs the same checkpointed step without it.
 void BM_VerifyOverhead(benchmark::State& state) {
@@ -98,8 +106,13 @@ void BM_VerifyOverhead(benchmark::State& state) {
       "checkpointed", "verified");
   state.counters["mismatches"] = static_cast<double>(verifier.mismatches().size());
 }
-BENCHMARK(BM_VerifyOverhead)->ArgName("segments")->Arg(2)->Arg(8)
-    ->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(2.0);
+BENCHMARK(BM_VerifyOverhead)
+    ->ArgName("segments")
+    ->Arg(2)
+    ->Arg(8)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(2.0);
 
 // ForwardMode::kLikeRecompute (the default) vs kNoGrad.
 void BM_ForwardModeCost(benchmark::State& state) {
@@ -107,10 +120,15 @@ void BM_ForwardModeCost(benchmark::State& state) {
   models::CheckpointPlan nograd{static_cast<int>(state.range(0)), {}};
   nograd.options.forward_mode = ForwardMode::kNoGrad;
   const models::CheckpointPlan like{static_cast<int>(state.range(0)), {}};
-  interleave(state, [&] { f.step(nograd); }, [&] { f.step(like); }, "nograd", "like_recompute");
+  interleave(
+      state, [&] { f.step(nograd); }, [&] { f.step(like); }, "nograd", "like_recompute");
 }
-BENCHMARK(BM_ForwardModeCost)->ArgName("segments")->Arg(8)
-    ->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(2.0);
+BENCHMARK(BM_ForwardModeCost)
+    ->ArgName("segments")
+    ->Arg(8)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(2.0);
 
 }  // namespace
 }  // namespace retrace

@@ -31,7 +31,9 @@ struct Training {
     model->train();
     optimizer = std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(kLr));
   }
-  at::Tensor loss(const models::Batch& b) { return model->loss(b, models::CheckpointPlan{kSegments, {}}).to(at::kFloat); }
+  at::Tensor loss(const models::Batch& b) {
+    return model->loss(b, models::CheckpointPlan{kSegments, {}}).to(at::kFloat);
+  }
 };
 
 // The defenses as a user writes them by hand: warmup on the LR, LossScaler, unscale, norm,

@@ -36,8 +36,14 @@ void BM_DigestVsMemcpy(benchmark::State& state) {
   state.counters["memcpy_GBps"] = n * bytes / t_copy / 1e9;
   state.counters["digest_over_memcpy_time"] = t_digest / t_copy;
 }
-BENCHMARK(BM_DigestVsMemcpy)->ArgName("bytes")->Arg(64 << 10)->Arg(1 << 20)->Arg(16 << 20)
-    ->Arg(256 << 20)->UseManualTime()->MinTime(1.0);
+BENCHMARK(BM_DigestVsMemcpy)
+    ->ArgName("bytes")
+    ->Arg(64 << 10)
+    ->Arg(1 << 20)
+    ->Arg(16 << 20)
+    ->Arg(256 << 20)
+    ->UseManualTime()
+    ->MinTime(1.0);
 
 }  // namespace
 }  // namespace retrace

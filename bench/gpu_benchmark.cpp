@@ -148,7 +148,11 @@ void BM_CudaVerifiedCheckpointStep(benchmark::State& state) {
   state.counters["verified_outputs"] = static_cast<double>(verifier.verified_outputs());
   state.counters["mismatches"] = static_cast<double>(verifier.mismatches().size());
 }
-BENCHMARK(BM_CudaVerifiedCheckpointStep)->ArgName("segments")->Arg(8)->Iterations(20)->UseManualTime()
+BENCHMARK(BM_CudaVerifiedCheckpointStep)
+    ->ArgName("segments")
+    ->Arg(8)
+    ->Iterations(20)
+    ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 
 }  // namespace

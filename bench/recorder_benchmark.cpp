@@ -6,6 +6,8 @@
 #include <retrace/replayer.h>
 #include <retrace/io.h>
 #include <retrace/trace.h>
+
+#include "core/tensor_codec.h"
 #include <retrace/trainer.h>
 
 #include <benchmark/benchmark.h>
@@ -47,7 +49,8 @@ training: {optimizer: adamw, lr: 0.0001, segments: 12, device: cuda, precision: 
 )";
 
 std::string bench_path(const std::string& name) {
-  return (std::filesystem::temp_directory_path() / ("retrace_bench_" + std::to_string(::getpid()) + "_" + name)).string();
+  return (std::filesystem::temp_directory_path() / ("retrace_bench_" + std::to_string(::getpid()) + "_" + name))
+      .string();
 }
 
 using bench::seconds;
@@ -110,16 +113,37 @@ void BM_RecorderOverhead(benchmark::State& state, const char* variant, const cha
   state.counters["recorded_over_plain"] = t_recorded / t_plain;
   std::filesystem::remove(recorder.path());
 }
-BENCHMARK_CAPTURE(BM_RecorderOverhead, digest, "digest", kBenchScenario)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(3.0);
-BENCHMARK_CAPTURE(BM_RecorderOverhead, ring4, "ring4", kBenchScenario)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(3.0);
-BENCHMARK_CAPTURE(BM_RecorderOverhead, full, "full", kBenchScenario)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(3.0);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, digest, "digest", kBenchScenario)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(3.0);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, ring4, "ring4", kBenchScenario)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(3.0);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, full, "full", kBenchScenario)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(3.0);
 // GPU (named Cuda_gpt12* so that scripts/gpu-check runs them in a process of their own; they skip
 // without a GPU). Fixed iteration counts bound the run: full mode writes the whole state (about
 // 100 M parameters and AdamW's two moments, ~1.2 GB before compression) on each of its 2 + 3 steps.
-BENCHMARK_CAPTURE(BM_RecorderOverhead, Cuda_gpt12_digest, "digest", kGpuGpt12)->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(12);
-BENCHMARK_CAPTURE(BM_RecorderOverhead, Cuda_gpt12_full, "full", kGpuGpt12)->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(3);
-BENCHMARK_CAPTURE(BM_RecorderOverhead, digest_2k_tokens, "digest", kBench2kTokens)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(6.0);
-BENCHMARK_CAPTURE(BM_RecorderOverhead, ring4_2k_tokens, "ring4", kBench2kTokens)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(6.0);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, Cuda_gpt12_digest, "digest", kGpuGpt12)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(12);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, Cuda_gpt12_full, "full", kGpuGpt12)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(3);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, digest_2k_tokens, "digest", kBench2kTokens)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(6.0);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, ring4_2k_tokens, "ring4", kBench2kTokens)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(6.0);
 
 // Codec: size and speed of our payload codec against torch::save and zstd without shuffling.
 at::Tensor weights(at::ScalarType dtype) {
@@ -148,9 +172,9 @@ void codec(benchmark::State& state, const at::Tensor& t, const char* variant, in
       benchmark::DoNotOptimize(back.data_ptr());
     } else {
       const bool fast = which == "retrace_fast";
-      const TensorCodec c = fast                          ? TensorCodec::kBloscBitshuffleLz4
-                            : which == "retrace_small"    ? TensorCodec::kZstdShuffle
-                                                          : TensorCodec::kZstd;
+      const TensorCodec c = fast                       ? TensorCodec::kBloscBitshuffleLz4
+                            : which == "retrace_small" ? TensorCodec::kZstdShuffle
+                                                       : TensorCodec::kZstd;
       enc += seconds([&] { encoded = encode_tensor_payload(t, c, level); });
       dec += seconds([&] { decode_tensor_payload(encoded.data(), encoded.size(), c, out); });
     }
@@ -165,14 +189,16 @@ void codec(benchmark::State& state, const at::Tensor& t, const char* variant, in
 
 // retrace_fast: the default (Blosc bit-shuffle + LZ4); retrace_small:
 // byte shuffle + zstd; zstd_plain: zstd without the shuffle.
-#define RETRACE_CODEC_BENCH(NAME, TENSOR)                                                               \
-  void BM_Codec_##NAME(benchmark::State& s, const char* v) { codec(s, TENSOR, v); }                   \
-  BENCHMARK_CAPTURE(BM_Codec_##NAME, retrace_fast, "retrace_fast")->UseManualTime();                   \
-  BENCHMARK_CAPTURE(BM_Codec_##NAME, retrace_small, "retrace_small")->UseManualTime();                 \
-  BENCHMARK_CAPTURE(BM_Codec_##NAME, zstd_plain, "zstd_plain")->UseManualTime();                       \
+#define RETRACE_CODEC_BENCH(NAME, TENSOR)                                              \
+  void BM_Codec_##NAME(benchmark::State& s, const char* v) { codec(s, TENSOR, v); }    \
+  BENCHMARK_CAPTURE(BM_Codec_##NAME, retrace_fast, "retrace_fast")->UseManualTime();   \
+  BENCHMARK_CAPTURE(BM_Codec_##NAME, retrace_small, "retrace_small")->UseManualTime(); \
+  BENCHMARK_CAPTURE(BM_Codec_##NAME, zstd_plain, "zstd_plain")->UseManualTime();       \
   BENCHMARK_CAPTURE(BM_Codec_##NAME, torch_save, "torch_save")->UseManualTime();
 
-void BM_CodecLevel_WeightsBF16(benchmark::State& s, int level) { codec(s, weights(at::kBFloat16), "retrace_small", level); }
+void BM_CodecLevel_WeightsBF16(benchmark::State& s, int level) {
+  codec(s, weights(at::kBFloat16), "retrace_small", level);
+}
 BENCHMARK_CAPTURE(BM_CodecLevel_WeightsBF16, level_minus20, -20)->UseManualTime();
 BENCHMARK_CAPTURE(BM_CodecLevel_WeightsBF16, level_minus5, -5)->UseManualTime();
 BENCHMARK_CAPTURE(BM_CodecLevel_WeightsBF16, level_1, 1)->UseManualTime();
@@ -246,9 +272,15 @@ void BM_DurableWrite(benchmark::State& state, const char* variant) {
   state.counters["file_MiB"] = bytes / 1048576.0;
   std::filesystem::remove(path);
 }
-BENCHMARK_CAPTURE(BM_DurableWrite, retrace_fast_bf16_weights, "retrace_fast")->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_DurableWrite, retrace_small_bf16_weights, "retrace_small")->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_DurableWrite, torch_save_bf16_weights, "torch_save")->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_DurableWrite, retrace_fast_bf16_weights, "retrace_fast")
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_DurableWrite, retrace_small_bf16_weights, "retrace_small")
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_DurableWrite, torch_save_bf16_weights, "torch_save")
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 
 // Replaying a recorded step (open the trace, restore, re-execute, compare) against the step.
 void BM_ReplayVsStep(benchmark::State& state) {

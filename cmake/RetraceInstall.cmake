@@ -9,14 +9,10 @@ include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
 get_property(_retrace_components GLOBAL PROPERTY RETRACE_COMPONENTS)
-add_library(retrace_all INTERFACE)
-set_target_properties(retrace_all PROPERTIES EXPORT_NAME retrace)
 set(_retrace_installed retrace_all)
 foreach(_c IN LISTS _retrace_components)
-  target_link_libraries(retrace_all INTERFACE retrace_${_c})
   list(APPEND _retrace_installed retrace_${_c})
 endforeach()
-add_library(retrace::retrace ALIAS retrace_all)
 
 set(_retrace_cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/retrace)
 install(TARGETS ${_retrace_installed} EXPORT retraceTargets
@@ -29,8 +25,12 @@ if(TARGET retrace)
   set_target_properties(retrace PROPERTIES INSTALL_RPATH_USE_LINK_PATH TRUE)
   install(TARGETS retrace RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 endif()
-install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/retrace DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
-        FILES_MATCHING PATTERN "*.h")
+# Every component's public headers (FOLDER/include/retrace/*.h) and the umbrella retrace.h, into
+# one PREFIX/include/retrace; internal headers beside the sources are not installed.
+get_property(_retrace_header_dirs GLOBAL PROPERTY RETRACE_HEADER_DIRS)
+foreach(_dir IN LISTS _retrace_header_dirs ITEMS ${PROJECT_SOURCE_DIR}/include/retrace)
+  install(DIRECTORY ${_dir} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} FILES_MATCHING PATTERN "*.h")
+endforeach()
 install(FILES ${PROJECT_BINARY_DIR}/include/retrace/version.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/retrace)
 install(EXPORT retraceTargets NAMESPACE retrace:: DESTINATION ${_retrace_cmake_dir})
 

@@ -73,17 +73,24 @@ function(retrace_configure target)
   endif()
 endfunction()
 
-# retrace_library(<name> SOURCES ... DEPS ...): one library per component, with a
+# retrace_library(<name> SOURCES ... DEPS ...): one library per component folder, with a
 # namespaced alias retrace::<name>, installed and exported as retrace::<name>
 # (cmake/RetraceInstall.cmake).
+#
+# The dependency rule, enforced here: a component's public headers are FOLDER/include/retrace/*.h,
+# and the only include directories a target gets are its own and those of the components it links
+# (DEPS, transitively). An include of a header from a component not linked -- an upward include,
+# core including recorder.h -- fails to compile ("retrace/recorder.h: No such file or directory").
+# Headers beside a component's sources (core/trace_format.h) are its internals: no other
+# component sees them; tests and benchmarks reach them as "core/trace_format.h" from the root.
 function(retrace_library name)
   cmake_parse_arguments(ARG "" "" "SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
   add_library(retrace_${name} STATIC ${ARG_SOURCES})
   add_library(retrace::${name} ALIAS retrace_${name})
   target_include_directories(retrace_${name} PUBLIC
-    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include>
-    $<BUILD_INTERFACE:${PROJECT_BINARY_DIR}/include>
+    $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/include>
     $<INSTALL_INTERFACE:include>)
+  set_property(GLOBAL APPEND PROPERTY RETRACE_HEADER_DIRS ${CMAKE_CURRENT_SOURCE_DIR}/include/retrace)
   set_target_properties(retrace_${name} PROPERTIES EXPORT_NAME ${name})
   set_property(GLOBAL APPEND PROPERTY RETRACE_COMPONENTS ${name})
   target_link_libraries(retrace_${name} PUBLIC ${ARG_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})

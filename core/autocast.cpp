@@ -11,8 +11,7 @@ constexpr c10::DeviceType kAutocastDevices[] = {c10::DeviceType::CPU, c10::Devic
 AutocastState AutocastState::capture() {
   AutocastState s;
   for (c10::DeviceType type : kAutocastDevices) {
-    s.entries.push_back({type, at::autocast::is_autocast_enabled(type),
-                         at::autocast::get_autocast_dtype(type)});
+    s.entries.push_back({type, at::autocast::is_autocast_enabled(type), at::autocast::get_autocast_dtype(type)});
   }
   s.cache_enabled = at::autocast::is_autocast_cache_enabled();
   return s;

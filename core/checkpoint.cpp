@@ -56,8 +56,7 @@ struct SegmentCall : torch::CustomClassHolder {
   c10::Device device{c10::kCPU};
 };
 
-void check_outputs(const SegmentCall& call, const std::vector<at::Tensor>& outputs,
-                   const char* phase) {
+void check_outputs(const SegmentCall& call, const std::vector<at::Tensor>& outputs, const char* phase) {
   if (outputs.empty()) {
     fail(call.name, std::string("the segment function returned no tensor at ") + phase +
                         "; return at least one floating-point tensor");
@@ -65,8 +64,7 @@ void check_outputs(const SegmentCall& call, const std::vector<at::Tensor>& outpu
   for (std::size_t i = 0; i < outputs.size(); ++i) {
     const at::Tensor& out = outputs[i];
     if (!out.defined()) {
-      fail(call.name, "output " + std::to_string(i) + " is undefined at " + phase +
-                          "; every output must be a tensor");
+      fail(call.name, "output " + std::to_string(i) + " is undefined at " + phase + "; every output must be a tensor");
     }
     if (!out.is_floating_point()) {
       fail(call.name, "output " + std::to_string(i) + " is " + describe(out) +
@@ -74,9 +72,8 @@ void check_outputs(const SegmentCall& call, const std::vector<at::Tensor>& outpu
                           "integer results outside the checkpointed segment");
     }
     if (out.device() != call.device) {
-      fail(call.name, "output " + std::to_string(i) + " is on " + out.device().str() +
-                          " but the inputs are on " + call.device.str() +
-                          "; a segment must keep its inputs and outputs on one device");
+      fail(call.name, "output " + std::to_string(i) + " is on " + out.device().str() + " but the inputs are on " +
+                          call.device.str() + "; a segment must keep its inputs and outputs on one device");
     }
   }
 }
@@ -89,8 +86,7 @@ void notify(const SegmentCall& call, SegmentPhase phase, const std::vector<at::T
 }
 
 // The inputs as the recompute sees them: detached leaves with the callers' requires_grad.
-std::vector<at::Tensor> detached_like_recompute(const SegmentCall& call,
-                                                const std::vector<at::Tensor>& inputs) {
+std::vector<at::Tensor> detached_like_recompute(const SegmentCall& call, const std::vector<at::Tensor>& inputs) {
   std::vector<at::Tensor> out;
   out.reserve(inputs.size());
   for (std::size_t i = 0; i < inputs.size(); ++i) {
@@ -100,8 +96,8 @@ std::vector<at::Tensor> detached_like_recompute(const SegmentCall& call,
 }
 
 struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
-  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<SegmentCall> call,
-                               bool will_recompute, at::TensorList all_inputs) {
+  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<SegmentCall> call, bool will_recompute,
+                               at::TensorList all_inputs) {
     std::vector<at::Tensor> inputs(all_inputs.begin(), all_inputs.begin() + call->num_inputs);
     std::vector<at::Tensor> outputs;
     ActiveScope active(call->name, SegmentPhase::kForward);
@@ -125,10 +121,9 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     auto call = c10::static_intrusive_pointer_cast<SegmentCall>(ctx->saved_data["call"].toCapsule());
     if (!torch::autograd::Engine::get_default_engine().is_checkpoint_valid()) {
-      fail(call->name,
-           "backward reached this segment through torch::autograd::grad() or backward(inputs=...), "
-           "which reentrant checkpointing cannot serve (the recompute's gradients would be lost); "
-           "call backward() without inputs and read .grad()");
+      fail(call->name, "backward reached this segment through torch::autograd::grad() or backward(inputs=...), "
+                       "which reentrant checkpointing cannot serve (the recompute's gradients would be lost); "
+                       "call backward() without inputs and read .grad()");
     }
     const std::vector<at::Tensor> inputs = detached_like_recompute(*call, ctx->get_saved_variables());
 
@@ -148,8 +143,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     check_outputs(*call, outputs, "recompute");
     if (outputs.size() != grad_outputs.size()) {
       fail(call->name, "the recompute returned " + std::to_string(outputs.size()) +
-                           " outputs but the forward returned " +
-                           std::to_string(grad_outputs.size()) +
+                           " outputs but the forward returned " + std::to_string(grad_outputs.size()) +
                            "; the segment function must be deterministic in its structure");
     }
     {
@@ -164,9 +158,10 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       notify(*call, SegmentPhase::kRecompute, inputs, outputs, false);
       for (std::size_t i = 0; i < outputs.size() && i < required.size(); ++i) {
         if (required[i] && !(outputs[i].defined() && outputs[i].requires_grad())) {
-          fail(call->name, "an observer replaced recompute output " + std::to_string(i) +
-                               " with a tensor outside the autograd graph; the segment's inputs and parameters would get "
-                               "no gradient. Build the replacement from the output with grad mode on");
+          fail(call->name,
+               "an observer replaced recompute output " + std::to_string(i) +
+                   " with a tensor outside the autograd graph; the segment's inputs and parameters would get "
+                   "no gradient. Build the replacement from the output with grad mode on");
         }
       }
     }
@@ -208,8 +203,7 @@ bool current_segment(ActiveSegment* out) {
   return true;
 }
 
-std::vector<at::Tensor> checkpoint(const std::string& name, SegmentFn fn,
-                                   const std::vector<at::Tensor>& inputs,
+std::vector<at::Tensor> checkpoint(const std::string& name, SegmentFn fn, const std::vector<at::Tensor>& inputs,
                                    const CheckpointOptions& options) {
   if (!fn) fail(name, "the segment function is empty");
   auto call = c10::make_intrusive<SegmentCall>();
@@ -227,11 +221,11 @@ std::vector<at::Tensor> checkpoint(const std::string& name, SegmentFn fn,
     if (!device) {
       device = x.device();
     } else if (x.device() != *device) {
-      fail(name, "input " + std::to_string(i) + " is on " + x.device().str() + " but input 0 is on " +
-                     device->str() + "; a segment must keep its inputs on one device");
+      fail(name, "input " + std::to_string(i) + " is on " + x.device().str() + " but input 0 is on " + device->str() +
+                     "; a segment must keep its inputs on one device");
     }
-    if (x.is_cuda() && std::find(call->cuda_devices.begin(), call->cuda_devices.end(),
-                                 x.device()) == call->cuda_devices.end()) {
+    if (x.is_cuda() &&
+        std::find(call->cuda_devices.begin(), call->cuda_devices.end(), x.device()) == call->cuda_devices.end()) {
       call->cuda_devices.push_back(x.device());
     }
     call->requires_grad.push_back(x.requires_grad());
@@ -253,8 +247,7 @@ std::vector<at::Tensor> checkpoint(const std::string& name, SegmentFn fn,
   return CheckpointFunction::apply(call, grad_enabled, at::TensorList(all_inputs));
 }
 
-at::Tensor checkpoint(const std::string& name, TensorFn fn, const at::Tensor& input,
-                      const CheckpointOptions& options) {
+at::Tensor checkpoint(const std::string& name, TensorFn fn, const at::Tensor& input, const CheckpointOptions& options) {
   if (!fn) fail(name, "the segment function is empty");
   SegmentFn wrapped = [fn = std::move(fn)](const std::vector<at::Tensor>& xs) {
     return std::vector<at::Tensor>{fn(xs[0])};
@@ -267,7 +260,8 @@ namespace {
 std::vector<std::pair<std::size_t, std::size_t>> groups(std::size_t stages, int segments) {
   if (segments < 1 || static_cast<std::size_t>(segments) > stages) {
     throw Error("retrace::checkpoint_sequential: segments must be between 1 and the number of "
-                "stages (" + std::to_string(stages) + "), got " + std::to_string(segments));
+                "stages (" +
+                std::to_string(stages) + "), got " + std::to_string(segments));
   }
   std::vector<std::pair<std::size_t, std::size_t>> out;
   const std::size_t base = stages / segments, extra = stages % segments;
@@ -289,8 +283,8 @@ std::vector<std::string> segment_names(const std::vector<Stage>& stages, int seg
   return names;
 }
 
-at::Tensor checkpoint_sequential(const std::vector<Stage>& stages, int segments,
-                                 const at::Tensor& input, const CheckpointOptions& options) {
+at::Tensor checkpoint_sequential(const std::vector<Stage>& stages, int segments, const at::Tensor& input,
+                                 const CheckpointOptions& options) {
   const auto names = segment_names(stages, segments);
   const auto ranges = groups(stages.size(), segments);
   at::Tensor x = input;

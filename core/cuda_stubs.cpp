@@ -19,10 +19,13 @@ void cuda_graph_rng_rewind(at::Generator, c10::DeviceIndex, const GraphRngPositi
 }
 
 Digest cuda_digest(const at::Tensor&, const Digest&) {
-  throw Error("retrace::digest: this build of retrace has no CUDA support; rebuild with the CUDA toolkit present (RETRACE_CUDA=ON)");
+  throw Error("retrace::digest: this build of retrace has no CUDA support; rebuild with the CUDA toolkit present "
+              "(RETRACE_CUDA=ON)");
 }
 
-std::function<Digest()> cuda_digest_async(const at::Tensor& t, const Digest& header) { return [d = cuda_digest(t, header)] { return d; }; }
+std::function<Digest()> cuda_digest_async(const at::Tensor& t, const Digest& header) {
+  return [d = cuda_digest(t, header)] { return d; };
+}
 
 std::vector<std::function<Digest()>> cuda_digest_async_many(const std::vector<at::Tensor>& contiguous,
                                                             const std::vector<Digest>& headers) {
@@ -31,7 +34,8 @@ std::vector<std::function<Digest()>> cuda_digest_async_many(const std::vector<at
 }
 
 CudaHostCopy cuda_copy_to_host_async(const at::Tensor&) {
-  throw Error("retrace: this build of retrace has no CUDA support; rebuild with the CUDA toolkit present (RETRACE_CUDA=ON)");
+  throw Error(
+      "retrace: this build of retrace has no CUDA support; rebuild with the CUDA toolkit present (RETRACE_CUDA=ON)");
 }
 
 std::string cuda_device_name(c10::DeviceIndex) { return "unknown (built without CUDA)"; }

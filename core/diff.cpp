@@ -24,8 +24,7 @@ constexpr U sign_bit() {
 template <typename U>
 __int128 ordered(U bits) {
   const U magnitude = bits & static_cast<U>(~sign_bit<U>());
-  return (bits & sign_bit<U>()) ? -static_cast<__int128>(magnitude)
-                                : static_cast<__int128>(magnitude);
+  return (bits & sign_bit<U>()) ? -static_cast<__int128>(magnitude) : static_cast<__int128>(magnitude);
 }
 
 std::uint64_t distance(__int128 a, __int128 b) {
@@ -78,16 +77,14 @@ void compare(const T* a, const T* b, std::int64_t n, DiffReport& r) {
       }
     } else {
       r.max_abs_diff = std::max(r.max_abs_diff, std::fabs(da - db));
-      r.max_ulp = std::max(r.max_ulp, distance(static_cast<__int128>(a[i]),
-                                               static_cast<__int128>(b[i])));
+      r.max_ulp = std::max(r.max_ulp, distance(static_cast<__int128>(a[i]), static_cast<__int128>(b[i])));
     }
   }
 }
 
 // Elements we cannot interpret (float8 and other exotic dtypes): count differing elements by
 // their bytes only.
-void compare_raw(const std::uint8_t* a, const std::uint8_t* b, std::int64_t n, std::size_t width,
-                 DiffReport& r) {
+void compare_raw(const std::uint8_t* a, const std::uint8_t* b, std::int64_t n, std::size_t width, DiffReport& r) {
   for (std::int64_t i = 0; i < n; ++i) {
     if (std::memcmp(a + i * width, b + i * width, width) == 0) continue;
     if (r.differing++ == 0) r.first_index = i;
@@ -104,8 +101,7 @@ std::string sizes_string(const std::vector<std::int64_t>& sizes) {
 }
 
 std::string counts_string(const NonFiniteCounts& c) {
-  return "nan=" + std::to_string(c.nan) + " +inf=" + std::to_string(c.pos_inf) +
-         " -inf=" + std::to_string(c.neg_inf);
+  return "nan=" + std::to_string(c.nan) + " +inf=" + std::to_string(c.pos_inf) + " -inf=" + std::to_string(c.neg_inf);
 }
 
 }  // namespace
@@ -113,8 +109,7 @@ std::string counts_string(const NonFiniteCounts& c) {
 DiffReport bitwise_diff(const at::Tensor& expected, const at::Tensor& actual) {
   DiffReport r;
   if (!expected.defined() || !actual.defined()) {
-    r.mismatch = std::string("undefined tensor on the ") +
-                 (!expected.defined() ? "expected" : "actual") + " side";
+    r.mismatch = std::string("undefined tensor on the ") + (!expected.defined() ? "expected" : "actual") + " side";
     return r;
   }
   r.dtype = std::string(c10::toString(expected.scalar_type()));
@@ -125,8 +120,7 @@ DiffReport bitwise_diff(const at::Tensor& expected, const at::Tensor& actual) {
     return r;
   }
   if (expected.sizes() != actual.sizes()) {
-    r.mismatch = "shape differs: " + sizes_string(expected.sizes().vec()) + " vs " +
-                 sizes_string(actual.sizes().vec());
+    r.mismatch = "shape differs: " + sizes_string(expected.sizes().vec()) + " vs " + sizes_string(actual.sizes().vec());
     return r;
   }
   r.numel = expected.numel();
@@ -139,14 +133,12 @@ DiffReport bitwise_diff(const at::Tensor& expected, const at::Tensor& actual) {
   const at::Tensor b = host(actual);
   const std::int64_t n = a.numel();
   switch (a.scalar_type()) {
-#define RETRACE_FLOAT_CASE(ST, T, U) \
-  case at::ScalarType::ST:           \
+#define RETRACE_FLOAT_CASE(ST, T, U)                                         \
+  case at::ScalarType::ST:                                                   \
     compare<T, U, true>(a.const_data_ptr<T>(), b.const_data_ptr<T>(), n, r); \
     break;
 #define RETRACE_INT_CASE(ST, T, U) \
-  case at::ScalarType::ST:         \
-    compare<T, U, false>(a.const_data_ptr<T>(), b.const_data_ptr<T>(), n, r); \
-    break;
+  case at::ScalarType::ST: compare<T, U, false>(a.const_data_ptr<T>(), b.const_data_ptr<T>(), n, r); break;
     RETRACE_FLOAT_CASE(Float, float, std::uint32_t)
     RETRACE_FLOAT_CASE(Double, double, std::uint64_t)
     RETRACE_FLOAT_CASE(Half, c10::Half, std::uint16_t)
@@ -187,7 +179,8 @@ std::string DiffReport::summary() const {
   std::ostringstream os;
   os << std::setprecision(9) << differing << " of " << numel << " elements differ; first at "
      << sizes_string(first_position) << " expected " << number_text(first_expected, 9) << " got "
-     << number_text(first_actual, 9) << "; max |diff| " << number_text(max_abs_diff, 9) << ", max " << max_ulp << " ULP";
+     << number_text(first_actual, 9) << "; max |diff| " << number_text(max_abs_diff, 9) << ", max " << max_ulp
+     << " ULP";
   if (nonfinite_mismatches) os << ", " << nonfinite_mismatches << " non-finite mismatches";
   return os.str();
 }

@@ -48,7 +48,8 @@ at::Tensor digestable(const at::Tensor& tensor) {
   }
   if (tensor.is_meta()) throw Error("retrace::digest: a meta tensor has no values to digest");
   // Fast path (no dispatch): a contiguous CPU tensor is hashed where it lies.
-  if (!tensor.is_contiguous() || tensor.is_conj() || tensor.is_neg()) return tensor.resolve_conj().resolve_neg().contiguous();
+  if (!tensor.is_contiguous() || tensor.is_conj() || tensor.is_neg())
+    return tensor.resolve_conj().resolve_neg().contiguous();
   return tensor;
 }
 
@@ -97,7 +98,8 @@ Digest digest(const at::Tensor& tensor) {
   if (t.is_cuda()) return detail::cuda_digest(t, digest_bytes(header.data(), header.size()));
   if (!t.is_cpu()) t = t.cpu();
   // The header (dtype, rank, sizes) seeds the hash of the bytes.
-  const XXH128_hash_t h = XXH3_128bits_withSeed(t.const_data_ptr(), t.nbytes(), XXH3_64bits(header.data(), header.size()));
+  const XXH128_hash_t h =
+      XXH3_128bits_withSeed(t.const_data_ptr(), t.nbytes(), XXH3_64bits(header.data(), header.size()));
   return {h.low64, h.high64, DigestAlgorithm::kXxh3_128};
 }
 

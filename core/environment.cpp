@@ -75,7 +75,8 @@ std::vector<EnvironmentDifference> Environment::differences(const Environment& n
     std::string fix;
     if (key == "intra_op_threads") fix = "run with OMP_NUM_THREADS=" + recorded;
     else if (key == "torch_version") fix = "replay with LibTorch " + recorded;
-    else if (key == "cpu_capability") fix = "replay on a CPU with " + recorded + " kernels, or set ATEN_CPU_CAPABILITY=" + recorded;
+    else if (key == "cpu_capability")
+      fix = "replay on a CPU with " + recorded + " kernels, or set ATEN_CPU_CAPABILITY=" + recorded;
     else if (key == "cuda_devices") fix = "replay on " + recorded;
     out.push_back({key, recorded, current, fix});
   }

@@ -14,9 +14,7 @@ namespace retrace::io {
 
 namespace {
 
-[[noreturn]] void fail(const std::string& what, const std::string& path, int err) {
-  throw IoError(what, path, err);
-}
+[[noreturn]] void fail(const std::string& what, const std::string& path, int err) { throw IoError(what, path, err); }
 
 class PosixReadableFile final : public ReadableFile {
  public:

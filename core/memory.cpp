@@ -32,9 +32,7 @@ class CountingAllocator final : public c10::Allocator {
     return {data, data, &CountingAllocator::release, device};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::release; }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 
   void start(c10::Allocator* inner) {
     inner_.store(inner);

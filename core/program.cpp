@@ -27,8 +27,8 @@ const char* to_string(TensorKind kind) {
 }
 
 TensorKind tensor_kind_from_string(const std::string& name) {
-  for (TensorKind k : {TensorKind::kParameter, TensorKind::kBuffer, TensorKind::kOptimizerState, TensorKind::kDefenseState,
-                       TensorKind::kInput, TensorKind::kTarget, TensorKind::kGradient}) {
+  for (TensorKind k : {TensorKind::kParameter, TensorKind::kBuffer, TensorKind::kOptimizerState,
+                       TensorKind::kDefenseState, TensorKind::kInput, TensorKind::kTarget, TensorKind::kGradient}) {
     if (name == to_string(k)) return k;
   }
   return TensorKind::kOther;
@@ -51,7 +51,8 @@ std::vector<NamedTensor> of_kind(const std::vector<NamedTensor>& tensors, Tensor
 
 bool parameters_finite(const std::vector<NamedTensor>& state) {
   for (const NamedTensor& n : state) {
-    if (n.kind == TensorKind::kParameter && n.tensor.is_floating_point() && !at::isfinite(n.tensor).all().item<bool>()) {
+    if (n.kind == TensorKind::kParameter && n.tensor.is_floating_point() &&
+        !at::isfinite(n.tensor).all().item<bool>()) {
       return false;
     }
   }

@@ -127,7 +127,8 @@ const ProgramRef& TraceHeader::require_program(const std::string& source) const 
 // --- step_begin ----------------------------------------------------------------------------------
 
 nlohmann::json StepBeginRecord::to_meta() const {
-  nlohmann::json meta = {{"step", step}, {"lr", json_number(lr)}, {"loss_scale", json_number(loss_scale)}, {"full", full}};
+  nlohmann::json meta = {
+      {"step", step}, {"lr", json_number(lr)}, {"loss_scale", json_number(loss_scale)}, {"full", full}};
   if (ring) meta["ring"] = true;
   if (batch_kinds) {
     nlohmann::json kinds = nlohmann::json::object();
@@ -239,9 +240,7 @@ nlohmann::json ExceptionEvent::to_meta() const {
   return meta;
 }
 
-nlohmann::json RingDumpEvent::to_meta() const {
-  return {{"event", "ring_dump"}, {"reason", reason}, {"steps", steps}};
-}
+nlohmann::json RingDumpEvent::to_meta() const { return {{"event", "ring_dump"}, {"reason", reason}, {"steps", steps}}; }
 
 EventRecord EventRecord::decode(const Record& record, const std::string& source) {
   expect_type(record, RecordType::kEvent, source);
@@ -267,7 +266,8 @@ EventRecord EventRecord::decode(const nlohmann::json& meta, std::uint64_t offset
     if (const nlohmann::json* steps = f.find("steps")) {
       if (!steps->is_array()) f.fail("steps", "is not a list");
       for (const nlohmann::json& s : *steps) {
-        if (!s.is_number_integer() || s.get<std::int64_t>() < 0) f.fail("steps", "holds a non-step (" + s.dump().substr(0, 40) + ")");
+        if (!s.is_number_integer() || s.get<std::int64_t>() < 0)
+          f.fail("steps", "holds a non-step (" + s.dump().substr(0, 40) + ")");
         d.steps.push_back(s.get<std::int64_t>());
       }
     }
@@ -281,7 +281,8 @@ std::string exception_message(const std::exception& e) {
   return e.what();
 }
 
-void validate_record_meta(RecordType type, const nlohmann::json& meta, const std::string& source, std::uint64_t offset) {
+void validate_record_meta(RecordType type, const nlohmann::json& meta, const std::string& source,
+                          std::uint64_t offset) {
   switch (type) {
     case RecordType::kHeader: TraceHeader::decode(meta, source); break;
     case RecordType::kStepBegin: StepBeginRecord::decode(meta, offset, source); break;

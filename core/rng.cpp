@@ -105,8 +105,8 @@ void restore_one(const GeneratorState& s) {
   try {
     gen.set_state(state);
   } catch (const c10::Error& e) {
-    throw Error("retrace::RngState::restore: the generator of " + s.device.str() + " rejected the state: " +
-                e.what_without_backtrace());
+    throw Error("retrace::RngState::restore: the generator of " + s.device.str() +
+                " rejected the state: " + e.what_without_backtrace());
   }
 }
 
@@ -177,8 +177,8 @@ RngState RngState::deserialize(const std::uint8_t* data, std::size_t size) {
   if (r.get<std::uint32_t>("magic") != kMagic) r.fail("bad magic (not an RNG state)");
   const auto version = r.get<std::uint16_t>("version");
   if (version != kFormatVersion) {
-    r.fail("unsupported version " + std::to_string(version) + " (this build reads " +
-           std::to_string(kFormatVersion) + ")");
+    r.fail("unsupported version " + std::to_string(version) + " (this build reads " + std::to_string(kFormatVersion) +
+           ")");
   }
   const auto count = r.get<std::uint32_t>("generator count");
   if (count > kMaxGenerators) r.fail("generator count " + std::to_string(count) + " is implausible");
@@ -221,8 +221,7 @@ RngState RngState::deserialize(const std::uint8_t* data, std::size_t size) {
   return s;
 }
 
-RngFork::RngFork(const std::vector<c10::Device>& cuda_devices)
-    : saved_(RngState::capture(cuda_devices)) {
+RngFork::RngFork(const std::vector<c10::Device>& cuda_devices) : saved_(RngState::capture(cuda_devices)) {
   for (const GeneratorState& g : saved_.generators()) {
     if (g.graph) graph_forks.push_back(g.device);
   }

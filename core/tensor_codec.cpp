@@ -1,7 +1,6 @@
 // The tensor payload codec (docs/trace-format.md, "Tensor entries"): Blosc bit-shuffle + LZ4, or
-// zstd over raw or byte-shuffled bytes. Used by the trace writer and reader; public for tests and
-// benchmarks (trace.h).
-#include <retrace/trace.h>
+// zstd over raw or byte-shuffled bytes. Used by the trace writer and reader (tensor_codec.h).
+#include "tensor_codec.h"
 
 #include <retrace/error.h>
 
@@ -80,7 +79,8 @@ constexpr int kBloscLevel = 5;
 std::string encode_blosc(const at::Tensor& tensor) {
   const std::size_t n = tensor.nbytes();
   if (n > static_cast<std::size_t>(BLOSC_MAX_BUFFERSIZE)) {
-    throw Error("a Blosc payload holds at most " + std::to_string(BLOSC_MAX_BUFFERSIZE) + " bytes, not " + std::to_string(n));
+    throw Error("a Blosc payload holds at most " + std::to_string(BLOSC_MAX_BUFFERSIZE) + " bytes, not " +
+                std::to_string(n));
   }
   std::string out(n + BLOSC_MAX_OVERHEAD, '\0');
   const int size = blosc_compress_ctx(kBloscLevel, BLOSC_BITSHUFFLE, tensor.element_size(), n, tensor.const_data_ptr(),
@@ -121,8 +121,8 @@ std::string encode_zstd(const at::Tensor& tensor, TensorCodec codec, int zstd_le
 
 std::string encode_tensor_payload(const at::Tensor& tensor, TensorCodec codec, int zstd_level) {
   if (!tensor.is_cpu() || !tensor.is_contiguous()) {
-    throw Error(std::string("encode_tensor_payload: the tensor is ") + (tensor.is_cpu() ? "not contiguous" : "not on the CPU") +
-                "; pass tensor.cpu().contiguous()");
+    throw Error(std::string("encode_tensor_payload: the tensor is ") +
+                (tensor.is_cpu() ? "not contiguous" : "not on the CPU") + "; pass tensor.cpu().contiguous()");
   }
   switch (codec) {
     case TensorCodec::kBloscBitshuffleLz4: return encode_blosc(tensor);
@@ -172,7 +172,8 @@ void decode_tensor_payload(const void* data, std::size_t size, TensorCodec codec
   if (codec == TensorCodec::kBloscBitshuffleLz4) {
     if (n == 0) return;
     const int got = blosc_decompress_ctx(data, out.data_ptr(), n, 1);
-    if (got < 0 || static_cast<std::size_t>(got) != n) throw Error("Blosc buffer does not decompress (" + std::to_string(got) + ")");
+    if (got < 0 || static_cast<std::size_t>(got) != n)
+      throw Error("Blosc buffer does not decompress (" + std::to_string(got) + ")");
     return;
   }
   const bool shuffled = codec == TensorCodec::kZstdShuffle && out.element_size() > 1;

@@ -47,7 +47,8 @@ class Fields {
       if (fallback) return *fallback;
       fail(key, "is missing");
     }
-    if (!v->is_number_integer() || (v->is_number_unsigned() && v->get<std::uint64_t>() > std::numeric_limits<std::int64_t>::max())) {
+    if (!v->is_number_integer() ||
+        (v->is_number_unsigned() && v->get<std::uint64_t>() > std::numeric_limits<std::int64_t>::max())) {
       fail(key, "is not an integer (" + v->dump().substr(0, 40) + ")");
     }
     return v->get<std::int64_t>();
@@ -117,7 +118,8 @@ class Fields {
     std::vector<std::int64_t> out;
     out.reserve(v->size());
     for (const nlohmann::json& x : *v) {
-      if (!x.is_number_integer() || (x.is_number_unsigned() && x.get<std::uint64_t>() > std::numeric_limits<std::int64_t>::max())) {
+      if (!x.is_number_integer() ||
+          (x.is_number_unsigned() && x.get<std::uint64_t>() > std::numeric_limits<std::int64_t>::max())) {
         fail(key, "holds a non-integer (" + x.dump().substr(0, 40) + ")");
       }
       out.push_back(x.get<std::int64_t>());

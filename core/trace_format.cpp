@@ -47,10 +47,18 @@ struct DtypeName {
   const char* name;
 };
 constexpr DtypeName kDtypes[] = {
-    {at::kFloat, "float32"}, {at::kDouble, "float64"}, {at::kHalf, "float16"},
-    {at::kBFloat16, "bfloat16"}, {at::kByte, "uint8"}, {at::kChar, "int8"},
-    {at::kShort, "int16"}, {at::kInt, "int32"}, {at::kLong, "int64"}, {at::kBool, "bool"},
-    {at::kComplexFloat, "complex64"}, {at::kComplexDouble, "complex128"},
+    {at::kFloat, "float32"},
+    {at::kDouble, "float64"},
+    {at::kHalf, "float16"},
+    {at::kBFloat16, "bfloat16"},
+    {at::kByte, "uint8"},
+    {at::kChar, "int8"},
+    {at::kShort, "int16"},
+    {at::kInt, "int32"},
+    {at::kLong, "int64"},
+    {at::kBool, "bool"},
+    {at::kComplexFloat, "complex64"},
+    {at::kComplexDouble, "complex128"},
 };
 }  // namespace
 

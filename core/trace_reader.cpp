@@ -1,6 +1,7 @@
 #include <retrace/trace.h>
 
 #include "trace_fields.h"
+#include "tensor_codec.h"
 #include "trace_format.h"
 
 #include <retrace/records.h>
@@ -21,14 +22,14 @@ using namespace format;
 
 namespace {
 
-[[noreturn]] void bad(TraceError::Kind kind, const std::string& path, std::uint64_t offset,
-                      const std::string& what) {
+[[noreturn]] void bad(TraceError::Kind kind, const std::string& path, std::uint64_t offset, const std::string& what) {
   throw TraceError(kind, offset, path + ": " + what + " at byte offset " + std::to_string(offset));
 }
 
 // Reads exactly n bytes at `offset` through the file layer; its failure is a kIo TraceError naming
 // the byte offset.
-void read_exactly(const io::ReadableFile& file, void* out, std::size_t n, std::uint64_t offset, const std::string& path) {
+void read_exactly(const io::ReadableFile& file, void* out, std::size_t n, std::uint64_t offset,
+                  const std::string& path) {
   try {
     file.read_at(offset, out, n);
   } catch (const io::IoError& e) {
@@ -36,8 +37,7 @@ void read_exactly(const io::ReadableFile& file, void* out, std::size_t n, std::u
   }
 }
 
-nlohmann::json parse_meta(const std::string& text, int max_depth, const std::string& path,
-                          std::uint64_t offset) {
+nlohmann::json parse_meta(const std::string& text, int max_depth, const std::string& path, std::uint64_t offset) {
   try {
     // The callback sees each value's depth before it is built: deep nesting is refused early.
     return nlohmann::json::parse(text, [&](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
@@ -45,7 +45,69 @@ nlohmann::json parse_meta(const std::string& text, int max_depth, const std::str
       return true;
     });
   } catch (const std::exception& e) {
-    bad(TraceError::Kind::kMalformed, path, offset, std::string("record metadata is not valid JSON (") + e.what() + ")");
+    bad(TraceError::Kind::kMalformed, path, offset,
+        std::string("record metadata is not valid JSON (") + e.what() + ")");
+  }
+}
+
+// The file header: magic, then a format version this build reads. Returns the version.
+std::uint32_t read_file_header(const io::ReadableFile& file, const std::string& path, std::uint64_t file_size) {
+  if (file_size < kFileHeaderBytes) bad(TraceError::Kind::kBadMagic, path, 0, "too short to be a retrace trace");
+  unsigned char head[kFileHeaderBytes];
+  read_exactly(file, head, sizeof head, 0, path);
+  if (std::memcmp(head, kTraceMagic, 8) != 0)
+    bad(TraceError::Kind::kBadMagic, path, 0, "not a retrace trace (bad magic)");
+  std::uint32_t version;
+  std::memcpy(&version, head + 8, 4);
+  if (version == 0 || version > kTraceFormatVersion) {
+    bad(TraceError::Kind::kVersion, path, 8,
+        "format version " + std::to_string(version) + " is not readable by this build (reads 1.." +
+            std::to_string(kTraceFormatVersion) + "); upgrade retrace");
+  }
+  return version;
+}
+
+// The trailer at `pos`, after the index at `index_offset`: exactly kTrailerBytes naming it.
+void check_trailer(const io::ReadableFile& file, const std::string& path, std::uint64_t pos, std::uint64_t left,
+                   std::uint64_t index_offset) {
+  if (left > kTrailerBytes) bad(TraceError::Kind::kMalformed, path, pos, "bytes after the index are not the trailer");
+  unsigned char trailer[kTrailerBytes];
+  read_exactly(file, trailer, sizeof trailer, pos, path);
+  std::uint64_t declared;
+  std::memcpy(&declared, trailer, 8);
+  if (std::memcmp(trailer + 8, kTrailerMagic, 8) != 0 || declared != index_offset) {
+    bad(TraceError::Kind::kMalformed, path, pos, "corrupt trailer");
+  }
+}
+
+// A record header's own fields: magic, checksum, flags, and a length under the reader's cap.
+void check_record_header(const RecordHeader& h, const unsigned char* raw, const std::string& path, std::uint64_t pos,
+                         std::uint64_t max_record_bytes) {
+  if (h.magic != kRecordMagic) bad(TraceError::Kind::kMalformed, path, pos, "no record starts here (bad record magic)");
+  if (!header_checksum_matches(h, raw)) {
+    bad(TraceError::Kind::kChecksum, path, pos, "record header checksum mismatch");
+  }
+  if (h.flags != 0)
+    bad(TraceError::Kind::kMalformed, path, pos,
+        "record flags " + std::to_string(h.flags) + " are not defined in format version 1");
+  if (h.length > max_record_bytes) {
+    bad(TraceError::Kind::kTooLarge, path, pos,
+        "record of " + std::to_string(h.length) + " bytes exceeds the cap of " + std::to_string(max_record_bytes) +
+            " (ReaderOptions::max_record_bytes)");
+  }
+}
+
+// The index record lists exactly the records before it, by type and offset.
+void check_index(const Record& r, const std::vector<RecordInfo>& records, const std::string& path, std::uint64_t pos) {
+  const auto& list = r.meta.contains("records") ? r.meta["records"] : nlohmann::json();
+  if (!list.is_array() || list.size() != records.size()) {
+    bad(TraceError::Kind::kMalformed, path, pos, "the index does not list the records before it");
+  }
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    if (!list[i].is_array() || list[i].size() < 2 || list[i][0] != static_cast<int>(records[i].type) ||
+        list[i][1] != records[i].offset) {
+      bad(TraceError::Kind::kMalformed, path, pos, "index entry " + std::to_string(i) + " does not match the record");
+    }
   }
 }
 
@@ -76,109 +138,79 @@ RecordInfo TraceReader::index_entry(const Record& r, std::uint32_t length) const
   return info;
 }
 
-TraceReader::TraceReader(const std::string& path, ReaderOptions options)
-    : path_(path), options_(options) {
+TraceReader::TraceReader(const std::string& path, ReaderOptions options) : path_(path), options_(options) {
   io::FileSystem& fs = options.fs ? *options.fs : io::posix_file_system();
   try {
     file_ = fs.open(path);
   } catch (const io::IoError& e) {
-    if (e.os_error() == EISDIR) throw TraceError(TraceError::Kind::kIo, 0, "'" + path + "' is a directory, not a trace");
+    if (e.os_error() == EISDIR)
+      throw TraceError(TraceError::Kind::kIo, 0, "'" + path + "' is a directory, not a trace");
     throw TraceError(TraceError::Kind::kIo, 0, "cannot open trace '" + path + "': " + e.reason());
   }
   file_size_ = file_->size();
   try {
-    if (file_size_ < kFileHeaderBytes) bad(TraceError::Kind::kBadMagic, path, 0, "too short to be a retrace trace");
-    unsigned char head[kFileHeaderBytes];
-    read_exactly(*file_, head, sizeof head, 0, path);
-    if (std::memcmp(head, kTraceMagic, 8) != 0) bad(TraceError::Kind::kBadMagic, path, 0, "not a retrace trace (bad magic)");
-    std::uint32_t version;
-    std::memcpy(&version, head + 8, 4);
-    if (version == 0 || version > kTraceFormatVersion) {
-      bad(TraceError::Kind::kVersion, path, 8,
-          "format version " + std::to_string(version) + " is not readable by this build (reads 1.." +
-              std::to_string(kTraceFormatVersion) + "); upgrade retrace");
-    }
-    version_ = version;
-    std::uint64_t pos = kFileHeaderBytes;
-    bool seen_index = false;
-    std::uint64_t index_offset = 0;
-    while (pos < file_size_) {
-      const std::uint64_t left = file_size_ - pos;
-      if (seen_index) {
-        if (left < kTrailerBytes) {
-          warning_ = path + ": ends inside the trailer at byte offset " + std::to_string(pos) + "; all " +
-                     std::to_string(records_.size()) + " records are readable";
-          break;
-        }
-        if (left > kTrailerBytes) bad(TraceError::Kind::kMalformed, path, pos, "bytes after the index are not the trailer");
-        unsigned char trailer[kTrailerBytes];
-        read_exactly(*file_, trailer, sizeof trailer, pos, path);
-        std::uint64_t declared;
-        std::memcpy(&declared, trailer, 8);
-        if (std::memcmp(trailer + 8, kTrailerMagic, 8) != 0 || declared != index_offset) {
-          bad(TraceError::Kind::kMalformed, path, pos, "corrupt trailer");
-        }
-        complete_ = true;
-        break;
-      }
-      if (left < kRecordHeaderBytes) {
-        warning_ = path + ": ends inside a record header at byte offset " + std::to_string(pos) + " (" +
-                   std::to_string(left) + " trailing bytes ignored); all " + std::to_string(records_.size()) +
-                   " complete records are readable";
-        break;
-      }
-      unsigned char raw[kRecordHeaderBytes];
-      read_exactly(*file_, raw, sizeof raw, pos, path);
-      const RecordHeader h = decode_header(raw);
-      if (h.magic != kRecordMagic) bad(TraceError::Kind::kMalformed, path, pos, "no record starts here (bad record magic)");
-      if (!header_checksum_matches(h, raw)) {
-        bad(TraceError::Kind::kChecksum, path, pos, "record header checksum mismatch");
-      }
-      if (h.flags != 0) bad(TraceError::Kind::kMalformed, path, pos, "record flags " + std::to_string(h.flags) + " are not defined in format version 1");
-      if (h.length > options_.max_record_bytes) {
-        bad(TraceError::Kind::kTooLarge, path, pos,
-            "record of " + std::to_string(h.length) + " bytes exceeds the cap of " +
-                std::to_string(options_.max_record_bytes) + " (ReaderOptions::max_record_bytes)");
-      }
-      if (h.length > left - kRecordHeaderBytes) {
-        warning_ = path + ": ends inside the record at byte offset " + std::to_string(pos) + " (" +
-                   std::to_string(h.length - (left - kRecordHeaderBytes)) + " bytes missing); all " +
-                   std::to_string(records_.size()) + " complete records are readable";
-        break;
-      }
-      const Record r = load(pos);
-      if (records_.empty() && !header_.is_object()) {
-        if (r.type != RecordType::kHeader) bad(TraceError::Kind::kMalformed, path, pos, "the first record is not the header");
-        header_ = r.meta;
-        TraceHeader::decode(header_, path);  // validates the header's fields once, here
-      } else if (r.type == RecordType::kHeader) {
-        bad(TraceError::Kind::kMalformed, path, pos, "a second header record");
-      } else if (r.type == RecordType::kIndex) {
-        const auto& list = r.meta.contains("records") ? r.meta["records"] : nlohmann::json();
-        if (!list.is_array() || list.size() != records_.size()) {
-          bad(TraceError::Kind::kMalformed, path, pos, "the index does not list the records before it");
-        }
-        for (std::size_t i = 0; i < list.size(); ++i) {
-          if (!list[i].is_array() || list[i].size() < 2 || list[i][0] != static_cast<int>(records_[i].type) ||
-              list[i][1] != records_[i].offset) {
-            bad(TraceError::Kind::kMalformed, path, pos, "index entry " + std::to_string(i) + " does not match the record");
-          }
-        }
-        seen_index = true;
-        index_offset = pos;
-      } else {
-        records_.push_back(index_entry(r, h.length));
-      }
-      pos += kRecordHeaderBytes + h.length;
-    }
-    if (!header_.is_object()) bad(TraceError::Kind::kMalformed, path, kFileHeaderBytes, "no header record");
-    if (seen_index && !complete_ && warning_.empty()) {
-      warning_ = path + ": ends after the index without its trailer; all " + std::to_string(records_.size()) +
-                 " records are readable";
-    }
+    version_ = read_file_header(*file_, path, file_size_);
+    scan_records();
   } catch (...) {
     file_.reset();
     throw;
+  }
+}
+
+void TraceReader::scan_records() {
+  const std::string& path = path_;
+  std::uint64_t pos = kFileHeaderBytes;
+  bool seen_index = false;
+  std::uint64_t index_offset = 0;
+  while (pos < file_size_) {
+    const std::uint64_t left = file_size_ - pos;
+    if (seen_index) {
+      if (left < kTrailerBytes) {
+        warning_ = path + ": ends inside the trailer at byte offset " + std::to_string(pos) + "; all " +
+                   std::to_string(records_.size()) + " records are readable";
+        break;
+      }
+      check_trailer(*file_, path, pos, left, index_offset);
+      complete_ = true;
+      break;
+    }
+    if (left < kRecordHeaderBytes) {
+      warning_ = path + ": ends inside a record header at byte offset " + std::to_string(pos) + " (" +
+                 std::to_string(left) + " trailing bytes ignored); all " + std::to_string(records_.size()) +
+                 " complete records are readable";
+      break;
+    }
+    unsigned char raw[kRecordHeaderBytes];
+    read_exactly(*file_, raw, sizeof raw, pos, path);
+    const RecordHeader h = decode_header(raw);
+    check_record_header(h, raw, path, pos, options_.max_record_bytes);
+    if (h.length > left - kRecordHeaderBytes) {
+      warning_ = path + ": ends inside the record at byte offset " + std::to_string(pos) + " (" +
+                 std::to_string(h.length - (left - kRecordHeaderBytes)) + " bytes missing); all " +
+                 std::to_string(records_.size()) + " complete records are readable";
+      break;
+    }
+    const Record r = load(pos);
+    if (records_.empty() && !header_.is_object()) {
+      if (r.type != RecordType::kHeader)
+        bad(TraceError::Kind::kMalformed, path, pos, "the first record is not the header");
+      header_ = r.meta;
+      TraceHeader::decode(header_, path);  // validates the header's fields once, here
+    } else if (r.type == RecordType::kHeader) {
+      bad(TraceError::Kind::kMalformed, path, pos, "a second header record");
+    } else if (r.type == RecordType::kIndex) {
+      check_index(r, records_, path, pos);
+      seen_index = true;
+      index_offset = pos;
+    } else {
+      records_.push_back(index_entry(r, h.length));
+    }
+    pos += kRecordHeaderBytes + h.length;
+  }
+  if (!header_.is_object()) bad(TraceError::Kind::kMalformed, path, kFileHeaderBytes, "no header record");
+  if (seen_index && !complete_ && warning_.empty()) {
+    warning_ = path + ": ends after the index without its trailer; all " + std::to_string(records_.size()) +
+               " records are readable";
   }
 }
 
@@ -204,14 +236,20 @@ Record TraceReader::load(std::uint64_t offset) const {
   Record r;
   r.offset = offset;
   switch (h.type) {
-    case 1: case 2: case 3: case 4: case 5: case 15: r.type = static_cast<RecordType>(h.type); break;
+    case 1:
+    case 2:
+    case 3:
+    case 4:
+    case 5:
+    case 15: r.type = static_cast<RecordType>(h.type); break;
     default: bad(TraceError::Kind::kMalformed, path_, offset, "unknown record type " + std::to_string(h.type));
   }
   if (h.length < 4) bad(TraceError::Kind::kMalformed, path_, offset, "record payload shorter than its metadata length");
   std::uint32_t meta_len;
   std::memcpy(&meta_len, payload.data(), 4);
   if (meta_len > options_.max_meta_bytes || meta_len > h.length - 4) {
-    bad(TraceError::Kind::kMalformed, path_, offset, "metadata length " + std::to_string(meta_len) + " is out of bounds");
+    bad(TraceError::Kind::kMalformed, path_, offset,
+        "metadata length " + std::to_string(meta_len) + " is out of bounds");
   }
   r.meta = parse_meta(payload.substr(4, meta_len), options_.max_meta_depth, path_, offset);
   if (!r.meta.is_object()) bad(TraceError::Kind::kMalformed, path_, offset, "record metadata is not an object");
@@ -227,7 +265,8 @@ Record TraceReader::load(std::uint64_t offset) const {
       if (!dtype) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown dtype");
       e.dtype = *dtype;
       e.shape = f.integers("shape");
-      if (e.shape.size() > kMaxRank) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has rank over 64");
+      if (e.shape.size() > kMaxRank)
+        bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has rank over 64");
       // numel * element size without overflow, against the cap. An empty tensor declares 0 bytes
       // whatever its other sizes, but LibTorch still computes its contiguous strides in int64 (the
       // stride of dimension 0 is the product of the later sizes, a 0 counted as 1): those must
@@ -245,7 +284,8 @@ Record TraceReader::load(std::uint64_t offset) const {
         }
         if (d > 0) stride *= static_cast<unsigned __int128>(std::max<std::int64_t>(s, 1));
         if (stride > static_cast<unsigned __int128>(std::numeric_limits<std::int64_t>::max())) {
-          bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has sizes whose strides overflow 64 bits");
+          bad(TraceError::Kind::kMalformed, path_, offset,
+              "tensor '" + e.name + "' has sizes whose strides overflow 64 bits");
         }
       }
       e.raw_bytes = f.count("raw_bytes");
@@ -259,13 +299,16 @@ Record TraceReader::load(std::uint64_t offset) const {
       e.digest.hi = std::stoull(hex.substr(0, 16), nullptr, 16);
       e.digest.lo = std::stoull(hex.substr(16), nullptr, 16);
       const std::int64_t alg = f.integer("digest_algorithm");
-      if (alg < 1 || alg > 2) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown digest algorithm");
+      if (alg < 1 || alg > 2)
+        bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown digest algorithm");
       e.digest.algorithm = static_cast<DigestAlgorithm>(alg);
       const std::int64_t codec = f.integer("codec", 0);
-      if (codec < 0 || codec > 3) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown codec");
+      if (codec < 0 || codec > 3)
+        bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown codec");
       if (codec == 3 && version_ < 2) {
         bad(TraceError::Kind::kMalformed, path_, offset,
-            "tensor '" + e.name + "' has codec 3, which format version " + std::to_string(version_) + " does not define");
+            "tensor '" + e.name + "' has codec 3, which format version " + std::to_string(version_) +
+                " does not define");
       }
       e.codec = static_cast<TensorCodec>(codec);
       if (e.has_data()) {

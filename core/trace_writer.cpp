@@ -1,5 +1,6 @@
 #include <retrace/trace.h>
 
+#include "tensor_codec.h"
 #include "trace_format.h"
 
 #include <retrace/records.h>
@@ -62,7 +63,8 @@ void check_readable(RecordType type, const nlohmann::json& meta, const std::vect
   const int depth = std::max(json_depth(meta), tensors.empty() ? 0 : 4);  // the tensor table nests 4 deep
   if (depth > reader.max_meta_depth) {
     throw Error("retrace::TraceWriter: a " + std::string(to_string(type)) + " record's metadata nests " +
-                std::to_string(depth) + " levels deep, over the reader's cap of " + std::to_string(reader.max_meta_depth) +
+                std::to_string(depth) + " levels deep, over the reader's cap of " +
+                std::to_string(reader.max_meta_depth) +
                 " (ReaderOptions::max_meta_depth); flatten what the program puts there (its config)");
   }
   for (const TensorEntry& e : tensors) {
@@ -78,7 +80,8 @@ void check_meta_size(RecordType type, std::size_t meta_bytes) {
   const ReaderOptions reader;
   if (meta_bytes > reader.max_meta_bytes) {
     throw Error("retrace::TraceWriter: a " + std::string(to_string(type)) + " record's metadata would be " +
-                std::to_string(meta_bytes) + " bytes, over the reader's cap of " + std::to_string(reader.max_meta_bytes) +
+                std::to_string(meta_bytes) + " bytes, over the reader's cap of " +
+                std::to_string(reader.max_meta_bytes) +
                 " (ReaderOptions::max_meta_bytes); shorten what goes there (a scenario's description, a program's "
                 "config) or record fewer tensors per record");
   }
@@ -87,8 +90,7 @@ void check_meta_size(RecordType type, std::size_t meta_bytes) {
 }  // namespace
 
 TraceWriter::TraceWriter(std::string path, nlohmann::json header, WriterOptions options)
-    : path_(std::move(path)), options_(options),
-      fs_(options.fs ? options.fs : &io::posix_file_system()) {
+    : path_(std::move(path)), options_(options), fs_(options.fs ? options.fs : &io::posix_file_system()) {
   header["format_version"] = kTraceFormatVersion;
   header["writer"] = std::string("retrace ") + kVersion;
   // A header the reader would refuse (a huge or deeply nested program config or description) fails
@@ -108,8 +110,7 @@ TraceWriter::~TraceWriter() = default;
 
 std::uint64_t TraceWriter::bytes_written() const { return file_ ? file_->size() : 0; }
 
-std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta,
-                                  const std::vector<TensorToWrite>& tensors) {
+std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta, const std::vector<TensorToWrite>& tensors) {
   if (closed_) throw Error("retrace::TraceWriter: append after close of " + path_);
   std::string blob;
   std::vector<TensorEntry> entries;
@@ -169,9 +170,11 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
   // The tensor table is written as JSON text directly: building an nlohmann object per entry
   // cost the writer thread ~5 us per tensor, most of a digest-mode record's cost.
   std::string meta_text = meta_in.is_null() ? std::string("{}") : meta_in.dump();
-  if (meta_text.empty() || meta_text.back() != '}') throw Error("retrace::TraceWriter: record metadata must be an object");
+  if (meta_text.empty() || meta_text.back() != '}')
+    throw Error("retrace::TraceWriter: record metadata must be an object");
   if (!tensors.empty()) {
-    if (meta_in.is_object() && meta_in.contains("tensors")) throw Error("retrace::TraceWriter: 'tensors' is reserved in record metadata");
+    if (meta_in.is_object() && meta_in.contains("tensors"))
+      throw Error("retrace::TraceWriter: 'tensors' is reserved in record metadata");
     std::string table = meta_text.size() > 2 ? ",\"tensors\":[" : "\"tensors\":[";
     table.reserve(table.size() + tensors.size() * 160);
     for (std::size_t i = 0; i < tensors.size(); ++i) {
@@ -186,8 +189,9 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
         if (d) table += ',';
         table += std::to_string(e.shape[d]);
       }
-      table += "],\"digest\":\"" + e.digest.hex() + "\",\"digest_algorithm\":" +
-               std::to_string(static_cast<int>(e.digest.algorithm)) + ",\"raw_bytes\":" + std::to_string(e.raw_bytes);
+      table += "],\"digest\":\"" + e.digest.hex() +
+               "\",\"digest_algorithm\":" + std::to_string(static_cast<int>(e.digest.algorithm)) +
+               ",\"raw_bytes\":" + std::to_string(e.raw_bytes);
       if (e.has_data()) {  // digest-only entries leave codec, offset and stored_bytes at 0
         table += ",\"codec\":" + std::to_string(static_cast<int>(e.codec)) + ",\"offset\":" + std::to_string(e.offset) +
                  ",\"stored_bytes\":" + std::to_string(e.stored_bytes);
@@ -201,7 +205,8 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
   const std::uint64_t payload_size = 4 + meta_text.size() + blob.size();
   if (payload_size > std::min<std::uint64_t>(ReaderOptions{}.max_record_bytes, 0xffffffffu)) {
     throw Error("a trace record would be " + std::to_string(payload_size) +
-                " bytes, over the format's 4 GiB limit; record fewer tensors per step (RecorderOptions::mode digest; retrace record --mode digest)");
+                " bytes, over the format's 4 GiB limit; record fewer tensors per step (RecorderOptions::mode digest; "
+                "retrace record --mode digest)");
   }
   std::string payload;
   payload.reserve(payload_size);
@@ -209,8 +214,7 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
   payload.append(reinterpret_cast<const char*>(&meta_len), 4);
   payload.append(meta_text);
   payload.append(blob);
-  RecordHeader h{kRecordMagic, static_cast<std::uint16_t>(type), 0,
-                 static_cast<std::uint32_t>(payload.size()), 0, 0};
+  RecordHeader h{kRecordMagic, static_cast<std::uint16_t>(type), 0, static_cast<std::uint32_t>(payload.size()), 0, 0};
   h.payload_checksum = payload_checksum(h.type, h.flags, h.length, payload.data());
   unsigned char head[kRecordHeaderBytes];
   encode_header(h, head);

@@ -41,10 +41,10 @@ std::string describe(const at::Tensor& tensor) {
 }
 
 std::string RecomputeMismatch::message() const {
-  std::string m = "recompute of segment '" + segment + "' (invocation " +
-                   std::to_string(invocation) + ") is not bitwise equal to its forward: output " +
-                   std::to_string(output_index) + " forward " + forward_meta + " digest " +
-                   forward.hex() + ", recompute " + recompute_meta + " digest " + recompute.hex();
+  std::string m = "recompute of segment '" + segment + "' (invocation " + std::to_string(invocation) +
+                  ") is not bitwise equal to its forward: output " + std::to_string(output_index) + " forward " +
+                  forward_meta + " digest " + forward.hex() + ", recompute " + recompute_meta + " digest " +
+                  recompute.hex();
   if (diff) m += "; " + diff->summary();
   return m;
 }
@@ -147,7 +147,7 @@ struct RecomputeVerifier::State {
 
   VerifyOptions options;
   std::mutex resolving;
-  mutable std::mutex mutex;  // guards everything below
+  mutable std::mutex mutex;                             // guards everything below
   std::unordered_map<std::uint64_t, Expected> pending;  // forwards waiting for their recompute
   std::vector<Comparison> deferred;                     // recomputes whose digests are on a device
   std::unordered_set<int> callbacks_queued;             // backward passes (graph task ids)
@@ -155,8 +155,7 @@ struct RecomputeVerifier::State {
   std::size_t verified = 0;
 };
 
-RecomputeVerifier::RecomputeVerifier(VerifyOptions options)
-    : state_(std::make_shared<State>(std::move(options))) {}
+RecomputeVerifier::RecomputeVerifier(VerifyOptions options) : state_(std::make_shared<State>(std::move(options))) {}
 
 RecomputeVerifier::~RecomputeVerifier() = default;
 
@@ -202,16 +201,15 @@ void RecomputeVerifier::on_recompute(SegmentEvent& event) {
       queue = st.callbacks_queued.insert(task).second;
     }
     if (queue) {
-      torch::autograd::Engine::get_default_engine().queue_callback(
-          [weak = std::weak_ptr<State>(state_), task] {
-            const std::shared_ptr<State> alive = weak.lock();
-            if (!alive) return;
-            {
-              std::lock_guard<std::mutex> lock(alive->mutex);
-              alive->callbacks_queued.erase(task);
-            }
-            alive->resolve_deferred(/*may_throw=*/true);
-          });
+      torch::autograd::Engine::get_default_engine().queue_callback([weak = std::weak_ptr<State>(state_), task] {
+        const std::shared_ptr<State> alive = weak.lock();
+        if (!alive) return;
+        {
+          std::lock_guard<std::mutex> lock(alive->mutex);
+          alive->callbacks_queued.erase(task);
+        }
+        alive->resolve_deferred(/*may_throw=*/true);
+      });
     }
     return;
   }

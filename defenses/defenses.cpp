@@ -16,32 +16,6 @@
 
 namespace retrace {
 
-// --- Options ---------------------------------------------------------------------------------
-
-const char* to_string(ClipMode mode) {
-  switch (mode) {
-    case ClipMode::kOff: return "off";
-    case ClipMode::kGlobal: return "global";
-    case ClipMode::kPerTensor: return "per_tensor";
-    case ClipMode::kAdaptive: return "adaptive";
-  }
-  return "?";
-}
-
-std::vector<std::string> clip_mode_names() { return {"off", "global", "per_tensor", "adaptive"}; }
-
-ClipMode parse_clip_mode(const std::string& name) {
-  for (ClipMode m : {ClipMode::kOff, ClipMode::kGlobal, ClipMode::kPerTensor, ClipMode::kAdaptive}) {
-    if (name == to_string(m)) return m;
-  }
-  throw Error("unknown clip mode '" + name + "'; use off, global, per_tensor or adaptive");
-}
-
-bool DefenseOptions::any() const {
-  return loss_scaling.enabled || clip.mode != ClipMode::kOff || skip_nonfinite || warmup_steps > 0 || lr_scale != 1.0 ||
-         plateau.enabled || rollback || verify_recompute || validate_batch;
-}
-
 // --- Clipping --------------------------------------------------------------------------------
 
 double GradClipper::threshold() const {
@@ -69,8 +43,7 @@ ClipResult GradClipper::clip(const std::vector<NamedTensor>& grads, const std::v
   }
   torch::NoGradGuard no_grad;
   switch (options_.mode) {
-    case ClipMode::kOff:
-      return r;
+    case ClipMode::kOff: return r;
     case ClipMode::kGlobal: {
       // PyTorch's clip_grad_norm_: every gradient times min(1, max_norm / (norm + 1e-6)),
       // computed as a float32 tensor from the norms' float32 total.
@@ -167,9 +140,10 @@ std::vector<NamedTensor> LrSchedule::state() const {
     // [factor, best loss (0 before the first), flat steps, has a best]: finite, so a state check
     // for non-finite values never trips on it.
     const bool has_best = std::isfinite(best_);
-    out.push_back({"schedule.plateau",
-                   at::tensor({factor_, has_best ? best_ : 0.0, static_cast<double>(bad_), has_best ? 1.0 : 0.0}, at::kDouble),
-                   TensorKind::kDefenseState});
+    out.push_back(
+        {"schedule.plateau",
+         at::tensor({factor_, has_best ? best_ : 0.0, static_cast<double>(bad_), has_best ? 1.0 : 0.0}, at::kDouble),
+         TensorKind::kDefenseState});
   }
   return out;
 }
@@ -236,12 +210,14 @@ void save_adam(const State& st, const std::string& prefix, std::vector<NamedTens
   out.push_back({prefix + "step", at::scalar_tensor(st.step(), at::kLong), k});
   out.push_back({prefix + "exp_avg", st.exp_avg(), k});
   out.push_back({prefix + "exp_avg_sq", st.exp_avg_sq(), k});
-  if (st.max_exp_avg_sq().defined() && st.max_exp_avg_sq().numel() > 0) out.push_back({prefix + "max_exp_avg_sq", st.max_exp_avg_sq(), k});
+  if (st.max_exp_avg_sq().defined() && st.max_exp_avg_sq().numel() > 0)
+    out.push_back({prefix + "max_exp_avg_sq", st.max_exp_avg_sq(), k});
 }
 
 const at::Tensor& need(const std::map<std::string, at::Tensor>& by_name, const std::string& name) {
   auto it = by_name.find(name);
-  if (it == by_name.end()) throw Error("the recorded state lacks '" + name + "'; was it recorded by another program or configuration?");
+  if (it == by_name.end())
+    throw Error("the recorded state lacks '" + name + "'; was it recorded by another program or configuration?");
   return it->second;
 }
 
@@ -249,7 +225,8 @@ template <typename State>
 std::unique_ptr<State> load_adam(const std::map<std::string, at::Tensor>& by_name, const std::string& prefix) {
   auto st = std::make_unique<State>();
   const at::Tensor& step = need(by_name, prefix + "step");
-  if (step.numel() != 1 || step.is_floating_point()) throw Error("the recorded '" + prefix + "step' is not an integer scalar");
+  if (step.numel() != 1 || step.is_floating_point())
+    throw Error("the recorded '" + prefix + "step' is not an integer scalar");
   st->step(step.item<std::int64_t>());
   st->exp_avg(need(by_name, prefix + "exp_avg").clone());
   st->exp_avg_sq(need(by_name, prefix + "exp_avg_sq").clone());
@@ -269,7 +246,8 @@ OptimizerKind kind_of(torch::optim::Optimizer& optimizer) {
 
 }  // namespace
 
-std::vector<NamedTensor> optimizer_state(torch::optim::Optimizer& optimizer, const std::vector<NamedTensor>& parameters) {
+std::vector<NamedTensor> optimizer_state(torch::optim::Optimizer& optimizer,
+                                         const std::vector<NamedTensor>& parameters) {
   std::vector<NamedTensor> out;
   auto& states = optimizer.state();
   for (const NamedTensor& p : parameters) {
@@ -281,7 +259,8 @@ std::vector<NamedTensor> optimizer_state(torch::optim::Optimizer& optimizer, con
     } else if (auto* s = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
       save_adam(*s, prefix, out);
     } else if (auto* s = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
-      if (s->momentum_buffer().defined()) out.push_back({prefix + "momentum_buffer", s->momentum_buffer(), TensorKind::kOptimizerState});
+      if (s->momentum_buffer().defined())
+        out.push_back({prefix + "momentum_buffer", s->momentum_buffer(), TensorKind::kOptimizerState});
     }
   }
   return out;
@@ -319,7 +298,8 @@ void copy_state_into(const std::vector<NamedTensor>& targets, const std::vector<
   torch::NoGradGuard no_grad;
   for (const NamedTensor& t : targets) {
     auto it = by_name.find(t.name);
-    if (it == by_name.end()) throw Error("the recorded state lacks '" + t.name + "'; was it recorded by another program or configuration?");
+    if (it == by_name.end())
+      throw Error("the recorded state lacks '" + t.name + "'; was it recorded by another program or configuration?");
     const at::Tensor& from = *it->second;
     if (from.sizes() != t.tensor.sizes() || from.scalar_type() != t.tensor.scalar_type()) {
       throw Error("the recorded state's '" + t.name + "' is " + std::string(c10::toString(from.scalar_type())) +
@@ -383,7 +363,8 @@ Program& Defenses::program() const {
 
 DefendedStep Defenses::begin(std::int64_t step, StepMonitor* monitor) {
   program();  // attached
-  if (in_step_) throw Error("retrace::Defenses::begin: step " + std::to_string(step) + " begun before the last one finished");
+  if (in_step_)
+    throw Error("retrace::Defenses::begin: step " + std::to_string(step) + " begun before the last one finished");
   return DefendedStep(*this, step, monitor);
 }
 
@@ -403,7 +384,8 @@ void Defenses::load_state(const std::vector<NamedTensor>& state) {
 
 void Defenses::check_in(const std::vector<NamedTensor>& program_state) const {
   for (const NamedTensor& n : state()) {
-    const bool found = std::any_of(program_state.begin(), program_state.end(), [&](const NamedTensor& s) { return s.name == n.name; });
+    const bool found =
+        std::any_of(program_state.begin(), program_state.end(), [&](const NamedTensor& s) { return s.name == n.name; });
     if (!found) {
       throw Error("the program's state() lacks the defenses' '" + n.name +
                   "': append defenses.state() to state() and call defenses.load_state() in load_state(), or replay "
@@ -423,7 +405,8 @@ double Defenses::loss_scale() const { return scaler_ ? scaler_->current_scale() 
 
 // --- One step --------------------------------------------------------------------------------
 
-DefendedStep::DefendedStep(Defenses& d, std::int64_t step, StepMonitor* monitor) : d_(&d), step_(step), monitor_(monitor) {
+DefendedStep::DefendedStep(Defenses& d, std::int64_t step, StepMonitor* monitor)
+    : d_(&d), step_(step), monitor_(monitor) {
   d.in_step_ = true;
   d.injector_->begin_step(step);
   // The LR: the program's own, through the schedule, times an injected spike.
@@ -464,7 +447,8 @@ void DefendedStep::skip(std::string why) {
 
 std::vector<NamedTensor> DefendedStep::batch(const std::vector<NamedTensor>& batch_in) {
   Defenses& d = *d_;
-  if (batch_done_) throw Error("retrace::DefendedStep::batch: step " + std::to_string(step_) + " took its batch already");
+  if (batch_done_)
+    throw Error("retrace::DefendedStep::batch: step " + std::to_string(step_) + " took its batch already");
   batch_done_ = true;
   std::vector<NamedTensor> batch = batch_in;
   d.injector_->corrupt_batch(batch, d.traits_.vocab);
@@ -505,7 +489,8 @@ DefendedStep::ForwardScope DefendedStep::forward() {
                 (done_ ? " was skipped (its batch is invalid); return finish()" : ": call batch() first"));
   }
   detach_observers();
-  if (!d.injector_->empty()) inject_scope_.emplace(*d.injector_, ObserverOrder::kFirst);  // the others see injected values
+  if (!d.injector_->empty())
+    inject_scope_.emplace(*d.injector_, ObserverOrder::kFirst);  // the others see injected values
   if (d.verifier_) {
     mismatches_before_ = d.verifier_->mismatches().size();
     verify_scope_.emplace(*d.verifier_);
@@ -530,7 +515,8 @@ void DefendedStep::backward(const at::Tensor& loss) {
 StepOutcome DefendedStep::finish() {
   Defenses& d = *d_;
   detach_observers();
-  if (!done_ && !backward_done_) throw Error("retrace::DefendedStep::finish: step " + std::to_string(step_) + " has no backward()");
+  if (!done_ && !backward_done_)
+    throw Error("retrace::DefendedStep::finish: step " + std::to_string(step_) + " has no backward()");
   if (!done_) {
     std::vector<NamedTensor> grads;
     for (std::size_t i = 0; i < d.parameters_.size(); ++i) {
@@ -566,7 +552,8 @@ StepOutcome DefendedStep::finish() {
 
     out_.clipped_grad_norm = out_.grad_norm;
     if (apply) {
-      const ClipResult c = d.clipper_.clip(grads, norms, finite_grads ? out_.grad_norm : std::numeric_limits<double>::quiet_NaN(),
+      const ClipResult c = d.clipper_.clip(grads, norms,
+                                           finite_grads ? out_.grad_norm : std::numeric_limits<double>::quiet_NaN(),
                                            step_, d.scaler_ != nullptr);
       out_.clip_coef = c.coef;
       out_.clipped_grad_norm = c.clipped_norm;
@@ -574,9 +561,11 @@ StepOutcome DefendedStep::finish() {
         const std::int64_t tolerated = d.scaler_->tolerated_overflows();
         const std::int64_t backoffs = d.scaler_->backoffs();
         if (d.scaler_->step(*d.optimizer_)) {
-          skip(d.scaler_->tolerated_overflows() > tolerated ? "loss scaler: non-finite gradients, scale kept (hysteresis)"
-               : d.scaler_->backoffs() > backoffs           ? "loss scaler: non-finite gradients, scale backed off"
-                                                            : "loss scaler: non-finite gradients, scale at its floor (min_scale)");
+          skip(d.scaler_->tolerated_overflows() > tolerated
+                   ? "loss scaler: non-finite gradients, scale kept (hysteresis)"
+               : d.scaler_->backoffs() > backoffs
+                   ? "loss scaler: non-finite gradients, scale backed off"
+                   : "loss scaler: non-finite gradients, scale at its floor (min_scale)");
         }
       } else if (!finite_grads && d.options_.skip_nonfinite) {
         skip("non-finite gradients");
@@ -593,7 +582,8 @@ StepOutcome DefendedStep::finish() {
     }
   }
   restore_lr();
-  for (const InjectionEvent& e : d.injector_->fired()) out_.injected.push_back(e.type + " " + e.where + ": " + e.detail);
+  for (const InjectionEvent& e : d.injector_->fired())
+    out_.injected.push_back(e.type + " " + e.where + ": " + e.detail);
   out_.loss_scale_after = d.loss_scale();
   finished_ = true;
   d.in_step_ = false;
@@ -613,7 +603,9 @@ bool DefendedStep::rollback(bool finite_grads) {
     return false;
   }
   if (d.snapshots_.empty()) return false;  // the step's batch was never taken (cannot happen after batch())
-  const std::string why = !finite_params ? "non-finite parameters" : !std::isfinite(out_.loss) ? "non-finite loss" : "non-finite gradients";
+  const std::string why = !finite_params              ? "non-finite parameters"
+                          : !std::isfinite(out_.loss) ? "non-finite loss"
+                                                      : "non-finite gradients";
   // The scaler keeps what this step taught it (a backoff): restoring its old scale would
   // overflow again and again.
   const std::vector<NamedTensor> scaler_now = d.scaler_ ? clone_all(d.scaler_->state()) : std::vector<NamedTensor>{};

@@ -45,9 +45,8 @@ bool LossScaler::unscale(torch::optim::Optimizer& optimizer) {
     for (const at::Tensor& p : group.params()) {
       if (!p.grad().defined()) continue;
       const at::Tensor& g = p.grad();
-      auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& x) {
-        return x.device == g.device() && x.dtype == g.scalar_type();
-      });
+      auto it = std::find_if(groups.begin(), groups.end(),
+                             [&](const Group& x) { return x.device == g.device() && x.dtype == g.scalar_type(); });
       if (it == groups.end()) {
         groups.push_back({g.device(), g.scalar_type(), {}});
         it = groups.end() - 1;

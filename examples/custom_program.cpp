@@ -71,8 +71,8 @@ class Regression : public retrace::Program {
     optimizer_->zero_grad();
     at::Tensor h = batch[0].tensor;
     for (std::size_t i = 0; i < blocks_.size(); ++i) {
-      h = retrace::checkpoint("block" + std::to_string(i),
-                              [b = blocks_[i]](const at::Tensor& in) mutable { return b->forward(in); }, h);
+      h = retrace::checkpoint(
+          "block" + std::to_string(i), [b = blocks_[i]](const at::Tensor& in) mutable { return b->forward(in); }, h);
     }
     at::Tensor loss = torch::mse_loss(h, batch[1].tensor);
     loss.backward();

@@ -1,6 +1,7 @@
 // The README's example: checkpoint each block of your own model with retrace::checkpoint and
 // have every recompute verified bit for bit against its forward.
-#include <retrace/retrace.h>
+#include <retrace/checkpoint.h>  // retrace::core: checkpoint
+#include <retrace/verify.h>      // retrace::core: RecomputeVerifier
 #include <torch/torch.h>
 
 #include <iostream>
@@ -22,15 +23,16 @@ int main() {
     const at::Tensor x = torch::randn({32, 64});
     at::Tensor h = x;
     for (std::size_t i = 0; i < blocks.size(); ++i) {
-      h = retrace::checkpoint("block" + std::to_string(i),
-                              [block = blocks[i]](const at::Tensor& in) mutable { return block->forward(in); }, h);
+      h = retrace::checkpoint(
+          "block" + std::to_string(i), [block = blocks[i]](const at::Tensor& in) mutable { return block->forward(in); },
+          h);
     }
     at::Tensor loss = h.pow(2).mean();
     optimizer.zero_grad();
     loss.backward();  // recomputes each block under its forward's RNG state; throws on a mismatch
     optimizer.step();
-    std::cout << "step " << step << " loss " << loss.item<float>() << ", "
-              << verifier.verified_outputs() << " recomputed outputs verified bitwise\n";
+    std::cout << "step " << step << " loss " << loss.item<float>() << ", " << verifier.verified_outputs()
+              << " recomputed outputs verified bitwise\n";
   }
   return verifier.mismatches().empty() ? 0 : 1;
 }

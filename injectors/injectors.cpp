@@ -18,26 +18,12 @@ namespace retrace {
 
 namespace {
 
-struct TypeName {
-  InjectionType type;
-  const char* name;
-};
-constexpr TypeName kTypes[] = {
-    {InjectionType::kActivationOverflow, "activation_overflow"},
-    {InjectionType::kLrSpike, "lr_spike"},
-    {InjectionType::kLayerNormInput, "layernorm_input"},
-    {InjectionType::kGradNonFinite, "grad_nonfinite"},
-    {InjectionType::kLossSpike, "loss_spike"},
-    {InjectionType::kBitFlip, "bit_flip"},
-    {InjectionType::kRngDesync, "rng_desync"},
-    {InjectionType::kCorruptBatch, "corrupt_batch"},
-};
-
 // A generator private to (seed, step, spec index, purpose): injections never touch LibTorch's.
 std::mt19937_64 rng_for(std::uint64_t seed, std::int64_t step, std::size_t index, std::uint64_t purpose) {
-  std::seed_seq seq{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32),
-                    static_cast<std::uint32_t>(step), static_cast<std::uint32_t>(static_cast<std::uint64_t>(step) >> 32),
-                    static_cast<std::uint32_t>(index), static_cast<std::uint32_t>(purpose)};
+  std::seed_seq seq{
+      static_cast<std::uint32_t>(seed),  static_cast<std::uint32_t>(seed >> 32),
+      static_cast<std::uint32_t>(step),  static_cast<std::uint32_t>(static_cast<std::uint64_t>(step) >> 32),
+      static_cast<std::uint32_t>(index), static_cast<std::uint32_t>(purpose)};
   return std::mt19937_64(seq);
 }
 
@@ -61,11 +47,26 @@ std::string number(double v) {
 std::vector<int> bits_of_class(at::ScalarType dtype, const std::string& cls) {
   int width = 0, exponent = 0;
   switch (dtype) {
-    case at::kFloat: width = 32; exponent = 8; break;
-    case at::kDouble: width = 64; exponent = 11; break;
-    case at::kHalf: width = 16; exponent = 5; break;
-    case at::kBFloat16: width = 16; exponent = 8; break;
-    default: width = static_cast<int>(c10::elementSize(dtype)) * 8; exponent = -1; break;
+    case at::kFloat:
+      width = 32;
+      exponent = 8;
+      break;
+    case at::kDouble:
+      width = 64;
+      exponent = 11;
+      break;
+    case at::kHalf:
+      width = 16;
+      exponent = 5;
+      break;
+    case at::kBFloat16:
+      width = 16;
+      exponent = 8;
+      break;
+    default:
+      width = static_cast<int>(c10::elementSize(dtype)) * 8;
+      exponent = -1;
+      break;
   }
   std::vector<int> out;
   const int mantissa = exponent < 0 ? width : width - 1 - exponent;
@@ -112,56 +113,13 @@ std::int64_t flip_bits(const InjectionSpec& s, at::Tensor& t, std::mt19937_64& g
     flip_bit(t, element, pool[b]);
     bits += (bits.empty() ? "" : ",") + std::to_string(pool[b]);
   }
-  detail = "element " + std::to_string(element) + " bit " + bits + " (" + (s.bit >= 0 ? std::string("chosen") : s.bit_class) +
-           ") " + number(before) + " -> " + number(element_value(t, element));
+  detail = "element " + std::to_string(element) + " bit " + bits + " (" +
+           (s.bit >= 0 ? std::string("chosen") : s.bit_class) + ") " + number(before) + " -> " +
+           number(element_value(t, element));
   return element;
 }
 
 }  // namespace
-
-const char* to_string(InjectionType type) {
-  for (const auto& t : kTypes) {
-    if (t.type == type) return t.name;
-  }
-  return "?";
-}
-
-std::vector<std::string> injection_type_names() {
-  std::vector<std::string> out;
-  for (const auto& t : kTypes) out.emplace_back(t.name);
-  return out;
-}
-
-InjectionType parse_injection_type(const std::string& name) {
-  for (const auto& t : kTypes) {
-    if (name == t.name) return t.type;
-  }
-  std::string known;
-  for (const auto& n : injection_type_names()) known += (known.empty() ? "" : ", ") + n;
-  throw Error("unknown injection type '" + name + "'; known types: " + known);
-}
-
-double InjectionSpec::effective_factor() const {
-  if (factor != 0) return factor;
-  switch (type) {
-    case InjectionType::kActivationOverflow: return 1e6;
-    case InjectionType::kLrSpike: return 1000;
-    case InjectionType::kLayerNormInput: return 1e5;  // mode huge: |x| of the rows
-    case InjectionType::kLossSpike: return 1e4;
-    default: return 1;
-  }
-}
-
-bool InjectionSpec::in_segment() const {
-  return type == InjectionType::kActivationOverflow || type == InjectionType::kLayerNormInput ||
-         type == InjectionType::kRngDesync || (type == InjectionType::kBitFlip && target == "activations");
-}
-
-bool InjectionSpec::operator==(const InjectionSpec& o) const {
-  return type == o.type && step == o.step && duration == o.duration && probability == o.probability &&
-         seed == o.seed && segment == o.segment && factor == o.factor && mode == o.mode && target == o.target &&
-         bit_class == o.bit_class && bits == o.bits && bit == o.bit && rows == o.rows && phase == o.phase;
-}
 
 void flip_bit(at::Tensor& t, std::int64_t index, int bit) {
   if (index < 0 || index >= t.numel()) {
@@ -170,8 +128,8 @@ void flip_bit(at::Tensor& t, std::int64_t index, int bit) {
   }
   const int width = static_cast<int>(t.element_size()) * 8;
   if (bit < 0 || bit >= width) {
-    throw Error("flip_bit: bit " + std::to_string(bit) + " is not in a " + std::to_string(width) + "-bit element; use 0 .. " +
-                std::to_string(width - 1));
+    throw Error("flip_bit: bit " + std::to_string(bit) + " is not in a " + std::to_string(width) +
+                "-bit element; use 0 .. " + std::to_string(width - 1));
   }
   at::NoGradGuard no_grad;
   // Through a contiguous CPU copy, so any layout and device works; written back with copy_.
@@ -235,11 +193,17 @@ void Injector::corrupt_batch(std::vector<NamedTensor>& batch, std::int64_t vocab
       const std::int64_t rows = t.dim() > 0 ? t.size(0) : 1;
       const std::int64_t row = static_cast<std::int64_t>(below(gen, static_cast<std::uint64_t>(rows)));
       if (s.mode == "token_out_of_range") {
-        if (t.is_floating_point()) throw Error("injection corrupt_batch: mode token_out_of_range needs token ids; this model takes features (use nan_features)");
+        if (t.is_floating_point())
+          throw Error("injection corrupt_batch: mode token_out_of_range needs token ids; this model takes features "
+                      "(use nan_features)");
         t.select(0, row).fill_(vocab + 7);
-        note(s, "batch", "row " + std::to_string(row) + " token id " + std::to_string(vocab + 7) + " (vocabulary " + std::to_string(vocab) + ")");
+        note(s, "batch",
+             "row " + std::to_string(row) + " token id " + std::to_string(vocab + 7) + " (vocabulary " +
+                 std::to_string(vocab) + ")");
       } else {
-        if (!t.is_floating_point()) throw Error("injection corrupt_batch: mode nan_features needs float features; this model takes token ids (use token_out_of_range)");
+        if (!t.is_floating_point())
+          throw Error("injection corrupt_batch: mode nan_features needs float features; this model takes token ids "
+                      "(use token_out_of_range)");
         t.select(0, row).fill_(std::numeric_limits<double>::quiet_NaN());
         note(s, "batch", "row " + std::to_string(row) + " features NaN");
       }
@@ -285,8 +249,10 @@ void Injector::on_grads(const std::vector<NamedTensor>& grads) {
     if (s.type != InjectionType::kGradNonFinite || !fires(i) || grads.empty()) continue;
     auto gen = rng_for(s.seed, step_, i, 4);
     const NamedTensor& g = grads[gen() % grads.size()];
-    const std::int64_t element = static_cast<std::int64_t>(below(gen, static_cast<std::uint64_t>(std::max<std::int64_t>(1, g.tensor.numel()))));
-    const double v = s.mode == "inf" ? std::numeric_limits<double>::infinity() : std::numeric_limits<double>::quiet_NaN();
+    const std::int64_t element =
+        static_cast<std::int64_t>(below(gen, static_cast<std::uint64_t>(std::max<std::int64_t>(1, g.tensor.numel()))));
+    const double v = s.mode == "inf" ? std::numeric_limits<double>::infinity()
+                                     : std::numeric_limits<double>::quiet_NaN();
     at::NoGradGuard no_grad;
     element_view(g.tensor, element).fill_(v);
     note(s, g.name, "element " + std::to_string(element) + " = " + (s.mode == "inf" ? "inf" : "nan"));
@@ -308,13 +274,15 @@ bool Injector::targets(const InjectionSpec& spec, const std::string& segment) co
   };
   std::string pa, pb, ps;
   long a = 0, b = 0, x = 0;
-  if (!split(segment.substr(0, dots), pa, a) || !split(segment.substr(dots + 2), pb, b) || !split(spec.segment, ps, x)) {
+  if (!split(segment.substr(0, dots), pa, a) || !split(segment.substr(dots + 2), pb, b) ||
+      !split(spec.segment, ps, x)) {
     return false;
   }
   return pa == pb && pa == ps && a <= x && x <= b;
 }
 
-at::Tensor Injector::apply_segment_fault(std::size_t index, const at::Tensor& output, const std::string& segment, bool log) {
+at::Tensor Injector::apply_segment_fault(std::size_t index, const at::Tensor& output, const std::string& segment,
+                                         bool log) {
   // Differentiable: in the recompute the replacement must stay in the autograd graph, so that
   // backward runs through the segment (the faulted elements aside, gradients flow as usual).
   const InjectionSpec& s = specs_[index];
@@ -327,8 +295,9 @@ at::Tensor Injector::apply_segment_fault(std::size_t index, const at::Tensor& ou
       }
       if (log) {
         const std::int64_t inf = at::isinf(out).sum().item<std::int64_t>();
-        note(s, segment, "outputs x" + number(f) + " (" + std::to_string(inf) + " of " + std::to_string(out.numel()) +
-                             " overflow to Inf in " + c10::toString(activation_dtype_) + ")");
+        note(s, segment,
+             "outputs x" + number(f) + " (" + std::to_string(inf) + " of " + std::to_string(out.numel()) +
+                 " overflow to Inf in " + c10::toString(activation_dtype_) + ")");
       }
       return out;
     }
@@ -337,7 +306,8 @@ at::Tensor Injector::apply_segment_fault(std::size_t index, const at::Tensor& ou
       at::Tensor rows = values.reshape({-1, values.size(-1)});
       at::Tensor mask = at::zeros({rows.size(0), 1}, values.options().dtype(at::kBool));
       const std::int64_t n = rows.size(0);
-      const std::int64_t hit = std::max<std::int64_t>(1, static_cast<std::int64_t>(std::floor(s.rows * static_cast<double>(n))));
+      const std::int64_t hit =
+          std::max<std::int64_t>(1, static_cast<std::int64_t>(std::floor(s.rows * static_cast<double>(n))));
       auto gen = rng_for(s.seed, step_, index, 5);
       std::vector<std::int64_t> order(static_cast<std::size_t>(n));
       for (std::int64_t i = 0; i < n; ++i) order[static_cast<std::size_t>(i)] = i;
@@ -352,13 +322,20 @@ at::Tensor Injector::apply_segment_fault(std::size_t index, const at::Tensor& ou
             row.fill_(std::numeric_limits<double>::quiet_NaN());
           } else if (s.mode == "huge") {
             // Alternating +-factor: mean 0, variance factor^2 (overflows an fp16 variance).
-            row.copy_(at::arange(row.numel(), row.options().dtype(at::kFloat)).remainder(2).mul(2).sub(1).mul(s.effective_factor()).to(row.scalar_type()));
+            row.copy_(at::arange(row.numel(), row.options().dtype(at::kFloat))
+                          .remainder(2)
+                          .mul(2)
+                          .sub(1)
+                          .mul(s.effective_factor())
+                          .to(row.scalar_type()));
           } else {
             row.fill_(row.mean().item<double>());  // constant: zero variance
           }
         }
       }
-      if (log) note(s, segment, std::to_string(hit) + " of " + std::to_string(n) + " rows " + (s.mode.empty() ? "constant" : s.mode));
+      if (log)
+        note(s, segment,
+             std::to_string(hit) + " of " + std::to_string(n) + " rows " + (s.mode.empty() ? "constant" : s.mode));
       // The hit rows take the injected values (no gradient flows into them, as into any
       // constant); the others are the output itself.
       return at::where(mask.expand_as(rows).reshape(output.sizes()), values, output);
@@ -374,8 +351,7 @@ at::Tensor Injector::apply_segment_fault(std::size_t index, const at::Tensor& ou
       mask[element] = true;
       return at::where(mask.reshape(output.sizes()), values, output);
     }
-    default:
-      return output;
+    default: return output;
   }
 }
 

@@ -1,5 +1,7 @@
 #include <retrace/recorder.h>
 
+#include "crash_point.h"
+
 #include <retrace/records.h>
 
 #include <retrace/digest.h>
@@ -154,8 +156,8 @@ std::vector<TensorToWrite> snapshot(const std::vector<NamedTensor>& tensors, con
       out.push_back(stored(prefix + tensors[i].name, t));
       continue;
     }
-    at::Tensor copy = at::from_blob(buffer.get() + offsets[i], t.sizes(), [keep = buffer](void*) {},
-                                    t.options().requires_grad(false));
+    at::Tensor copy = at::from_blob(
+        buffer.get() + offsets[i], t.sizes(), [keep = buffer](void*) {}, t.options().requires_grad(false));
     out.push_back({prefix + tensors[i].name, std::move(copy), true, std::nullopt});
   }
   return out;
@@ -309,7 +311,8 @@ std::atomic<int> g_signal_write_end{-1};  // lock-free on every platform we buil
 extern "C" void on_signal(int sig) {
   const unsigned char b = static_cast<unsigned char>(sig);
   const int fd = g_signal_write_end.load();
-  if (fd >= 0) [[maybe_unused]] ssize_t n = ::write(fd, &b, 1);
+  if (fd >= 0) [[maybe_unused]]
+    ssize_t n = ::write(fd, &b, 1);
 }
 
 }  // namespace
@@ -360,14 +363,15 @@ struct Recorder::Impl {
   // step sees the same tensors unmodified, their digests are already in the trace.
   struct Seen {
     std::string name;
-    at::Tensor tensor;  // held, so that its address cannot be reused by another tensor
-    std::uint32_t version;
+    at::Tensor tensor;     // held, so that its address cannot be reused by another tensor
+    std::int64_t version;  // TensorBase::_version()
     PendingDigest digest;
   };
   std::vector<Seen> end_state;
   std::int64_t end_state_step = -1;
   std::thread signal_watcher;
-  struct sigaction old_term {}, old_int {};
+  struct sigaction old_term {
+  }, old_int{};
 
   bool full_now(std::int64_t s) const {
     return options.mode == RecordMode::kFull || first_step || options.write_ahead ||
@@ -390,7 +394,8 @@ struct Recorder::Impl {
   }
 
   void segment(const SegmentEvent& e) {
-    if (step < 0 || closed || disabled) return;  // outside a recorded step, after a signal closed the trace, or a write failed
+    if (step < 0 || closed || disabled)
+      return;  // outside a recorded step, after a signal closed the trace, or a write failed
     std::int64_t ordinal;
     if (e.phase == SegmentPhase::kForward) {
       ordinal = next_ordinal++;
@@ -406,7 +411,8 @@ struct Recorder::Impl {
       if (name && e.inputs[i].defined()) tensors.push_back(entry(*name, e.inputs[i], store_values()));
     }
     for (std::size_t i = 0; i < e.outputs.size(); ++i) {
-      if (e.outputs[i].defined()) tensors.push_back(entry(tensor_names::segment_output(e.phase, i), e.outputs[i], store_values()));
+      if (e.outputs[i].defined())
+        tensors.push_back(entry(tensor_names::segment_output(e.phase, i), e.outputs[i], store_values()));
     }
     io([&] { writer->push(RecordType::kSegment, std::move(meta), std::move(tensors), stats); });
   }
@@ -435,7 +441,9 @@ Recorder::Recorder(const std::string& path, const Program& program, RecorderOpti
     : impl_(std::make_unique<Impl>()) {
   impl_->path = path;
   impl_->options = options;
-  if (options.every < 0 || options.ring < 0) throw Error("RecorderOptions::every and RecorderOptions::ring must not be negative (retrace record --every, --ring)");
+  if (options.every < 0 || options.ring < 0)
+    throw Error(
+        "RecorderOptions::every and RecorderOptions::ring must not be negative (retrace record --every, --ring)");
   TraceHeader header;
   header.environment = Environment::current();
   header.program = ProgramRef{program.name(), program.config()};
@@ -528,7 +536,8 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
   } else if (m.unchanged_since_end(state)) {
     record.state_as_step_end = m.end_state_step;  // same bits as that step_end's state digests
   } else {
-    for (TensorToWrite& w : digest_entries(std::string(tensor_names::kStatePrefix), state)) tensors.push_back(std::move(w));
+    for (TensorToWrite& w : digest_entries(std::string(tensor_names::kStatePrefix), state))
+      tensors.push_back(std::move(w));
   }
   m.io([&] {
     m.writer->push(RecordType::kStepBegin, record.to_meta(), std::move(tensors), m.stats);
@@ -605,8 +614,8 @@ void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std
   ++m.stats.steps;
   m.step = -1;
   if (!outcome.finite()) {
-    m.dump_ring(std::string("non-finite ") + (std::isfinite(outcome.loss) ? "gradient norm" : "loss") +
-                " at step " + std::to_string(step));
+    m.dump_ring(std::string("non-finite ") + (std::isfinite(outcome.loss) ? "gradient norm" : "loss") + " at step " +
+                std::to_string(step));
   }
 }
 
@@ -679,13 +688,17 @@ RecorderStats Recorder::stats() const {
   return s;
 }
 
+namespace {
+std::atomic<std::int64_t> g_crash_after_step_begin{0};
+}  // namespace
+
+void internal::set_crash_after_step_begin(std::int64_t step) { g_crash_after_step_begin.store(step > 0 ? step : 0); }
+
 std::vector<StepOutcome> record_run(Program& program, Recorder& recorder, std::int64_t steps, bool stop_on_nonfinite,
                                     const std::function<void(std::int64_t, const StepOutcome&)>& after_step) {
   std::vector<StepOutcome> outcomes;
   ObserverScope scope(recorder);
-  // Fault point for crash-consistency tests: die by SIGKILL right after step N's begin record.
-  const char* kill_env = std::getenv("RETRACE_FAULT_KILL_AT_STEP");
-  const std::int64_t kill_at = kill_env ? std::atoll(kill_env) : -1;
+  const std::int64_t kill_at = g_crash_after_step_begin.load();  // crash_point.h; 0: off
   const bool check_state = recorder.options().state_check;
   for (std::int64_t s = 1; s <= steps; ++s) {
     bool in_step = false;  // the exception, if any, left Program::step (not the loader or the recorder)
@@ -696,7 +709,7 @@ std::vector<StepOutcome> record_run(Program& program, Recorder& recorder, std::i
       std::optional<StateCheck> state_check;
       if (check_state && s == kStateCheckStep) state_check.emplace(program, s, batch);
       recorder.begin_step(s, program.state(), batch, program.lr(), program.loss_scale());
-      if (s == kill_at) ::raise(SIGKILL);
+      if (kill_at > 0 && s == kill_at) ::raise(SIGKILL);
       in_step = true;
       const StepOutcome outcome = program.step(s, batch, &recorder);
       in_step = false;
@@ -723,7 +736,8 @@ std::vector<StepOutcome> record_run(Program& program, Recorder& recorder, std::i
     StateCheckResult skipped;
     skipped.status = StateCheckResult::Status::kSkipped;
     skipped.step = kStateCheckStep;
-    skipped.message = "state round-trip self-check skipped: the run ended before step " + std::to_string(kStateCheckStep) +
+    skipped.message = "state round-trip self-check skipped: the run ended before step " +
+                      std::to_string(kStateCheckStep) +
                       ", the first step whose start state is not the one the program's constructor made";
     recorder.note_state_check(std::move(skipped));
   }

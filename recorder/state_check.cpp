@@ -87,12 +87,14 @@ StateCheckResult StateCheck::finish(const StepOutcome& outcome, const std::vecto
     r.message = at + " skipped: " + *skipped_;
     return r;
   }
-  const std::string copy = "a copy of program '" + program_ + "' rebuilt from its name and config and loaded with the step's start state()";
+  const std::string copy =
+      "a copy of program '" + program_ + "' rebuilt from its name and config and loaded with the step's start state()";
   const std::string fix = "; add it to state() and load_state(), or turn the check off (RecorderOptions::state_check, "
                           "retrace record --no-state-check)";
   r.status = StateCheckResult::Status::kFailed;
   if (not_rebuilt_) {
-    r.message = at + " failed: rebuilding program '" + program_ + "' from its name and config raised: " + *not_rebuilt_ +
+    r.message = at + " failed: rebuilding program '" + program_ +
+                "' from its name and config raised: " + *not_rebuilt_ +
                 "; replay rebuilds it the same way and would fail too";
     return r;
   }
@@ -124,12 +126,14 @@ StateCheckResult StateCheck::finish(const StepOutcome& outcome, const std::vecto
                 " state() tensors, loss, gradient norm)";
     return r;
   }
-  const auto in_state = std::count_if(r.differing.begin(), r.differing.end(), [](const std::string& n) { return n[0] != '('; });
+  const auto in_state =
+      std::count_if(r.differing.begin(), r.differing.end(), [](const std::string& n) { return n[0] != '('; });
   r.message = at + " failed: " + copy + " ended it otherwise than the live program in " + name_list(r.differing) +
               " (" + std::to_string(in_state) + " of " + std::to_string(r.state_tensors) +
               " state() tensors); the program's state() is probably incomplete: it leaves out something "
               "the step depends on (optimizer moments or step counts, a schedule counter, a loss-scale tracker), so "
-              "a replay from a later snapshot cannot reproduce the run" + fix;
+              "a replay from a later snapshot cannot reproduce the run" +
+              fix;
   return r;
 }
 

@@ -97,7 +97,8 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   for (const c10::IValue& v : fn.inputs()) {
     if (v.isTensor()) ctx->inputs.push_back(v.toTensor());
     else if (v.isDouble() && !std::isfinite(v.toDouble())) ctx->infinite_scalar = true;
-    else if (v.isScalar() && v.toScalar().isFloatingPoint() && !std::isfinite(v.toScalar().toDouble())) ctx->infinite_scalar = true;
+    else if (v.isScalar() && v.toScalar().isFloatingPoint() && !std::isfinite(v.toScalar().toDouble()))
+      ctx->infinite_scalar = true;
   }
   // An in-place op overwrites its first input (and any input sharing its storage): keep a copy of
   // them as they are now, so that a report shows what the op was handed, not what it wrote.
@@ -183,8 +184,8 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
   const ProbeContext* maker = nullptr;
   if (handed_nonfinite) {
     for (auto it = t_open.rbegin(); it != t_open.rend() && !maker; ++it) {
-      const bool finite_inputs =
-          std::none_of((*it)->inputs.begin(), (*it)->inputs.end(), [](const at::Tensor& t) { return has_nonfinite(t); });
+      const bool finite_inputs = std::none_of((*it)->inputs.begin(), (*it)->inputs.end(),
+                                              [](const at::Tensor& t) { return has_nonfinite(t); });
       if (finite_inputs && !(*it)->infinite_scalar) maker = *it;
     }
   }
@@ -236,8 +237,8 @@ std::optional<NonFiniteOrigin> find_first_nonfinite(Program& program, std::int64
                                                     const std::vector<NamedTensor>& batch) {
   Probe probe;
   g_probe = &probe;
-  const at::CallbackHandle handle = at::addGlobalCallback(
-      at::RecordFunctionCallback(&on_start, &on_end).needsInputs(true).needsOutputs(true));
+  const at::CallbackHandle handle =
+      at::addGlobalCallback(at::RecordFunctionCallback(&on_start, &on_end).needsInputs(true).needsOutputs(true));
   AfterBackwardFlag flag(probe);
   try {
     // Inputs that are already non-finite are reported as such by the first op that reads them.

@@ -21,7 +21,9 @@ namespace retrace {
 
 namespace {
 
-nlohmann::json digest_json(const Digest& d) { return d.algorithm == DigestAlgorithm::kNone ? nlohmann::json() : nlohmann::json(d.hex()); }
+nlohmann::json digest_json(const Digest& d) {
+  return d.algorithm == DigestAlgorithm::kNone ? nlohmann::json() : nlohmann::json(d.hex());
+}
 
 }  // namespace
 
@@ -38,13 +40,19 @@ std::string Divergence::message() const {
 }
 
 nlohmann::json Divergence::to_json() const {
-  nlohmann::json j = {{"step", step}, {"segment", segment}, {"phase", phase}, {"tensor", tensor},
-                      {"recorded_digest", digest_json(recorded)}, {"replayed_digest", digest_json(replayed)},
-                      {"detail", detail}, {"hint", hint}, {"message", message()}};
+  nlohmann::json j = {{"step", step},
+                      {"segment", segment},
+                      {"phase", phase},
+                      {"tensor", tensor},
+                      {"recorded_digest", digest_json(recorded)},
+                      {"replayed_digest", digest_json(replayed)},
+                      {"detail", detail},
+                      {"hint", hint},
+                      {"message", message()}};
   if (diff) {
-    j["diff"] = {{"differing", diff->differing}, {"numel", diff->numel}, {"first_index", diff->first_index},
-                 {"max_abs_diff", json_number(diff->max_abs_diff)}, {"max_ulp", diff->max_ulp},
-                 {"summary", diff->summary()}};
+    j["diff"] = {{"differing", diff->differing},     {"numel", diff->numel},
+                 {"first_index", diff->first_index}, {"max_abs_diff", json_number(diff->max_abs_diff)},
+                 {"max_ulp", diff->max_ulp},         {"summary", diff->summary()}};
   } else {
     j["diff"] = nullptr;
   }
@@ -73,13 +81,24 @@ nlohmann::json NonFiniteOrigin::to_json() const {
   auto stats = [](const std::vector<TensorStats>& v) {
     nlohmann::json a = nlohmann::json::array();
     for (const TensorStats& s : v) {
-      a.push_back({{"name", s.name}, {"meta", s.meta}, {"min", json_number(s.min)}, {"max", json_number(s.max)},
-                   {"abs_max", json_number(s.abs_max)}, {"nan", s.nonfinite.nan}, {"pos_inf", s.nonfinite.pos_inf}, {"neg_inf", s.nonfinite.neg_inf}});
+      a.push_back({{"name", s.name},
+                   {"meta", s.meta},
+                   {"min", json_number(s.min)},
+                   {"max", json_number(s.max)},
+                   {"abs_max", json_number(s.abs_max)},
+                   {"nan", s.nonfinite.nan},
+                   {"pos_inf", s.nonfinite.pos_inf},
+                   {"neg_inf", s.nonfinite.neg_inf}});
     }
     return a;
   };
-  nlohmann::json j = {{"step", step}, {"segment", segment}, {"phase", phase}, {"op", op},
-                      {"inputs", stats(inputs)}, {"outputs", stats(outputs)}, {"message", message()}};
+  nlohmann::json j = {{"step", step},
+                      {"segment", segment},
+                      {"phase", phase},
+                      {"op", op},
+                      {"inputs", stats(inputs)},
+                      {"outputs", stats(outputs)},
+                      {"message", message()}};
   if (!inner_op.empty()) j["inner_op"] = inner_op;
   return j;
 }
@@ -90,7 +109,8 @@ nlohmann::json RaisedStep::to_json() const {
 
 nlohmann::json ReplayResult::to_json() const {
   nlohmann::json env = nlohmann::json::array();
-  for (const auto& d : environment) env.push_back({{"field", d.field}, {"recorded", d.recorded}, {"current", d.current}});
+  for (const auto& d : environment)
+    env.push_back({{"field", d.field}, {"recorded", d.recorded}, {"current", d.current}});
   return {{"reproduced", reproduced},
           {"from_step", from_step},
           {"to_step", to_step},
@@ -141,9 +161,15 @@ class Comparer : public SegmentObserver, public StepMonitor {
   // True when the trace holds no outcome of the step: the run died during it, or raised.
   bool died() const { return !records_.end; }
 
-  void on_forward(SegmentEvent& e) override { guarded([&] { segment(e); }); }
-  void on_recompute(SegmentEvent& e) override { guarded([&] { segment(e); }); }
-  void on_backward(SegmentEvent& e) override { guarded([&] { segment(e); }); }
+  void on_forward(SegmentEvent& e) override {
+    guarded([&] { segment(e); });
+  }
+  void on_recompute(SegmentEvent& e) override {
+    guarded([&] { segment(e); });
+  }
+  void on_backward(SegmentEvent& e) override {
+    guarded([&] { segment(e); });
+  }
 
   void after_backward(const at::Tensor& loss, const std::vector<NamedTensor>& grads) override {
     reached_segment_.clear();
@@ -159,7 +185,8 @@ class Comparer : public SegmentObserver, public StepMonitor {
   void finish(const std::vector<NamedTensor>& state_after) {
     unconsumed_segments();
     if (records_.raised) {
-      diverge("", "optimizer", "", "the recorded run raised '" + *records_.raised + "' at this step; the replay completed it");
+      diverge("", "optimizer", "",
+              "the recorded run raised '" + *records_.raised + "' at this step; the replay completed it");
       return;
     }
     if (!end_) {
@@ -167,11 +194,14 @@ class Comparer : public SegmentObserver, public StepMonitor {
       unrecorded = true;
       return;
     }
-    for (const NamedTensor& s : state_after) compare(*end_, tensor_names::state(s.name), s.tensor, "(state)", "optimizer");
+    for (const NamedTensor& s : state_after)
+      compare(*end_, tensor_names::state(s.name), s.tensor, "(state)", "optimizer");
     // Every tensor the recorded monitor saw after backward (the loss and the gradients, whatever
     // the program named them), and every state tensor.
-    require_all(*end_, [](const std::string& n) { return !tensor_names::state_name(n); }, "(parameters)", "backward");
-    require_all(*end_, [](const std::string& n) { return tensor_names::state_name(n).has_value(); }, "(state)", "optimizer");
+    require_all(
+        *end_, [](const std::string& n) { return !tensor_names::state_name(n); }, "(parameters)", "backward");
+    require_all(
+        *end_, [](const std::string& n) { return tensor_names::state_name(n).has_value(); }, "(state)", "optimizer");
   }
 
   void compare(const Record& rec, const std::string& name, const at::Tensor& t, const std::string& segment,
@@ -199,7 +229,8 @@ class Comparer : public SegmentObserver, public StepMonitor {
     first = std::move(div);
   }
 
-  void diverge(const std::string& segment, const std::string& phase, const std::string& tensor, const std::string& detail) {
+  void diverge(const std::string& segment, const std::string& phase, const std::string& tensor,
+               const std::string& detail) {
     if (first) return;
     Divergence div;
     div.step = step_;
@@ -235,7 +266,8 @@ class Comparer : public SegmentObserver, public StepMonitor {
       diverge(reached_segment_, reached_phase_, "",
               "the replay raised '" + what + "'; the recorded run raised '" + *records_.raised + "'");
     } else if (end_) {
-      diverge(reached_segment_, reached_phase_, "", "the replay raised '" + what + "'; the recorded run completed the step");
+      diverge(reached_segment_, reached_phase_, "",
+              "the replay raised '" + what + "'; the recorded run completed the step");
     } else {
       unrecorded = true;  // the run died during this step: nothing to compare the exception with
     }
@@ -287,9 +319,11 @@ class Comparer : public SegmentObserver, public StepMonitor {
       if (name && e.inputs[i].defined()) compare(rec, *name, e.inputs[i], e.segment, phase);
     }
     for (std::size_t i = 0; i < e.outputs.size(); ++i) {
-      if (e.outputs[i].defined()) compare(rec, tensor_names::segment_output(e.phase, i), e.outputs[i], e.segment, phase);
+      if (e.outputs[i].defined())
+        compare(rec, tensor_names::segment_output(e.phase, i), e.outputs[i], e.segment, phase);
     }
-    require_all(rec, [](const std::string&) { return true; }, e.segment, phase);
+    require_all(
+        rec, [](const std::string&) { return true; }, e.segment, phase);
   }
 
   const TraceReader& trace_;
@@ -329,7 +363,8 @@ std::vector<NamedTensor> batch_of(const TraceReader& trace, const Record& begin,
 std::vector<std::uint8_t> rng_bytes(const TraceReader& trace, const Record& rec, std::int64_t step) {
   const TensorEntry* e = rec.find(std::string(tensor_names::kRng));
   if (!e) throw Error("the step_begin record of step " + std::to_string(step) + " holds no RNG state");
-  if (e->dtype != at::kByte || e->shape.size() != 1) throw Error("the RNG state of step " + std::to_string(step) + " is not a byte vector");
+  if (e->dtype != at::kByte || e->shape.size() != 1)
+    throw Error("the RNG state of step " + std::to_string(step) + " is not a byte vector");
   const at::Tensor t = trace.decode(rec, *e);
   const auto* p = t.const_data_ptr<std::uint8_t>();
   return {p, p + t.numel()};
@@ -342,6 +377,175 @@ bool all_finite(const std::vector<NamedTensor>& state) {
   return true;
 }
 
+// Every recorded step's records, by step.
+std::map<std::int64_t, StepRecords> index_steps(const TraceReader& trace) {
+  std::map<std::int64_t, StepRecords> steps;
+  for (std::size_t i = 0; i < trace.records().size(); ++i) {
+    const RecordInfo& r = trace.records()[i];
+    if (r.step < 0) continue;
+    switch (r.type) {
+      case RecordType::kStepBegin: steps[r.step].begins.push_back(i); break;
+      case RecordType::kSegment: steps[r.step].segments.push_back(i); break;
+      case RecordType::kStepEnd: steps[r.step].end = i; break;
+      case RecordType::kEvent:
+        if (const EventRecord e = EventRecord::decode(trace.read(i), trace.path());
+            e.exception && e.exception->raised_by_step && e.exception->step == r.step) {
+          steps[r.step].raised = e.exception->what;
+        }
+        break;
+      default: break;
+    }
+  }
+  return steps;
+}
+
+// The step to replay up to: the one asked for, or the last recorded.
+std::int64_t target_step(const std::map<std::int64_t, StepRecords>& steps, const ReplayOptions& options) {
+  std::int64_t last = -1;
+  for (const auto& [s, recs] : steps) {
+    if (!recs.begins.empty()) last = s;
+  }
+  if (last < 0) throw Error("the trace holds no recorded step");
+  if (!options.step) return last;
+  const auto it = steps.find(*options.step);
+  if (it == steps.end() || it->second.begins.empty()) {
+    throw Error("the trace holds no step " + std::to_string(*options.step) + "; it has steps " +
+                std::to_string(steps.begin()->first) + ".." + std::to_string(last) + " (see retrace inspect)");
+  }
+  return *options.step;
+}
+
+struct Anchor {
+  Record begin;                    // its step_begin record
+  std::vector<NamedTensor> state;  // decoded once
+};
+
+// The anchor: the latest full snapshot at or before `latest` whose state is all finite (a
+// snapshot that already holds NaN/Inf cannot show where they came from); failing that, the
+// latest full snapshot.
+Anchor find_anchor(const TraceReader& trace, const std::map<std::int64_t, StepRecords>& steps, std::int64_t latest) {
+  std::optional<Anchor> nonfinite;
+  for (auto it = steps.upper_bound(latest); it != steps.begin();) {
+    --it;
+    for (auto r = it->second.begins.rbegin(); r != it->second.begins.rend(); ++r) {
+      Record rec = trace.read(*r);
+      if (!StepBeginRecord::decode(rec, trace.path()).full) continue;
+      std::vector<NamedTensor> state = named_tensors(trace, rec, tensor_names::state_name);
+      if (all_finite(state)) return {std::move(rec), std::move(state)};
+      if (!nonfinite) nonfinite = Anchor{std::move(rec), std::move(state)};
+    }
+  }
+  if (!nonfinite) throw Error("no full snapshot at or before step " + std::to_string(latest) + " to replay from");
+  return std::move(*nonfinite);
+}
+
+// What went non-finite first in step `s`, re-run from the state and RNG it started from.
+void find_provenance(Program& program, std::int64_t s, const std::vector<NamedTensor>& state_before,
+                     const std::vector<std::uint8_t>& rng, const std::vector<NamedTensor>& batch,
+                     ReplayResult& result) {
+  program.load_state(state_before);
+  RngState::deserialize(rng.data(), rng.size()).restore();
+  result.first_nonfinite = find_first_nonfinite(program, s, batch);
+  if (result.first_nonfinite) result.first_nonfinite->step = s;
+}
+
+// Re-executes step `s` from `begin` and compares it with its records. Returns whether the replay
+// goes on: not after the first divergence, a step that raised, or a non-finite step no defense
+// handled. `anchor`: the step restored from its snapshot; `trained_to`: a step the recorded run
+// reached by training (not its first).
+bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, const StepRecords& recs,
+                 const Record& begin, bool anchor, bool trained_to, const ReplayOptions& options,
+                 ReplayResult& result) {
+  Comparer comparer(trace, s, recs);
+  const StepBeginRecord begin_record = StepBeginRecord::decode(begin, trace.path());
+  const std::vector<std::uint8_t> rng = rng_bytes(trace, begin, s);
+  if (!anchor) {
+    // A step_begin that says its state is the previous step_end's was checked there.
+    if (!begin_record.state_as_step_end) {
+      for (const NamedTensor& st : program.state()) {
+        comparer.compare(begin, tensor_names::state(st.name), st.tensor, "(state)", "step_begin");
+      }
+    }
+    if (!comparer.first && RngState::capture_all().serialize() != rng) {
+      comparer.diverge("", "step_begin", std::string(tensor_names::kRng),
+                       "the RNG state differs from the recorded one");
+    }
+  }
+  RngState::deserialize(rng.data(), rng.size()).restore();
+  std::vector<NamedTensor> batch = batch_of(trace, begin, begin_record);
+  const std::vector<NamedTensor> state_before = clone_all(program.state());
+
+  StepOutcome outcome;
+  std::optional<std::string> raised;
+  {
+    ObserverScope scope(comparer);
+    try {
+      outcome = program.step(s, batch, &comparer);
+    } catch (const std::exception& e) {
+      if (comparer.own_error) std::rethrow_exception(comparer.own_error);  // a bad trace, not the program
+      raised = exception_message(e);
+    }
+  }
+  if (raised) {
+    // The step raised: its verdict is whether the recorded run raised the same here. Nothing
+    // after it can be replayed (the program stopped mid-step), so the replay ends here.
+    comparer.finish_raised(*raised);
+    if (comparer.first && !result.first_divergence) result.first_divergence = comparer.first;
+    result.raised = RaisedStep{s, *raised, recs.raised};
+    if (comparer.unrecorded) {
+      result.notes.push_back("step " + std::to_string(s) +
+                             " has no recorded outcome (the run died during it); re-executed " +
+                             "from its snapshot, it raised: " + *raised);
+    } else if (!comparer.first) {
+      result.notes.push_back("step " + std::to_string(s) + " raised, as the recorded run did: " + *raised);
+    }
+    // What went non-finite before it raised (a non-finite gradient norm that clipping refuses).
+    if (options.provenance && !result.first_nonfinite) find_provenance(program, s, state_before, rng, batch, result);
+    return false;
+  }
+  const std::vector<NamedTensor> state_after = program.state();
+  comparer.finish(state_after);
+  if (comparer.first && !result.first_divergence) {
+    result.first_divergence = comparer.first;
+    Divergence& d = *result.first_divergence;
+    // Forward, backward, loss and gradients matched, the state after the optimizer did not, in
+    // the step restored from a snapshot the run reached by training: the program holds
+    // something state() does not give (a fresh program's constructor made it at step 1).
+    if (anchor && trained_to && d.segment == "(state)" && d.phase == "optimizer" && d.detail.empty()) {
+      d.hint = "the step re-executed from the snapshot of step " + std::to_string(s) +
+               " matched up to the optimizer step; the program's state() is probably incomplete: it leaves out "
+               "something the optimizer step depends on (optimizer moments or step counts, a schedule counter), "
+               "which load_state() cannot restore (retrace record's state self-check finds this while "
+               "recording, unless --no-state-check)";
+    }
+  }
+  if (comparer.unrecorded) {
+    std::ostringstream note;
+    note << "step " << s << " has no recorded outcome (the run died during it); re-executed from its "
+         << "snapshot: loss " << number_text(outcome.loss) << ", grad norm " << number_text(outcome.grad_norm);
+    result.notes.push_back(note.str());
+  }
+  if (!outcome.injected.empty()) {
+    std::string tags;
+    for (const std::string& i : outcome.injected) tags += (tags.empty() ? "" : "; ") + i;
+    result.notes.push_back("step " + std::to_string(s) + " carries injected faults (not real ones): " + tags);
+  }
+  const bool params_ok = all_finite(state_after);
+  const bool nonfinite = !outcome.finite() || !params_ok;
+  // A non-finite step that a defense skipped (parameters still finite) does not end the run:
+  // the replay goes on checking the steps after it.
+  const bool handled = nonfinite && outcome.skipped && params_ok;
+  // Provenance re-runs the step on this program; after a handled step the replay goes on, and a
+  // second run of the step would move program state that state() does not hold (a rollback
+  // ring), so a handled step is only noted.
+  if (handled) {
+    result.notes.push_back("step " + std::to_string(s) + " went non-finite and a defense skipped it (" +
+                           outcome.skip_reason + "); the replay goes on");
+  } else if (nonfinite && options.provenance && !result.first_nonfinite) {
+    find_provenance(program, s, state_before, rng, batch, result);
+  }
+  return !result.first_divergence && !(nonfinite && !handled);
+}
 
 }  // namespace
 
@@ -359,176 +563,30 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
   result.environment = recorded.differences(Environment::current());
   if (!result.environment.empty() && !options.force) throw EnvironmentMismatch(result.environment);
 
-  std::map<std::int64_t, StepRecords> steps;
-  for (std::size_t i = 0; i < trace_.records().size(); ++i) {
-    const RecordInfo& r = trace_.records()[i];
-    if (r.step < 0) continue;
-    switch (r.type) {
-      case RecordType::kStepBegin: steps[r.step].begins.push_back(i); break;
-      case RecordType::kSegment: steps[r.step].segments.push_back(i); break;
-      case RecordType::kStepEnd: steps[r.step].end = i; break;
-      case RecordType::kEvent:
-        if (const EventRecord e = EventRecord::decode(trace_.read(i), trace_.path());
-            e.exception && e.exception->raised_by_step && e.exception->step == r.step) {
-          steps[r.step].raised = e.exception->what;
-        }
-        break;
-      default: break;
-    }
-  }
-  std::int64_t target = -1;
-  for (const auto& [s, recs] : steps) {
-    if (!recs.begins.empty()) target = s;
-  }
-  if (target < 0) throw Error("the trace holds no recorded step");
-  std::int64_t first_recorded = target;  // the run's first step: its state is the constructor's
+  const std::map<std::int64_t, StepRecords> steps = index_steps(trace_);
+  const std::int64_t target = target_step(steps, options);
+  // The run's first recorded step: its state is the program constructor's.
+  std::int64_t first_recorded = target;
   for (const auto& [s, recs] : steps) {
     if (!recs.begins.empty()) {
       first_recorded = s;
       break;
     }
   }
-  if (options.step) {
-    if (!steps.count(*options.step) || steps[*options.step].begins.empty()) {
-      throw Error("the trace holds no step " + std::to_string(*options.step) + "; it has steps " +
-                  std::to_string(steps.begin()->first) + ".." + std::to_string(target) + " (see retrace inspect)");
-    }
-    target = *options.step;
-  }
-  // The anchor: the latest full snapshot at or before the target whose state is all finite (a
-  // snapshot that already holds NaN/Inf cannot show where they came from); failing that, the
-  // latest full snapshot.
-  std::optional<Record> anchor, nonfinite_anchor;
-  std::vector<NamedTensor> anchor_state, nonfinite_anchor_state;  // decoded once, loaded below
-  const std::int64_t latest_anchor = options.from ? std::min(*options.from, target) : target;
-  for (auto it = steps.upper_bound(latest_anchor); it != steps.begin() && !anchor;) {
-    --it;
-    for (auto r = it->second.begins.rbegin(); r != it->second.begins.rend(); ++r) {
-      Record rec = trace_.read(*r);
-      if (!StepBeginRecord::decode(rec, trace_.path()).full) continue;
-      std::vector<NamedTensor> state = named_tensors(trace_, rec, tensor_names::state_name);
-      if (all_finite(state)) {
-        anchor = std::move(rec);
-        anchor_state = std::move(state);
-        break;
-      }
-      if (!nonfinite_anchor) {
-        nonfinite_anchor = std::move(rec);
-        nonfinite_anchor_state = std::move(state);
-      }
-    }
-  }
-  if (!anchor) {
-    anchor = std::move(nonfinite_anchor);
-    anchor_state = std::move(nonfinite_anchor_state);
-  }
-  if (!anchor) throw Error("no full snapshot at or before step " + std::to_string(target) + " to replay from");
-  result.from_step = StepBeginRecord::decode(*anchor, trace_.path()).step;
+  const Anchor anchor = find_anchor(trace_, steps, options.from ? std::min(*options.from, target) : target);
+  result.from_step = StepBeginRecord::decode(anchor.begin, trace_.path()).step;
   result.to_step = target;
-  program_.load_state(anchor_state);
+  program_.load_state(anchor.state);
 
+  static const StepRecords kNone;
   for (std::int64_t s = result.from_step; s <= target; ++s) {
-    const StepRecords& recs = steps[s];
+    const auto found = steps.find(s);
+    const StepRecords& recs = found == steps.end() ? kNone : found->second;
     if (recs.begins.empty()) throw Error("the trace holds no step_begin record of step " + std::to_string(s));
-    const Record begin = s == result.from_step ? *anchor : trace_.read(recs.begins.front());
-    Comparer comparer(trace_, s, recs);
-    const StepBeginRecord begin_record = StepBeginRecord::decode(begin, trace_.path());
-    const std::vector<std::uint8_t> rng = rng_bytes(trace_, begin, s);
-    if (s != result.from_step) {
-      // A step_begin that says its state is the previous step_end's was checked there.
-      if (!begin_record.state_as_step_end) {
-        for (const NamedTensor& st : program_.state()) {
-          comparer.compare(begin, tensor_names::state(st.name), st.tensor, "(state)", "step_begin");
-        }
-      }
-      if (!comparer.first && RngState::capture_all().serialize() != rng) {
-        comparer.diverge("", "step_begin", std::string(tensor_names::kRng), "the RNG state differs from the recorded one");
-      }
-    }
-    RngState::deserialize(rng.data(), rng.size()).restore();
-    std::vector<NamedTensor> batch = batch_of(trace_, begin, begin_record);
-    const std::vector<NamedTensor> state_before = clone_all(program_.state());
-
-    StepOutcome outcome;
-    std::optional<std::string> raised;
-    {
-      ObserverScope scope(comparer);
-      try {
-        outcome = program_.step(s, batch, &comparer);
-      } catch (const std::exception& e) {
-        if (comparer.own_error) std::rethrow_exception(comparer.own_error);  // a bad trace, not the program
-        raised = exception_message(e);
-      }
-    }
-    if (raised) {
-      // The step raised: its verdict is whether the recorded run raised the same here. Nothing
-      // after it can be replayed (the program stopped mid-step), so the replay ends here.
-      comparer.finish_raised(*raised);
-      if (comparer.first && !result.first_divergence) result.first_divergence = comparer.first;
-      result.raised = RaisedStep{s, *raised, recs.raised};
-      if (comparer.unrecorded) {
-        result.notes.push_back("step " + std::to_string(s) + " has no recorded outcome (the run died during it); re-executed " +
-                               "from its snapshot, it raised: " + *raised);
-      } else if (!comparer.first) {
-        result.notes.push_back("step " + std::to_string(s) + " raised, as the recorded run did: " + *raised);
-      }
-      if (options.provenance && !result.first_nonfinite) {
-        // What went non-finite before it raised (a non-finite gradient norm that clipping refuses).
-        program_.load_state(state_before);
-        RngState::deserialize(rng.data(), rng.size()).restore();
-        result.first_nonfinite = find_first_nonfinite(program_, s, batch);
-        if (result.first_nonfinite) result.first_nonfinite->step = s;
-      }
-      result.to_step = s;
-      break;
-    }
-    const std::vector<NamedTensor> state_after = program_.state();
-    comparer.finish(state_after);
-    if (comparer.first && !result.first_divergence) {
-      result.first_divergence = comparer.first;
-      Divergence& d = *result.first_divergence;
-      // Forward, backward, loss and gradients matched, the state after the optimizer did not, in
-      // the step restored from a snapshot the run reached by training: the program holds
-      // something state() does not give (a fresh program's constructor made it at step 1).
-      if (s == result.from_step && s > first_recorded && d.segment == "(state)" && d.phase == "optimizer" &&
-          d.detail.empty()) {
-        d.hint = "the step re-executed from the snapshot of step " + std::to_string(s) +
-                 " matched up to the optimizer step; the program's state() is probably incomplete: it leaves out "
-                 "something the optimizer step depends on (optimizer moments or step counts, a schedule counter), "
-                 "which load_state() cannot restore (retrace record's state self-check finds this while "
-                 "recording, unless --no-state-check)";
-      }
-    }
-    if (comparer.unrecorded) {
-      std::ostringstream note;
-      note << "step " << s << " has no recorded outcome (the run died during it); re-executed from its "
-           << "snapshot: loss " << number_text(outcome.loss) << ", grad norm " << number_text(outcome.grad_norm);
-      result.notes.push_back(note.str());
-    }
-
-    if (!outcome.injected.empty()) {
-      std::string tags;
-      for (const std::string& i : outcome.injected) tags += (tags.empty() ? "" : "; ") + i;
-      result.notes.push_back("step " + std::to_string(s) + " carries injected faults (not real ones): " + tags);
-    }
-    const bool params_ok = all_finite(state_after);
-    const bool nonfinite = !outcome.finite() || !params_ok;
-    // A non-finite step that a defense skipped (parameters still finite) does not end the run:
-    // the replay goes on checking the steps after it.
-    const bool handled = nonfinite && outcome.skipped && params_ok;
-    // Provenance re-runs the step on this program; after a handled step the replay goes on, and a
-    // second run of the step would move program state that state() does not hold (a rollback
-    // ring), so a handled step is only noted.
-    if (handled) {
-      result.notes.push_back("step " + std::to_string(s) + " went non-finite and a defense skipped it (" +
-                             outcome.skip_reason + "); the replay goes on");
-    } else if (nonfinite && options.provenance && !result.first_nonfinite) {
-      program_.load_state(state_before);
-      RngState::deserialize(rng.data(), rng.size()).restore();
-      result.first_nonfinite = find_first_nonfinite(program_, s, batch);
-      if (result.first_nonfinite) result.first_nonfinite->step = s;
-    }
-    if (result.first_divergence || (nonfinite && !handled)) {
+    const bool go_on = replay_step(trace_, program_, s, recs,
+                                   s == result.from_step ? anchor.begin : trace_.read(recs.begins.front()),
+                                   s == result.from_step, s > first_recorded, options, result);
+    if (!go_on) {
       result.to_step = s;
       break;
     }

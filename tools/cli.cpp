@@ -105,13 +105,15 @@ void usage(std::ostream& os) {
   os << "usage: " << me << " [--version] [--help] COMMAND [ARGS]\n";
   if (!cli::default_program().empty()) {
     os << "\nretrace's subcommands for program '" << cli::default_program()
-       << "': record it without a scenario, or run scenarios that name it (program: " << cli::default_program() << ").\n";
+       << "': record it without a scenario, or run scenarios that name it (program: " << cli::default_program()
+       << ").\n";
   }
   os << "\ncommands:\n";
   for (const Command& c : kCommands) {
     if (offered(c)) os << "  " << c.name << std::string(10 - std::strlen(c.name), ' ') << c.summary << "\n";
   }
-  os << "\nRun '" << me << " COMMAND --help' for a command's options.\n"
+  os << "\nRun '" << me
+     << " COMMAND --help' for a command's options.\n"
         "Exit codes: 0 ok or reproduced, 1 a check failed or a replay diverged, 2 bad input or usage.\n";
 }
 

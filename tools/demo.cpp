@@ -34,8 +34,8 @@ struct StepResult {
   std::vector<at::Tensor> grads;
 };
 
-StepResult run_step(models::TinyGpt& model, const models::Batch& batch,
-                    const models::CheckpointPlan& plan, std::uint64_t seed) {
+StepResult run_step(models::TinyGpt& model, const models::Batch& batch, const models::CheckpointPlan& plan,
+                    std::uint64_t seed) {
   model.zero_grad();
   torch::manual_seed(seed);
   at::Tensor loss = model.loss(batch, plan);
@@ -51,8 +51,8 @@ int run_demo(const std::vector<std::string>& args) {
   int layers = 4, segments = 2, steps = 3;
   std::string device_name = "cpu";
   po::options_description opts("retrace demo [options]");
-  opts.add_options()("help,h", "show this help")(
-      "layers", po::value<int>(&layers)->default_value(4), "transformer blocks")(
+  opts.add_options()("help,h", "show this help")("layers", po::value<int>(&layers)->default_value(4),
+                                                 "transformer blocks")(
       "segments", po::value<int>(&segments)->default_value(2), "checkpointed segments (1..layers)")(
       "steps", po::value<int>(&steps)->default_value(3), "training steps")(
       "device", po::value<std::string>(&device_name)->default_value("cpu"), "cpu or cuda");
@@ -64,9 +64,8 @@ int run_demo(const std::vector<std::string>& args) {
   }
   po::notify(vm);
   if (layers < 1 || segments < 1 || segments > layers || steps < 1) {
-    throw Error("need layers >= 1, 1 <= segments <= layers and steps >= 1 (got layers " +
-                std::to_string(layers) + ", segments " + std::to_string(segments) + ", steps " +
-                std::to_string(steps) + ")");
+    throw Error("need layers >= 1, 1 <= segments <= layers and steps >= 1 (got layers " + std::to_string(layers) +
+                ", segments " + std::to_string(segments) + ", steps " + std::to_string(steps) + ")");
   }
   if (device_name != "cpu" && device_name != "cuda") {
     throw Error("--device must be cpu or cuda, got '" + device_name + "'");
@@ -86,9 +85,8 @@ int run_demo(const std::vector<std::string>& args) {
   const models::CheckpointPlan plain{0, {}};
   const models::CheckpointPlan checkpointed{segments, {}};
 
-  std::cout << "retrace demo: tiny GPT, " << layers << " blocks, d_model " << config.d_model
-            << ", dropout " << config.dropout << ", " << segments << " checkpointed segments, "
-            << device.str() << "\n";
+  std::cout << "retrace demo: tiny GPT, " << layers << " blocks, d_model " << config.d_model << ", dropout "
+            << config.dropout << ", " << segments << " checkpointed segments, " << device.str() << "\n";
   bool ok = true;
   RecomputeVerifier verifier({VerifyPolicy::kWarn, /*keep_values=*/true});
   for (int step = 1; step <= steps; ++step) {
@@ -107,11 +105,10 @@ int run_demo(const std::vector<std::string>& args) {
     const bool loss_equal = same_bits(result.loss, reference.loss);
     const bool step_ok = verifier.mismatches().empty() && loss_equal && equal == result.grads.size();
     ok &= step_ok;
-    std::cout << "step " << step << "  loss " << std::fixed << std::setprecision(6)
-              << result.loss.item<double>() << "  recompute: " << verifier.verified_outputs()
-              << " outputs verified, " << verifier.mismatches().size()
-              << " mismatches  vs plain step: loss " << (loss_equal ? "bitwise equal" : "DIFFERS")
-              << ", grads " << equal << "/" << result.grads.size() << " bitwise equal\n";
+    std::cout << "step " << step << "  loss " << std::fixed << std::setprecision(6) << result.loss.item<double>()
+              << "  recompute: " << verifier.verified_outputs() << " outputs verified, " << verifier.mismatches().size()
+              << " mismatches  vs plain step: loss " << (loss_equal ? "bitwise equal" : "DIFFERS") << ", grads "
+              << equal << "/" << result.grads.size() << " bitwise equal\n";
     optimizer.step();  // parameters move on with the checkpointed step's gradients
   }
 

@@ -29,11 +29,14 @@ int run_diagnose(const std::vector<std::string>& args) {
       "SCENARIO is a .yaml file or builtin:NAME; TRACE a trace recorded from a scenario.\n"
       "Exit code 0 a variant avoids the failure (or nothing failed), 1 none does, 2 bad input.\n\n"
       "options");
-  opts.add_options()("help,h", "show this help")(
-      "steps", po::value<std::int64_t>(&options.steps), "steps re-run per variant (default: to the end of the run)")(
-      "lookback", po::value<std::int64_t>(&options.lookback), "start this many steps before the failing step (default 1)")(
-      "threads", po::value<int>(&options.threads), "LibTorch intra-op threads while variants run (default 1: timings comparable)")(
-      "repeats", po::value<int>(&options.repeats), "timed runs per variant, after a warm-up; its cost is their median (default 5)")(
+  opts.add_options()("help,h", "show this help")("steps", po::value<std::int64_t>(&options.steps),
+                                                 "steps re-run per variant (default: to the end of the run)")(
+      "lookback", po::value<std::int64_t>(&options.lookback),
+      "start this many steps before the failing step (default 1)")(
+      "threads", po::value<int>(&options.threads),
+      "LibTorch intra-op threads while variants run (default 1: timings comparable)")(
+      "repeats", po::value<int>(&options.repeats),
+      "timed runs per variant, after a warm-up; its cost is their median (default 5)")(
       "json", po::value<std::string>(&json_path), "write the diagnosis as JSON to FILE ('-' for stdout)");
   const auto parsed = parse_arguments(args, opts, "source", &source);
   if (!parsed) return 0;
@@ -42,8 +45,9 @@ int run_diagnose(const std::vector<std::string>& args) {
   if (options.lookback < 0) throw Error("--lookback must be 0 or more, got " + std::to_string(options.lookback));
   if (options.threads < 1) throw Error("--threads must be at least 1, got " + std::to_string(options.threads));
   if (options.repeats < 1) throw Error("--repeats must be at least 1, got " + std::to_string(options.repeats));
-  const bool scenario = source.rfind("builtin:", 0) == 0 || source.size() > 5 &&
-                        (source.compare(source.size() - 5, 5, ".yaml") == 0 || source.compare(source.size() - 4, 4, ".yml") == 0);
+  const bool scenario = source.rfind("builtin:", 0) == 0 ||
+                        (source.size() > 5 && (source.compare(source.size() - 5, 5, ".yaml") == 0 ||
+                                               source.compare(source.size() - 4, 4, ".yml") == 0));
   const Diagnosis d = scenario ? diagnose_scenario(load_scenario(source), options) : diagnose_trace(source, options);
   std::ostream& out = json_path == "-" ? std::cerr : std::cout;
   out << d.report();

@@ -102,26 +102,34 @@ int run_inspect(const std::vector<std::string>& args) {
     const RecordInfo& info = trace.records()[i];
     nlohmann::json tensors = nlohmann::json::array();
     for (const TensorEntry& e : r.tensors) {
-      tensors.push_back({{"name", e.name}, {"dtype", c10::toString(e.dtype)}, {"shape", e.shape},
-                         {"digest", e.digest.hex()}, {"stored", e.has_data()}, {"raw_bytes", e.raw_bytes},
-                         {"stored_bytes", e.stored_bytes}, {"codec", to_string(e.codec)}});
+      tensors.push_back({{"name", e.name},
+                         {"dtype", c10::toString(e.dtype)},
+                         {"shape", e.shape},
+                         {"digest", e.digest.hex()},
+                         {"stored", e.has_data()},
+                         {"raw_bytes", e.raw_bytes},
+                         {"stored_bytes", e.stored_bytes},
+                         {"codec", to_string(e.codec)}});
       if (!export_dir.empty() && e.has_data()) {
         const std::vector<char> bytes = torch::pickle_save(trace.decode(r, e));
         const std::string file = export_dir + "/" + std::to_string(i) + "_" + to_string(r.type) + "_step" +
                                  std::to_string(info.step) + "_" + safe(info.segment) +
-                                 (r.type == RecordType::kSegment ? "_" + safe(info.phase) + "_" : "") + safe(e.name) + ".pt";
+                                 (r.type == RecordType::kSegment ? "_" + safe(info.phase) + "_" : "") + safe(e.name) +
+                                 ".pt";
         write_file(file, std::string_view(bytes.data(), bytes.size()), "");
         ++exported;
       }
     }
     nlohmann::json meta = r.meta;
     meta.erase("tensors");
-    records.push_back({{"index", i}, {"type", to_string(r.type)}, {"offset", r.offset}, {"meta", meta}, {"tensors", tensors}});
+    records.push_back(
+        {{"index", i}, {"type", to_string(r.type)}, {"offset", r.offset}, {"meta", meta}, {"tensors", tensors}});
   }
 
   if (vm.count("json")) {
-    nlohmann::json doc = {{"path", trace_path},      {"complete", trace.complete()}, {"warning", trace.warning()},
-                          {"file_bytes", trace.file_size()}, {"header", trace.header()}, {"records", records}};
+    nlohmann::json doc = {{"path", trace_path},         {"complete", trace.complete()},
+                          {"warning", trace.warning()}, {"file_bytes", trace.file_size()},
+                          {"header", trace.header()},   {"records", records}};
     std::cout << doc.dump(2) << "\n";
   } else {
     const TraceHeader h = TraceHeader::decode(trace);
@@ -131,8 +139,8 @@ int run_inspect(const std::vector<std::string>& args) {
     std::cout << "writer: " << (h.writer.empty() ? "?" : h.writer) << ", format " << h.format_version << "\n";
     if (h.program) std::cout << "program: " << h.program->name << "\n";
     if (h.recorder) {
-      std::cout << "recorder: mode " << h.recorder->mode << ", every " << h.recorder->every << ", ring " << h.recorder->ring
-                << (h.recorder->write_ahead ? ", write-ahead" : "") << "\n";
+      std::cout << "recorder: mode " << h.recorder->mode << ", every " << h.recorder->every << ", ring "
+                << h.recorder->ring << (h.recorder->write_ahead ? ", write-ahead" : "") << "\n";
     }
     if (!h.environment.bitwise.empty()) {
       std::cout << "environment:";
@@ -141,7 +149,8 @@ int run_inspect(const std::vector<std::string>& args) {
     }
     for (std::size_t i = 0; i < records.size(); ++i) {
       const nlohmann::json& r = records[i];
-      std::cout << "#" << i << " @" << r["offset"].get<std::uint64_t>() << " " << r["type"].get<std::string>() << described[i];
+      std::cout << "#" << i << " @" << r["offset"].get<std::uint64_t>() << " " << r["type"].get<std::string>()
+                << described[i];
       std::uint64_t raw = 0, stored = 0;
       for (const auto& t : r["tensors"]) {
         raw += t["raw_bytes"].get<std::uint64_t>();
@@ -150,8 +159,9 @@ int run_inspect(const std::vector<std::string>& args) {
       std::cout << "  [" << r["tensors"].size() << " tensors, " << raw << " B raw, " << stored << " B stored]\n";
       if (vm.count("tensors")) {
         for (const auto& t : r["tensors"]) {
-          std::cout << "    " << t["name"].get<std::string>() << " " << t["dtype"].get<std::string>() << shape(t["shape"].get<std::vector<std::int64_t>>())
-                    << " " << t["digest"].get<std::string>() << (t["stored"].get<bool>() ? " stored" : "") << "\n";
+          std::cout << "    " << t["name"].get<std::string>() << " " << t["dtype"].get<std::string>()
+                    << shape(t["shape"].get<std::vector<std::int64_t>>()) << " " << t["digest"].get<std::string>()
+                    << (t["stored"].get<bool>() ? " stored" : "") << "\n";
         }
       }
     }

@@ -21,6 +21,75 @@ namespace retrace::cli {
 namespace po = boost::program_options;
 
 
+// The program to record: the scenario's (a file, or builtin:NAME as `run` and `diagnose` take),
+// or the binary's own program with the text of its --config file.
+std::unique_ptr<Program> program_to_record(const std::string& scenario, const std::string& config_path) {
+  if (!scenario.empty() && !config_path.empty()) {
+    throw Error("--config is for the binary's own program without a scenario; a scenario carries its program's "
+                "config (its 'config:' section)");
+  }
+  if (!scenario.empty()) return make_scenario_program(load_scenario(scenario));
+  if (!default_program().empty()) {
+    return make_program(default_program(), config_path.empty() ? "" : read_text_file(config_path, "--config file"));
+  }
+  if (!config_path.empty()) {
+    throw Error(
+        "--config needs a binary with its own program (retrace::main with a factory); this one records scenarios");
+  }
+  throw Error("missing SCENARIO.yaml: the scenario to record (see examples/scenarios/ for examples)");
+}
+
+// One line per step, then what was recorded. Returns whether every step stayed finite or was
+// skipped by a defense (handled, not a failure of the run).
+bool print_summary(const std::vector<StepOutcome>& outcomes, const RecorderStats& stats, const std::string& output,
+                   const std::string& mode) {
+  bool finite = true;
+  for (std::size_t i = 0; i < outcomes.size(); ++i) {
+    const StepOutcome& o = outcomes[i];
+    // A non-finite step that a defense skipped is handled, not a failure of the run.
+    const bool handled = !o.finite() && o.skipped;
+    std::cout << "step " << std::setw(4) << i + 1 << "  loss " << number_text(o.loss) << "  grad norm "
+              << number_text(o.grad_norm)
+              << (o.finite() ? ""
+                  : handled  ? "  non-finite, skipped: " + o.skip_reason
+                             : "  NON-FINITE")
+              << "\n";
+    for (const std::string& inj : o.injected) std::cout << "           injected: " << inj << "\n";
+    finite = finite && (o.finite() || handled);
+  }
+  std::cout << "recorded " << outcomes.size() << " steps to " << output << " (" << mode << " mode, " << stats.records
+            << " records, " << stats.bytes / 1024 << " KiB";
+  if (stats.ring_dumps) std::cout << ", flight ring dumped";
+  if (stats.backpressure_waits) std::cout << ", writer backpressure " << stats.backpressure_waits << "x";
+  if (stats.state_check.status == StateCheckResult::Status::kPassed) {
+    std::cout << ", state() round-trip checked at step " << stats.state_check.step;
+  }
+  std::cout << ")\n";
+  if (!stats.write_error.empty()) {
+    std::cerr << binary_name() << " record: recording stopped (" << stats.write_error
+              << "); training went on; what was written "
+              << "before is " << output << ".incomplete\n";
+  }
+  if (!finite)
+    std::cout << "the run went non-finite; replay it with: " << binary_name() << " replay " << output << "\n";
+  return finite;
+}
+
+// The scenario's injection entries that never fired (`fired[i]` is 0): the trace holds a run
+// without them. Returns whether all fired.
+bool report_unfired(const std::vector<char>& fired, const Defenses* defenses, std::int64_t n) {
+  bool all_fired = true;
+  for (std::size_t i = 0; i < fired.size(); ++i) {
+    if (fired[i]) continue;
+    all_fired = false;
+    const InjectionSpec& in = defenses->injector().specs()[i];
+    std::cerr << binary_name() << " record: injections[" << i << "] (" << to_string(in.type) << ", step " << in.step
+              << ") never fired" << (in.step > n ? "; the run stopped at step " + std::to_string(n) + " (--steps)" : "")
+              << ": the trace holds a run without it\n";
+  }
+  return all_fired;
+}
+
 int run_record(const std::vector<std::string>& args) {
   std::string scenario, output, mode = "digest", compression = "fast", on_write_error = "stop", config_path;
   int every = 0, ring = 0;
@@ -34,22 +103,26 @@ int run_record(const std::vector<std::string>& args) {
       "scenario's injections never fired (e.g. --steps stopped before it) or the state self-check\n"
       "found the program's state() incomplete, 2 for bad input.\n\n"
       "options");
-  opts.add_options()("help,h", "show this help")(
-      "output,o", po::value<std::string>(&output), "trace to write (TRACE.incomplete while recording)")(
+  opts.add_options()("help,h", "show this help")("output,o", po::value<std::string>(&output),
+                                                 "trace to write (TRACE.incomplete while recording)")(
       "mode", po::value<std::string>(&mode)->default_value("digest"), "digest (hashes only) or full (tensors)")(
       "every", po::value<int>(&every)->default_value(0), "digest mode: also a full snapshot every K steps")(
-      "ring", po::value<int>(&ring)->default_value(0), "flight ring: keep the last K full snapshots, dump them on NaN/Inf, exception or SIGTERM/SIGINT")(
+      "ring", po::value<int>(&ring)->default_value(0),
+      "flight ring: keep the last K full snapshots, dump them on NaN/Inf, exception or SIGTERM/SIGINT")(
       "write-ahead", "write each step's full snapshot to disk (fsync) before the step runs")(
       "on-write-error", po::value<std::string>(&on_write_error)->default_value("stop"),
       "when a trace write fails (disk full, I/O error): stop training, or continue training without recording")(
       "compression", po::value<std::string>(&compression)->default_value("fast"),
       "stored tensors: fast (Blosc bit-shuffle + LZ4) or small (byte shuffle + zstd, ~10% smaller, ~4x slower)")(
       "steps", po::value<std::int64_t>(&steps), "steps to run (overrides the scenario's training.steps)")(
-      "config", po::value<std::string>(&config_path), "without SCENARIO: the config FILE handed to the binary's own program")(
+      "config", po::value<std::string>(&config_path),
+      "without SCENARIO: the config FILE handed to the binary's own program")(
       "keep-going", "continue after a non-finite step instead of stopping")(
-      "no-state-check", "skip the state round-trip self-check (step 2 re-run on a copy of the program restored from its "
+      "no-state-check",
+      "skip the state round-trip self-check (step 2 re-run on a copy of the program restored from its "
       "state(), which must end it bitwise equal; a failure exits 1)")(
-      "deterministic", "deterministic algorithms on, cuDNN benchmark off, cuBLAS workspace configured (replay then does the same)");
+      "deterministic",
+      "deterministic algorithms on, cuDNN benchmark off, cuBLAS workspace configured (replay then does the same)");
   const auto parsed = parse_arguments(args, opts, "scenario", &scenario);
   if (!parsed) return 0;
   const po::variables_map& vm = *parsed;
@@ -69,21 +142,7 @@ int run_record(const std::vector<std::string>& args) {
 
   std::optional<DeterministicGuard> deterministic;
   if (vm.count("deterministic")) deterministic.emplace();
-  std::unique_ptr<Program> program;
-  if (!scenario.empty() && !config_path.empty()) {
-    throw Error("--config is for the binary's own program without a scenario; a scenario carries its program's "
-                "config (its 'config:' section)");
-  }
-  if (!scenario.empty()) {
-    const ScenarioSpec spec = load_scenario(scenario);  // a file, or builtin:NAME as `run` and `diagnose` take
-    program = make_scenario_program(spec);
-  } else if (!default_program().empty()) {
-    program = make_program(default_program(), config_path.empty() ? "" : read_text_file(config_path, "--config file"));
-  } else if (!config_path.empty()) {
-    throw Error("--config needs a binary with its own program (retrace::main with a factory); this one records scenarios");
-  } else {
-    throw Error("missing SCENARIO.yaml: the scenario to record (see scenarios/ for examples)");
-  }
+  std::unique_ptr<Program> program = program_to_record(scenario, config_path);
   RecorderOptions options;
   options.mode = parse_record_mode(mode);
   options.every = every;
@@ -118,39 +177,10 @@ int run_record(const std::vector<std::string>& args) {
   if (stats.state_check.status == StateCheckResult::Status::kSkipped) {
     std::cerr << binary_name() << " record: " << stats.state_check.message << "\n";
   }
-  bool finite = true;
-  for (std::size_t i = 0; i < outcomes.size(); ++i) {
-    const StepOutcome& o = outcomes[i];
-    // A non-finite step that a defense skipped is handled, not a failure of the run.
-    const bool handled = !o.finite() && o.skipped;
-    std::cout << "step " << std::setw(4) << i + 1 << "  loss " << number_text(o.loss) << "  grad norm " << number_text(o.grad_norm) << (o.finite() ? "" : handled ? "  non-finite, skipped: " + o.skip_reason : "  NON-FINITE") << "\n";
-    for (const std::string& inj : o.injected) std::cout << "           injected: " << inj << "\n";
-    finite = finite && (o.finite() || handled);
-  }
-  std::cout << "recorded " << outcomes.size() << " steps to " << output << " (" << mode << " mode, "
-            << stats.records << " records, " << stats.bytes / 1024 << " KiB";
-  if (stats.ring_dumps) std::cout << ", flight ring dumped";
-  if (stats.backpressure_waits) std::cout << ", writer backpressure " << stats.backpressure_waits << "x";
-  if (stats.state_check.status == StateCheckResult::Status::kPassed) {
-    std::cout << ", state() round-trip checked at step " << stats.state_check.step;
-  }
-  std::cout << ")\n";
-  if (!stats.write_error.empty()) {
-    std::cerr << binary_name() << " record: recording stopped (" << stats.write_error << "); training went on; what was written "
-              << "before is " << output << ".incomplete\n";
-  }
-  if (!finite) std::cout << "the run went non-finite; replay it with: " << binary_name() << " replay " << output << "\n";
-  bool all_fired = true;
-  if (finite && static_cast<std::int64_t>(outcomes.size()) == n) {  // a run cut short by a NaN: said above
-    for (std::size_t i = 0; i < fired.size(); ++i) {
-      if (fired[i]) continue;
-      all_fired = false;
-      const InjectionSpec& in = defenses->injector().specs()[i];
-      std::cerr << binary_name() << " record: injections[" << i << "] (" << to_string(in.type) << ", step " << in.step
-                << ") never fired" << (in.step > n ? "; the run stopped at step " + std::to_string(n) + " (--steps)" : "")
-                << ": the trace holds a run without it\n";
-    }
-  }
+  const bool finite = print_summary(outcomes, stats, output, mode);
+  // A run cut short by a NaN was reported above; a run that ran every step must have fired every injection.
+  const bool all_fired = !(finite && static_cast<std::int64_t>(outcomes.size()) == n) ||
+                         report_unfired(fired, defenses, n);
   return finite && all_fired && stats.write_error.empty() ? 0 : 1;
 }
 

@@ -22,9 +22,10 @@ int run_replay(const std::vector<std::string>& args) {
       "replay raises the same message at the same step. Exit code 0 reproduced bitwise, 1 diverged\n"
       "(or raised where the recorded run did not, or the other way round), 2 bad input.\n\n"
       "options");
-  opts.add_options()("help,h", "show this help")(
-      "step", po::value<std::int64_t>(&step), "last step to replay (default: the last recorded)")(
-      "from", po::value<std::int64_t>(&from), "replay from the latest full snapshot at or before this step (default: nearest to --step)")(
+  opts.add_options()("help,h", "show this help")("step", po::value<std::int64_t>(&step),
+                                                 "last step to replay (default: the last recorded)")(
+      "from", po::value<std::int64_t>(&from),
+      "replay from the latest full snapshot at or before this step (default: nearest to --step)")(
       "json", po::value<std::string>(&json_path), "write the result as JSON to FILE ('-' for stdout)")(
       "report", po::value<std::string>(&report_path),
       "write an HTML report to FILE: the first divergence, the first non-finite op with its inputs' statistics, "
@@ -47,7 +48,8 @@ int run_replay(const std::vector<std::string>& args) {
 
   std::ostream& out = json_path == "-" ? std::cerr : std::cout;
   for (const std::string& note : result.notes) out << "note: " << note << "\n";
-  for (const auto& d : result.environment) out << "warning: forced despite " << d.field << " " << d.recorded << " -> " << d.current << "\n";
+  for (const auto& d : result.environment)
+    out << "warning: forced despite " << d.field << " " << d.recorded << " -> " << d.current << "\n";
   out << "replayed steps " << result.from_step << ".." << result.to_step << ": "
       << (result.reproduced ? "reproduced bitwise" : "DIVERGED") << "\n";
   if (result.first_divergence) out << "first divergence: " << result.first_divergence->message() << "\n";

@@ -49,15 +49,16 @@ std::optional<RunFlags> parse_flags(const std::vector<std::string>& args) {
       "bar on stderr shows how many scenarios are done and which are running.\n"
       "Exit code 0 every expectation met, 1 some failed, 2 bad input.\n\n"
       "options");
-  opts.add_options()("help,h", "show this help")(
-      "jobs,j", po::value<int>(&f.pool.jobs), "scenarios run in parallel (default: the number of cores)")(
+  opts.add_options()("help,h", "show this help")("jobs,j", po::value<int>(&f.pool.jobs),
+                                                 "scenarios run in parallel (default: the number of cores)")(
       "junit", po::value<std::string>(&f.junit_path), "write a JUnit XML report to FILE")(
       "json", po::value<std::string>(&f.json_path), "write every result as JSON to FILE ('-' for stdout)")(
       "report", po::value<std::string>(&f.report_path),
       "write an HTML report to FILE: the outcome matrix and each scenario's loss, gradient-norm, loss-scale and "
       "LR curves with faults, skipped steps and rollbacks marked (one self-contained file, no script)")(
-      "threads", po::value<int>(&f.pool.threads), "LibTorch intra-op threads per scenario (default: cores / jobs; "
-                                                   "oversubscribing the cores slows spinning OpenMP threads badly)")(
+      "threads", po::value<int>(&f.pool.threads),
+      "LibTorch intra-op threads per scenario (default: cores / jobs; "
+      "oversubscribing the cores slows spinning OpenMP threads badly)")(
       "list", "list the scenarios (with their fault and defense) instead of running them")(
       "bench", "also measure stability figures per scenario: skipped steps, steps to recover, final-loss "
                "delta against the fault-free run, defenses' overhead per step (run one at a time: -j 1)");
@@ -80,7 +81,8 @@ std::optional<RunFlags> parse_flags(const std::vector<std::string>& args) {
   if (!f.child.empty()) return f;
   if (f.pool.bench && !vm.count("jobs")) f.pool.jobs = 1;  // timings from scenarios sharing the cores mean little
   if (f.pool.jobs < 1) throw Error("--jobs must be at least 1, got " + std::to_string(f.pool.jobs));
-  if (vm.count("threads") && f.pool.threads < 1) throw Error("--threads must be at least 1, got " + std::to_string(f.pool.threads));
+  if (vm.count("threads") && f.pool.threads < 1)
+    throw Error("--threads must be at least 1, got " + std::to_string(f.pool.threads));
   if (!f.report_path.empty()) {
     const fs::path parent = fs::path(f.report_path).parent_path();
     std::error_code ec;
@@ -96,8 +98,8 @@ std::vector<std::string> expand(const std::vector<std::string>& paths) {
   std::vector<std::string> out;
   if (paths.empty()) {
     if (!default_program().empty()) {  // a user's binary: its own scenarios, not retrace's suite
-      throw Error("no scenarios given: pass scenario files or folders (scenarios that name 'program: " + default_program() +
-                  "'), or builtin:NAME for one of retrace's built-in scenarios");
+      throw Error("no scenarios given: pass scenario files or folders (scenarios that name 'program: " +
+                  default_program() + "'), or builtin:NAME for one of retrace's built-in scenarios");
     }
     for (const BuiltinScenario& b : builtin_suite()) out.push_back("builtin:" + b.name);
     return out;
@@ -176,10 +178,11 @@ int run_run(const std::vector<std::string>& args) {
              [&](const std::string& text) { write_file(fl.junit_path, text, "--junit file"); });
   }
   if (!fl.report_path.empty()) {
-    add_file([](std::ostream& o) { return std::make_unique<HtmlReporter>(o); }, [&](const std::string& text) {
-      write_file(fl.report_path, text, "--report file");
-      say << "wrote the HTML report to " << fl.report_path << "\n";
-    });
+    add_file([](std::ostream& o) { return std::make_unique<HtmlReporter>(o); },
+             [&](const std::string& text) {
+               write_file(fl.report_path, text, "--report file");
+               say << "wrote the HTML report to " << fl.report_path << "\n";
+             });
   }
   if (!fl.json_path.empty()) {
     add_file([](std::ostream& o) { return std::make_unique<JsonReporter>(o); },

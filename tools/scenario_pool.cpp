@@ -56,7 +56,8 @@ ScenarioResult crashed(const ScenarioJob& job, const Child& child, int status) {
   r.defense = defense_label(job.spec);
   r.raised = true;
   if (WIFSIGNALED(status)) {
-    r.error = "the scenario's process died by signal " + std::to_string(WTERMSIG(status)) + " (" + strsignal(WTERMSIG(status)) + ")";
+    r.error = "the scenario's process died by signal " + std::to_string(WTERMSIG(status)) + " (" +
+              strsignal(WTERMSIG(status)) + ")";
   } else {
     r.error = "the scenario's process exited with code " + std::to_string(WEXITSTATUS(status)) + " and no result";
   }
@@ -107,7 +108,8 @@ std::vector<ScenarioResult> run_in_children(const std::vector<ScenarioJob>& jobs
   // A private folder of our own (mkdtemp: unpredictable name, mode 0700).
   std::string work_template = (fs::temp_directory_path() / "retrace_run_XXXXXX").string();
   if (::mkdtemp(work_template.data()) == nullptr) {
-    throw Error("cannot create a temporary folder in " + fs::temp_directory_path().string() + ": " + std::strerror(errno));
+    throw Error("cannot create a temporary folder in " + fs::temp_directory_path().string() + ": " +
+                std::strerror(errno));
   }
   const fs::path work = work_template;
   std::vector<Child> children(jobs.size());
@@ -138,14 +140,17 @@ std::vector<ScenarioResult> run_in_children(const std::vector<ScenarioJob>& jobs
 
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int per_child_threads =
-      options.threads > 0 ? options.threads
-                          : std::max(1, cores / std::max(1, std::min<int>(options.jobs, static_cast<int>(jobs.size()))));
+      options.threads > 0
+          ? options.threads
+          : std::max(1, cores / std::max(1, std::min<int>(options.jobs, static_cast<int>(jobs.size()))));
   const std::string self = "/proc/self/exe";
   auto start = [&](std::size_t i) {
     Child& child = children[i];
     child.result_path = (work / (std::to_string(i) + ".json")).string();
     child.log_path = (work / (std::to_string(i) + ".log")).string();
-    std::vector<std::string> argv_s = {"retrace", "run", "--child", jobs[i].source, "--result", child.result_path,
+    std::vector<std::string> argv_s = {"retrace",   "run",
+                                       "--child",   jobs[i].source,
+                                       "--result",  child.result_path,
                                        "--threads", std::to_string(per_child_threads)};
     if (options.bench) argv_s.push_back("--bench");
     std::vector<char*> argv;

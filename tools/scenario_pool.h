@@ -22,8 +22,8 @@ struct ScenarioJob {
 };
 
 struct PoolOptions {
-  int jobs = 1;     // children at once, >= 1
-  int threads = 0;  // LibTorch intra-op threads per child; 0: the cores / the children at once
+  int jobs = 1;        // children at once, >= 1
+  int threads = 0;     // LibTorch intra-op threads per child; 0: the cores / the children at once
   bool bench = false;  // the children run bench_scenario (--bench)
 };
 

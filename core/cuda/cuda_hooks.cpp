@@ -58,7 +58,8 @@ GraphRngPosition cuda_graph_rng_position(const at::Generator& generator, c10::De
     throw Error("retrace::RngState::capture: cuda:" + std::to_string(device) +
                 "'s generator is not part of the CUDA graph being captured (at::cuda::CUDAGraph registers the "
                 "default generator of the device current at capture_begin(); register others with "
-                "register_generator_state()): " + e.what_without_backtrace());
+                "register_generator_state()): " +
+                e.what_without_backtrace());
   }
   TORCH_INTERNAL_ASSERT(philox.captured_, "the generator of cuda:", static_cast<int>(device),
                         " answered outside a graph capture");
@@ -114,8 +115,7 @@ at::Tensor launch_lanes(const at::Tensor& contiguous) {
   lanes.zero_();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int err = launch_digest_lanes(t.const_data_ptr(), t.nbytes(),
-                                      reinterpret_cast<std::uint64_t*>(lanes.mutable_data_ptr<std::int64_t>()),
-                                      stream);
+                                      reinterpret_cast<std::uint64_t*>(lanes.mutable_data_ptr<std::int64_t>()), stream);
   C10_CUDA_CHECK(static_cast<cudaError_t>(err));
   return lanes;  // `t` may be freed now: the caching allocator orders its reuse after the kernel
 }
@@ -236,8 +236,6 @@ CudaHostCopy cuda_copy_to_host_async(const at::Tensor& tensor) {
   return {host, [done] { done->synchronize(); }};
 }
 
-std::string cuda_device_name(c10::DeviceIndex device) {
-  return at::cuda::getDeviceProperties(device)->name;
-}
+std::string cuda_device_name(c10::DeviceIndex device) { return at::cuda::getDeviceProperties(device)->name; }
 
 }  // namespace retrace::detail

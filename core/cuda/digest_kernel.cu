@@ -34,8 +34,7 @@ __device__ __forceinline__ void block_lanes(const std::uint64_t* __restrict__ wo
                                             unsigned tail_bytes, unsigned long long* out) {
   std::uint64_t a = 0, b = 0;
   const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
-  for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < nwords; i += stride) {
+  for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < nwords; i += stride) {
     const std::uint64_t w = __ldg(words + i);
     a += fmix64(w ^ (i * K1 + K2));
     b += fmix64((w + K3) ^ ((i + 1) * K4));
@@ -74,8 +73,8 @@ __device__ __forceinline__ void block_lanes(const std::uint64_t* __restrict__ wo
   }
 }
 
-__global__ void digest_lanes_kernel(const std::uint64_t* __restrict__ words, std::uint64_t nwords,
-                                    unsigned tail_bytes, unsigned long long* out) {
+__global__ void digest_lanes_kernel(const std::uint64_t* __restrict__ words, std::uint64_t nwords, unsigned tail_bytes,
+                                    unsigned long long* out) {
   block_lanes(words, nwords, tail_bytes, out);
 }
 
@@ -114,16 +113,13 @@ int launch_digest_lanes(const void* data, std::uint64_t nbytes, std::uint64_t* o
   std::uint64_t blocks = (nwords + kThreads - 1) / kThreads;
   if (blocks < 1) blocks = 1;
   if (blocks > 4096) blocks = 4096;  // grid-stride beyond that; enough to fill any current GPU
-  digest_lanes_kernel<<<static_cast<unsigned>(blocks), kThreads, 0,
-                        static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const std::uint64_t*>(data), nwords, tail_bytes,
-      reinterpret_cast<unsigned long long*>(out));
+  digest_lanes_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const std::uint64_t*>(data), nwords, tail_bytes, reinterpret_cast<unsigned long long*>(out));
   return static_cast<int>(cudaGetLastError());
 }
 
-void finish_digest_lanes(std::uint64_t lane_a, std::uint64_t lane_b, std::uint64_t header_lo,
-                         std::uint64_t header_hi, std::uint64_t nbytes, std::uint64_t* lo,
-                         std::uint64_t* hi) {
+void finish_digest_lanes(std::uint64_t lane_a, std::uint64_t lane_b, std::uint64_t header_lo, std::uint64_t header_hi,
+                         std::uint64_t nbytes, std::uint64_t* lo, std::uint64_t* hi) {
   *lo = fmix64(lane_a ^ header_lo) ^ fmix64(nbytes + K2);
   *hi = fmix64(lane_b + header_hi) ^ fmix64(nbytes ^ K4);
 }

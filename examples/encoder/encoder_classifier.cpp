@@ -20,7 +20,9 @@ EncoderConfig EncoderConfig::parse(const std::string& text) {
     };
     if (colon == std::string::npos || value.find_first_not_of(' ') == std::string::npos) fail("expected 'key: value'");
     std::istringstream v(value);
-    auto integer = [&](std::int64_t& out) { if (!(v >> out) || out < 1) fail("must be a positive integer"); };
+    auto integer = [&](std::int64_t& out) {
+      if (!(v >> out) || out < 1) fail("must be a positive integer");
+    };
     if (key == "layers") integer(c.layers);
     else if (key == "d_model") integer(c.d_model);
     else if (key == "heads") integer(c.heads);
@@ -28,14 +30,18 @@ EncoderConfig EncoderConfig::parse(const std::string& text) {
     else if (key == "seq_len") integer(c.seq_len);
     else if (key == "classes") integer(c.classes);
     else if (key == "batch") integer(c.batch);
-    else if (key == "lr") { if (!(v >> c.lr) || !(c.lr > 0)) fail("must be a positive number"); }
-    else if (key == "dropout") { if (!(v >> c.dropout) || c.dropout < 0 || c.dropout >= 1) fail("must be in [0, 1)"); }
-    else if (key == "seed") { if (!(v >> c.seed)) fail("must be a non-negative integer"); }
-    else if (key == "precision") {
+    else if (key == "lr") {
+      if (!(v >> c.lr) || !(c.lr > 0)) fail("must be a positive number");
+    } else if (key == "dropout") {
+      if (!(v >> c.dropout) || c.dropout < 0 || c.dropout >= 1) fail("must be in [0, 1)");
+    } else if (key == "seed") {
+      if (!(v >> c.seed)) fail("must be a non-negative integer");
+    } else if (key == "precision") {
       v >> c.precision;
       if (c.precision != "fp32" && c.precision != "bf16" && c.precision != "fp16") fail("must be fp32, bf16 or fp16");
     } else {
-      fail("unknown; the keys are layers, d_model, heads, vocab, seq_len, classes, batch, lr, dropout, precision, seed");
+      fail(
+          "unknown; the keys are layers, d_model, heads, vocab, seq_len, classes, batch, lr, dropout, precision, seed");
     }
   }
   if (c.d_model % c.heads != 0) throw retrace::Error("example.encoder config: d_model must be divisible by heads");
@@ -47,9 +53,9 @@ BlockImpl::BlockImpl(const EncoderConfig& c) {
   ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
   attn = register_module("attn", torch::nn::MultiheadAttention(
                                      torch::nn::MultiheadAttentionOptions(c.d_model, c.heads).dropout(c.dropout)));
-  mlp = register_module("mlp", torch::nn::Sequential(torch::nn::Linear(c.d_model, 4 * c.d_model), torch::nn::GELU(),
-                                                     torch::nn::Linear(4 * c.d_model, c.d_model),
-                                                     torch::nn::Dropout(c.dropout)));
+  mlp = register_module(
+      "mlp", torch::nn::Sequential(torch::nn::Linear(c.d_model, 4 * c.d_model), torch::nn::GELU(),
+                                   torch::nn::Linear(4 * c.d_model, c.d_model), torch::nn::Dropout(c.dropout)));
 }
 
 at::Tensor BlockImpl::forward(const at::Tensor& x) {
@@ -70,7 +76,8 @@ EncoderImpl::EncoderImpl(const EncoderConfig& c) {
 at::Tensor EncoderImpl::forward(const at::Tensor& tokens) {
   at::Tensor x = embed(tokens) + position(torch::arange(tokens.size(1), tokens.options()));
   for (std::size_t i = 0; i < blocks.size(); ++i) {
-    x = retrace::checkpoint("block" + std::to_string(i), [b = blocks[i]](const at::Tensor& in) mutable { return b(in); }, x);
+    x = retrace::checkpoint(
+        "block" + std::to_string(i), [b = blocks[i]](const at::Tensor& in) mutable { return b(in); }, x);
   }
   return head(final_ln(x).mean(1));
 }
@@ -116,9 +123,9 @@ std::vector<retrace::NamedTensor> EncoderClassifier::batch(std::int64_t step) {
 
 retrace::StepOutcome EncoderClassifier::step(std::int64_t step, const std::vector<retrace::NamedTensor>& batch_in,
                                              retrace::StepMonitor* monitor) {
-  retrace::DefendedStep s = defenses_.begin(step, monitor);         // retrace
+  retrace::DefendedStep s = defenses_.begin(step, monitor);           // retrace
   const std::vector<retrace::NamedTensor> batch = s.batch(batch_in);  // retrace
-  if (s.done()) return s.finish();                                  // retrace: an invalid batch is skipped
+  if (s.done()) return s.finish();                                    // retrace: an invalid batch is skipped
   optimizer_->zero_grad();
   at::Tensor loss;
   {

@@ -100,7 +100,7 @@ case_ "unknown command" 2 -- replya
 case_ "unknown option" 2 -- demo --segmnets 2
 case_ "a number that is not one" 2 -- demo --segments two
 case_ "record without -o" 2 -- record "$dir/unknown.yaml"
-case_ "record into a folder that does not exist" 2 -- record "$data/../../scenarios/files/tiny-gpt.yaml" -o /nonexistent/dir/t.trace
+case_ "record into a folder that does not exist" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o /nonexistent/dir/t.trace
 # case_readonly DESCRIPTION EXPECTED_CODE -- ARGS...: with $dir/readonly read-only
 case_readonly() {
   if [[ ${readonly_run[0]:-} == skip ]]; then
@@ -111,7 +111,7 @@ case_readonly() {
   case_ "$@"
   run=()
 }
-case_readonly "record into a read-only folder" 2 -- record "$data/../../scenarios/files/tiny-gpt.yaml" -o "$dir/readonly/t.trace"
+case_readonly "record into a read-only folder" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/readonly/t.trace"
 case_readonly "export tensors into a read-only folder" 2 -- inspect "$data/golden-v1.trace" --export "$dir/readonly"
 case_readonly "--json into a read-only folder" 2 -- run builtin:bf16-clean --json "$dir/readonly/r.json"
 # case_diskfull DESCRIPTION EXPECTED_CODE -- ARGS...: with $dir/small a 64 KiB file system
@@ -124,12 +124,12 @@ case_diskfull() {
   case_ "$@"
   run=()
 }
-case_diskfull "the disk fills up while recording" 2 -- record "$data/../../scenarios/files/tiny-gpt.yaml" -o "$dir/small/t.trace" --mode full
-case_diskfull "the disk fills up, --on-write-error continue" 1 -- record "$data/../../scenarios/files/tiny-gpt.yaml" -o "$dir/small/t.trace" --mode full --on-write-error continue
+case_diskfull "the disk fills up while recording" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/small/t.trace" --mode full
+case_diskfull "the disk fills up, --on-write-error continue" 1 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/small/t.trace" --mode full --on-write-error continue
 case_ "a trace with its header record twice" 2 -- inspect "$dir/duplicate.trace"
-case_ "unknown compression" 2 -- record "$data/../../scenarios/files/tiny-gpt.yaml" -o "$dir/t.trace" --compression tiny
-case_ "unknown write-error policy" 2 -- record "$data/../../scenarios/files/tiny-gpt.yaml" -o "$dir/t.trace" --on-write-error ignore
-case_ "unknown record mode" 2 -- record "$data/../../scenarios/files/tiny-gpt.yaml" -o "$dir/t.trace" --mode fast
+case_ "unknown compression" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --compression tiny
+case_ "unknown write-error policy" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --on-write-error ignore
+case_ "unknown record mode" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --mode fast
 case_ "scenario file that does not exist" 2 -- run "$dir/nope.yaml"
 case_ "empty scenario file" 2 -- run "$dir/empty.yaml"
 case_ "not YAML" 2 -- run "$dir/notyaml.yaml"
@@ -166,7 +166,7 @@ case_ "config without a program" 2 -- run "$dir/cfgonly.yaml"
 case_ "a misspelt clip mode" 2 -- run "$dir/clipmode.yaml"
 case_ "record a program this binary lacks" 2 -- record "$dir/prog.yaml" -o "$dir/t.trace"
 case_ "record --config in a binary without its own program" 2 -- record -o "$dir/t.trace" --config "$dir/nope.cfg"
-case_ "record a scenario with --config" 2 -- record "$data/../../scenarios/files/tiny-gpt.yaml" -o "$dir/t.trace" --config "$dir/nope.cfg"
+case_ "record a scenario with --config" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --config "$dir/nope.cfg"
 case_ "unknown built-in scenario" 2 -- run builtin:nope
 case_ "a folder without scenarios" 2 -- run "$dir/emptydir"
 case_ "-j 0" 2 -- run -j 0

@@ -3,9 +3,9 @@
 # LibTorch's pickle loader, and by Python's torch.load(weights_only=True) where the setup's
 # Python is found), a run forced to NaN, a SIGKILL mid-step with write-ahead, and SIGTERM with
 # a flight ring.
-#   record_replay.sh RETRACE_BIN SCENARIO_DIR PICKLE_CHECK_BIN
+#   record_replay.sh RETRACE_BIN SCENARIO_DIR PICKLE_CHECK_BIN RETRACE_CRASHABLE_BIN
 set -euo pipefail
-bin=$1 scenarios=$2 pickle_check=$3
+bin=$1 scenarios=$2 pickle_check=$3 crashable=$4
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
@@ -64,10 +64,13 @@ if "$bin" inspect "$work/nan.trace" | grep -q -- '-nan\|"nan"'; then fail "inspe
 
 # 4. SIGKILL during step 3 with write-ahead: the .incomplete trace replays the dying step.
 set +e
-RETRACE_FAULT_KILL_AT_STEP=3 "$bin" record "$scenarios/tiny-gpt.yaml" -o "$work/crash.trace" --write-ahead >/dev/null 2>&1
+RETRACE_FAULT_KILL_AT_STEP=3 "$crashable" record "$scenarios/tiny-gpt.yaml" -o "$work/crash.trace" --write-ahead >/dev/null 2>&1
 rc=$?
 set -e
 [[ $rc -eq 137 ]] || fail "the fault point did not kill the recorder (exit $rc)"
+# Control: the crash point is a test seam; the retrace binary ignores the variable.
+RETRACE_FAULT_KILL_AT_STEP=3 "$bin" record "$scenarios/tiny-gpt.yaml" -o "$work/nocrash.trace" --steps 3 >/dev/null 2>&1 \
+  || fail "the retrace binary has a crash point (RETRACE_FAULT_KILL_AT_STEP killed it)"
 [[ -f "$work/crash.trace.incomplete" && ! -f "$work/crash.trace" ]] || fail "no .incomplete trace after SIGKILL"
 "$bin" replay "$work/crash.trace.incomplete" >"$work/crash.out" || fail "crash replay failed"
 grep -q "step 3 has no recorded outcome" "$work/crash.out" || fail "crash step not re-executed: $(cat "$work/crash.out")"
@@ -92,8 +95,8 @@ trace=$work/term.trace
 
 # 6. A step that raised (clipping refuses an Inf gradient norm, defenses.clip.error_if_nonfinite):
 # replay raises the same at the same step, a verdict like any other -- exit 0, --json and --report
-# written. (Traces whose replay raises otherwise, exit 1: ReplayCli.* in replay_tests.)
-"$bin" record "$scenarios/../suite/grad-inf-clip-error.yaml" -o "$work/raise.trace" >/dev/null 2>&1 && fail "the clip error did not raise"
+# written. (Traces whose replay raises otherwise, exit 1: ReplayCli.* in replayer_tests.)
+"$bin" record "$scenarios/../../suite/scenarios/grad-inf-clip-error.yaml" -o "$work/raise.trace" >/dev/null 2>&1 && fail "the clip error did not raise"
 set +e
 "$bin" replay "$work/raise.trace" --json "$work/raise.json" --report "$work/raise.html" >"$work/raise.out" 2>&1
 rc=$?

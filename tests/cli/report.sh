@@ -23,7 +23,7 @@ count() { grep -o -- "$1" "$2" | wc -l; }
 
 # A scenario whose name would inject markup if it were not escaped.
 sed -e "s/^name: .*/name: '<img src=x onerror=alert(1)> \& \"quoted\"'/" \
-  "$(dirname "$files")/suite/grad-nan-skip.yaml" >"$dir/hostile.yaml"
+  "$(dirname "$(dirname "$files")")/suite/scenarios/grad-nan-skip.yaml" >"$dir/hostile.yaml"
 grep -q "^name: '<img" "$dir/hostile.yaml" || fail "could not write the hostile scenario"
 
 set +e

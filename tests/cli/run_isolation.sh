@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# run_isolation.sh RETRACE: one scenario's process dying by SIGKILL must not take down the
+# run_isolation.sh RETRACE_CRASHABLE: one scenario's process dying by SIGKILL must not take down the
 # suite: the others still run and report, the dead one is reported with its signal, a negative
 # control that dies fails too (a dead process tells nothing of whether the fault bit), and the
-# exit code is 1.
+# exit code is 1. RETRACE_CRASHABLE is the CLI with the recorder's crash point armed from
+# RETRACE_FAULT_KILL_AT_STEP (tests/cli/crashable_main.cpp).
 set -euo pipefail
 retrace=$1
 dir=$(mktemp -d)

@@ -62,7 +62,7 @@ TEST(BitwiseDiff, CountsNanAndInfOnEachSide) {
   const DiffReport r = bitwise_diff(a, b);
   EXPECT_EQ(r.expected_nonfinite, (NonFiniteCounts{1, 1, 1}));
   EXPECT_EQ(r.actual_nonfinite, (NonFiniteCounts{1, 0, 1}));
-  EXPECT_EQ(r.differing, 2);         // inf vs 3, 2 vs 2.5; equal NaN payloads are equal bits
+  EXPECT_EQ(r.differing, 2);  // inf vs 3, 2 vs 2.5; equal NaN payloads are equal bits
   EXPECT_EQ(r.nonfinite_mismatches, 1);
   EXPECT_DOUBLE_EQ(r.max_abs_diff, 0.5);
   EXPECT_EQ(r.first_index, 2);

@@ -38,13 +38,13 @@ bool gpu_required() {
   return v != nullptr && std::string(v) == "1";
 }
 
-#define RETRACE_REQUIRE_CUDA()                                                                        \
-  do {                                                                                                \
-    const char* why = !kBuiltWithCuda                   ? "retrace was built without CUDA sources"   \
-                      : !torch::cuda::is_available()    ? "no CUDA device is visible"                \
-                                                        : nullptr;                                   \
-    if (why != nullptr && gpu_required()) FAIL() << why << " (RETRACE_REQUIRE_GPU=1)";               \
-    if (why != nullptr) GTEST_SKIP() << why;                                                          \
+#define RETRACE_REQUIRE_CUDA()                                                                  \
+  do {                                                                                          \
+    const char* why = !kBuiltWithCuda                ? "retrace was built without CUDA sources" \
+                      : !torch::cuda::is_available() ? "no CUDA device is visible"              \
+                                                     : nullptr;                                 \
+    if (why != nullptr && gpu_required()) FAIL() << why << " (RETRACE_REQUIRE_GPU=1)";          \
+    if (why != nullptr) GTEST_SKIP() << why;                                                    \
   } while (0)
 
 TEST(CudaDigest, EqualTensorsDigestEqualOnDevice) {
@@ -141,7 +141,7 @@ TEST(CudaDigest, BatchedDigestsEqualOneByOne) {
   for (int i = 0; i < 300; ++i) {
     const std::int64_t n = (i * 7919) % 4099;
     at::Tensor t = big.narrow(0, i % 5, n);  // offsets of 4 bytes: not 8-byte aligned when odd
-    if (i % 3 == 1) t = t.to(at::kHalf);      // 2-byte elements: odd lengths leave a tail
+    if (i % 3 == 1) t = t.to(at::kHalf);     // 2-byte elements: odd lengths leave a tail
     if (i % 3 == 2) t = t.to(at::kBFloat16).view({-1}).narrow(0, 0, n / 2).t();
     tensors.push_back(t);
   }
@@ -422,7 +422,8 @@ TEST(CudaGraph, CheckpointedDropoutCapturedWithItsBackwardRecomputesTheForwardMa
     at::Tensor x = torch::ones({kSize}, torch::TensorOptions().device(dev).requires_grad(true));
     at::Tensor y;
     const auto step = [&] {
-      y = checkpoint("drop", [](const at::Tensor& in) { return torch::dropout(in, 0.5, /*train=*/true); }, x, options);
+      y = checkpoint(
+          "drop", [](const at::Tensor& in) { return torch::dropout(in, 0.5, /*train=*/true); }, x, options);
       y.sum().backward();
     };
     warm_up(side, [&] {
@@ -448,7 +449,7 @@ TEST(CudaGraph, CheckpointedDropoutCapturedWithItsBackwardRecomputesTheForwardMa
   const Replayed preserved = run(true);
   ASSERT_TRUE(preserved.grad.defined());
   EXPECT_BITWISE_EQ(preserved.output, preserved.eager_output);  // the graph's forward draws eager's mask
-  EXPECT_BITWISE_EQ(preserved.grad, preserved.output);           // the recompute drew it again
+  EXPECT_BITWISE_EQ(preserved.grad, preserved.output);          // the recompute drew it again
   EXPECT_GT(preserved.output.eq(0).sum().item<std::int64_t>(), 0) << "dropout dropped nothing";
   const Replayed unpreserved = run(false);
   ASSERT_TRUE(unpreserved.grad.defined());
@@ -457,7 +458,9 @@ TEST(CudaGraph, CheckpointedDropoutCapturedWithItsBackwardRecomputesTheForwardMa
 }
 
 std::string temp_trace(const std::string& name) {
-  return (std::filesystem::temp_directory_path() / ("retrace_cuda_" + name + "_" + std::to_string(::getpid()) + ".trace")).string();
+  return (std::filesystem::temp_directory_path() /
+          ("retrace_cuda_" + name + "_" + std::to_string(::getpid()) + ".trace"))
+      .string();
 }
 
 std::string gpt_yaml(const std::string& name, const std::string& device, const std::string& training_extra,

@@ -28,7 +28,8 @@ void parse_and_round_trip(const std::string& text) {
   }
   const std::string yaml_again = retrace::to_yaml(again);
   if (yaml_again != yaml) {
-    retrace::fuzz::fail("to_yaml() does not round-trip:\n--- first\n" + yaml + "--- after parsing it again\n" + yaml_again);
+    retrace::fuzz::fail("to_yaml() does not round-trip:\n--- first\n" + yaml + "--- after parsing it again\n" +
+                        yaml_again);
   }
 }
 

@@ -74,7 +74,8 @@ void read_everything(const std::string& path) {
       try {
         const at::Tensor t = reader.decode(record, entry);
         check(t.defined() && t.is_cpu() && t.is_contiguous(), "decode() returns a contiguous CPU tensor");
-        check(t.scalar_type() == entry.dtype && t.sizes().vec() == entry.shape, "decode() returns the declared dtype and shape");
+        check(t.scalar_type() == entry.dtype && t.sizes().vec() == entry.shape,
+              "decode() returns the declared dtype and shape");
         check(static_cast<std::uint64_t>(t.nbytes()) == entry.raw_bytes, "decode() returns raw_bytes bytes");
         check(entry.raw_bytes <= caps.max_tensor_bytes, "decode() honours max_tensor_bytes");
       } catch (const retrace::Error&) {
@@ -108,11 +109,30 @@ std::size_t element_size(const std::string& dtype) {
 
 // A value at or near an edge: sizes, offsets and counts are where readers go wrong.
 nlohmann::json interesting_number(std::minstd_rand& rng, std::uint64_t near) {
-  static const std::int64_t kSigned[] = {
-      0, 1, 2, 3, 4, 7, 8, 16, 255, 256, 4095, 4096, 65535, 65536,
-      (std::int64_t{1} << 31) - 1, std::int64_t{1} << 31, (std::int64_t{1} << 32) - 1, std::int64_t{1} << 32,
-      std::int64_t{1} << 53, std::int64_t{1} << 62, std::numeric_limits<std::int64_t>::max(),
-      -1, -2, std::numeric_limits<std::int64_t>::min()};
+  static const std::int64_t kSigned[] = {0,
+                                         1,
+                                         2,
+                                         3,
+                                         4,
+                                         7,
+                                         8,
+                                         16,
+                                         255,
+                                         256,
+                                         4095,
+                                         4096,
+                                         65535,
+                                         65536,
+                                         (std::int64_t{1} << 31) - 1,
+                                         std::int64_t{1} << 31,
+                                         (std::int64_t{1} << 32) - 1,
+                                         std::int64_t{1} << 32,
+                                         std::int64_t{1} << 53,
+                                         std::int64_t{1} << 62,
+                                         std::numeric_limits<std::int64_t>::max(),
+                                         -1,
+                                         -2,
+                                         std::numeric_limits<std::int64_t>::min()};
   switch (rng() % 4) {
     case 0: return near + rng() % 3 - 1;
     case 1: return std::numeric_limits<std::uint64_t>::max() - rng() % 2;
@@ -135,11 +155,12 @@ nlohmann::json wrong_type(std::minstd_rand& rng) {
 // change reaches the checks after it.
 bool mutate_tensor_entry(FramedRecord& r, std::minstd_rand& rng) {
   nlohmann::json meta = nlohmann::json::parse(r.meta, nullptr, /*allow_exceptions=*/false);
-  if (!meta.is_object() || !meta.contains("tensors") || !meta["tensors"].is_array() || meta["tensors"].empty()) return false;
+  if (!meta.is_object() || !meta.contains("tensors") || !meta["tensors"].is_array() || meta["tensors"].empty())
+    return false;
   nlohmann::json& e = meta["tensors"][rng() % meta["tensors"].size()];
   if (!e.is_object()) return false;
-  static const char* const kKeys[] = {"shape", "shape", "dtype", "raw_bytes", "offset", "stored_bytes",
-                                      "codec", "digest_algorithm", "digest", "name"};
+  static const char* const kKeys[] = {
+      "shape", "shape", "dtype", "raw_bytes", "offset", "stored_bytes", "codec", "digest_algorithm", "digest", "name"};
   const std::string key = kKeys[rng() % (sizeof kKeys / sizeof kKeys[0])];
   const auto unsigned_field = [&e](const char* k) -> std::uint64_t {
     const auto it = e.find(k);
@@ -200,16 +221,18 @@ bool mutate_records(FramedTrace& t, std::minstd_rand& rng) {
     const std::size_t i = rng() % t.records.size();
     FramedRecord& r = t.records[i];
     switch (rng() % 10) {
-      case 0: case 1: case 2:
+      case 0:
+      case 1:
+      case 2:
         if (mutate_tensor_entry(r, rng)) break;
         [[fallthrough]];
-      case 3: case 4:
+      case 3:
+      case 4:
         mutate_bytes(r.meta, 64);
         if (r.type == 15) keep_index = false;
         break;
-      case 5: case 6:
-        mutate_bytes(r.blob, 64);
-        break;
+      case 5:
+      case 6: mutate_bytes(r.blob, 64); break;
       case 7: {
         static const std::uint16_t kTypes[] = {1, 2, 3, 4, 5, 15, 0, 6, 14, 16, 0xffff};
         if (rng() % 4) {
@@ -275,9 +298,9 @@ extern "C" std::size_t LLVMFuzzerCustomMutator(std::uint8_t* data, std::size_t s
 }
 
 // Crossover along record boundaries: the first records of one trace, the rest of another.
-extern "C" std::size_t LLVMFuzzerCustomCrossOver(const std::uint8_t* data1, std::size_t size1, const std::uint8_t* data2,
-                                                 std::size_t size2, std::uint8_t* out, std::size_t max_out_size,
-                                                 unsigned int seed) {
+extern "C" std::size_t LLVMFuzzerCustomCrossOver(const std::uint8_t* data1, std::size_t size1,
+                                                 const std::uint8_t* data2, std::size_t size2, std::uint8_t* out,
+                                                 std::size_t max_out_size, unsigned int seed) {
   std::minstd_rand rng(seed);
   FramedTrace a = retrace::fuzz::split_trace(data1, size1);
   const FramedTrace b = retrace::fuzz::split_trace(data2, size2);

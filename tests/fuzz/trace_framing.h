@@ -5,7 +5,7 @@
 // right — so that a mutation reaches the metadata, tensor-table and codec checks behind the
 // checksums instead of stopping at the first checksum mismatch.
 //
-// Independent of core/trace.cpp on purpose: it shares no code with the reader it feeds.
+// Independent of core/trace_reader.cpp and core/trace_format.cpp on purpose: it shares no code with the reader it feeds.
 
 #include <cstddef>
 #include <cstdint>

@@ -15,6 +15,8 @@ data: {batch: 4}
 training: {steps: 4, optimizer: adamw, lr: 0.003, segments: 2}
 )";
 
-inline ScenarioSpec with(const std::string& extra) { return parse_scenario_text(std::string(kGpt) + extra, "test.yaml"); }
+inline ScenarioSpec with(const std::string& extra) {
+  return parse_scenario_text(std::string(kGpt) + extra, "test.yaml");
+}
 
 }  // namespace retrace::test

@@ -11,7 +11,7 @@ namespace retrace::test {
 
 struct StepSnapshot {
   at::Tensor loss;
-  at::Tensor input_grad;  // grad of the embedding output (the body's input)
+  at::Tensor input_grad;                                  // grad of the embedding output (the body's input)
   std::vector<std::pair<std::string, at::Tensor>> grads;  // every parameter, by name
 };
 
@@ -29,8 +29,7 @@ inline StepSnapshot run_step(models::SegmentedModel& model, const models::Batch&
   s.loss = loss.detach().clone();
   s.input_grad = x.grad().defined() ? x.grad().clone() : at::Tensor();
   for (const auto& item : model.named_parameters()) {
-    s.grads.emplace_back(item.key(), item.value().grad().defined() ? item.value().grad().clone()
-                                                                   : at::Tensor());
+    s.grads.emplace_back(item.key(), item.value().grad().defined() ? item.value().grad().clone() : at::Tensor());
   }
   return s;
 }

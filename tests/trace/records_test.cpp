@@ -20,7 +20,8 @@ namespace {
 namespace fs = std::filesystem;
 
 std::string temp_path(const std::string& name) {
-  return (fs::temp_directory_path() / ("retrace_records_" + name + "_" + std::to_string(::getpid()) + ".trace")).string();
+  return (fs::temp_directory_path() / ("retrace_records_" + name + "_" + std::to_string(::getpid()) + ".trace"))
+      .string();
 }
 
 std::string read_bytes(const std::string& path) {
@@ -28,9 +29,7 @@ std::string read_bytes(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary) << bytes;
-}
+void write_bytes(const std::string& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
 
 // The message of the TraceError that `f` throws; "(none)" when it throws none.
 template <class F>
@@ -121,11 +120,13 @@ TEST(Records, FieldsOlderTracesLackReadAsTheirDefaults) {
   EXPECT_FALSE(b.full);
   EXPECT_FALSE(b.batch_kinds.has_value());  // replay then names the built-in input and target
   EXPECT_FALSE(b.state_as_step_end.has_value());
-  const EventRecord signal = EventRecord::decode(nlohmann::json{{"event", "exception"}, {"what", "signal SIGTERM"}, {"step", 7}}, 0, "t");
+  const EventRecord signal =
+      EventRecord::decode(nlohmann::json{{"event", "exception"}, {"what", "signal SIGTERM"}, {"step", 7}}, 0, "t");
   EXPECT_FALSE(signal.exception->raised_by_step);
   const ExceptionEvent signal_event{7, "signal SIGTERM", false};
   EXPECT_FALSE(signal_event.to_meta().contains("raised_by_step"));  // written as before
-  const StepEndRecord e = StepEndRecord::decode(nlohmann::json{{"step", 1}, {"loss", 2.0}, {"grad_norm", "inf"}}, 0, "t");
+  const StepEndRecord e =
+      StepEndRecord::decode(nlohmann::json{{"step", 1}, {"loss", 2.0}, {"grad_norm", "inf"}}, 0, "t");
   EXPECT_FALSE(e.finite);  // derived from loss and grad_norm when the record does not say
   EXPECT_FALSE(TraceHeader::decode(nlohmann::json::object(), "t").program.has_value());
   EXPECT_THROW(TraceHeader::decode(nlohmann::json::object(), "t").require_program("t"), Error);
@@ -159,7 +160,9 @@ TEST(Records, AFieldOfTheWrongTypeIsMalformedNamingTheKeyAndOffset) {
       {RecordType::kEvent, {{"event", "exception"}, {"what", "x"}, {"step", "3"}}, "'step'"},
       {RecordType::kEvent, {{"event", "ring_dump"}, {"steps", {"a"}}}, "'steps'"},
       {RecordType::kHeader, {{"program", {{"name", 1}, {"config", ""}}}}, "'name'"},
-      {RecordType::kHeader, {{"environment", {{"bitwise", {{"intra_op_threads", 2}}}}}}, "'environment.bitwise.intra_op_threads'"},
+      {RecordType::kHeader,
+       {{"environment", {{"bitwise", {{"intra_op_threads", 2}}}}}},
+       "'environment.bitwise.intra_op_threads'"},
       {RecordType::kHeader, {{"recorder", {{"ring", "4"}}}}, "'ring'"},
   };
   for (const Case& c : cases) {
@@ -167,13 +170,18 @@ TEST(Records, AFieldOfTheWrongTypeIsMalformedNamingTheKeyAndOffset) {
     const std::string msg = trace_error([&] { validate_record_meta(c.type, c.meta, "my.trace", 4242); });
     EXPECT_NE(msg.find(c.key), std::string::npos) << msg;
     EXPECT_NE(msg.find("my.trace"), std::string::npos) << msg;
-    if (c.type != RecordType::kHeader) EXPECT_NE(msg.find("byte offset 4242"), std::string::npos) << msg;
+    if (c.type != RecordType::kHeader) {
+      EXPECT_NE(msg.find("byte offset 4242"), std::string::npos) << msg;
+    }
   }
   // Controls: well-typed versions of the same records.
   EXPECT_NO_THROW(validate_record_meta(RecordType::kStepBegin, {{"step", 1}, {"full", true}, {"lr", "nan"}}, "t", 0));
-  EXPECT_NO_THROW(validate_record_meta(RecordType::kSegment, {{"step", 1}, {"segment", "b"}, {"phase", "backward"}}, "t", 0));
-  EXPECT_NO_THROW(validate_record_meta(RecordType::kStepEnd, {{"step", 1}, {"loss", 1}, {"grad_norm", "-inf"}}, "t", 0));
-  EXPECT_NO_THROW(validate_record_meta(RecordType::kEvent, {{"event", "exception"}, {"what", "x"}, {"step", -1}}, "t", 0));
+  EXPECT_NO_THROW(
+      validate_record_meta(RecordType::kSegment, {{"step", 1}, {"segment", "b"}, {"phase", "backward"}}, "t", 0));
+  EXPECT_NO_THROW(
+      validate_record_meta(RecordType::kStepEnd, {{"step", 1}, {"loss", 1}, {"grad_norm", "-inf"}}, "t", 0));
+  EXPECT_NO_THROW(
+      validate_record_meta(RecordType::kEvent, {{"event", "exception"}, {"what", "x"}, {"step", -1}}, "t", 0));
   EXPECT_NO_THROW(validate_record_meta(RecordType::kHeader, {{"program", {{"name", "p"}, {"config", ""}}}}, "t", 0));
 }
 
@@ -278,8 +286,10 @@ TEST(Records, TheReaderReadsThroughTheFileSystemAndEveryFailingReadIsTyped) {
     EXPECT_NE(msg.find("at byte offset"), std::string::npos) << msg;
     EXPECT_NE(msg.find("Input/output error"), std::string::npos) << msg;
   }
-  EXPECT_NE(trace_error([&] { TraceReader r(path + ".nope"); }, TraceError::Kind::kIo).find("cannot open trace"), std::string::npos);
-  EXPECT_NE(trace_error([&] { TraceReader r(fs::temp_directory_path().string()); }, TraceError::Kind::kIo).find("is a directory"),
+  EXPECT_NE(trace_error([&] { TraceReader r(path + ".nope"); }, TraceError::Kind::kIo).find("cannot open trace"),
+            std::string::npos);
+  EXPECT_NE(trace_error([&] { TraceReader r(fs::temp_directory_path().string()); }, TraceError::Kind::kIo)
+                .find("is a directory"),
             std::string::npos);
   fs::remove(path);
 }

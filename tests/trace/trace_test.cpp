@@ -4,6 +4,8 @@
 #include <retrace/records.h>
 #include <retrace/trace.h>
 
+#include "core/tensor_codec.h"
+
 #include <torch/torch.h>
 
 #include <cmath>
@@ -43,8 +45,10 @@ at::Tensor tensor_d() { return torch::linspace(-2, 2, 5).to(torch::kHalf); }
 void write_small(const std::string& path, WriterOptions options = {}) {
   TraceWriter w(path, {{"program", {{"name", "test"}, {"config", "small"}}}}, options);
   w.append(RecordType::kStepBegin, {{"step", 1}, {"full", true}},
-           {{"a", tensor_a(), true, std::nullopt}, {"b", tensor_b(), true, std::nullopt},
-            {"c", tensor_c(), true, std::nullopt}, {"d", tensor_d(), false, std::nullopt}});
+           {{"a", tensor_a(), true, std::nullopt},
+            {"b", tensor_b(), true, std::nullopt},
+            {"c", tensor_c(), true, std::nullopt},
+            {"d", tensor_d(), false, std::nullopt}});
   w.append(RecordType::kSegment, {{"step", 1}, {"segment", "block0"}, {"phase", "forward"}},
            {{"output.0", tensor_d(), true, std::nullopt}});
   w.append(RecordType::kStepEnd, {{"step", 1}, {"loss", 0.25}}, {});
@@ -100,29 +104,34 @@ TEST(Trace, RoundTripFastAndSmallWithAndWithoutShuffle) {
 }
 
 TEST(Trace, OddSizesAndEveryDtypeRoundTrip) {
- for (Compression compression : {Compression::kFast, Compression::kSmall}) {
-  SCOPED_TRACE(to_string(compression));
-  const std::string path = temp_path("dtypes");
-  WriterOptions options;
-  options.compression = compression;
-  std::vector<at::Tensor> tensors{torch::randn({3, 5, 7}),      torch::randn({13}).to(torch::kHalf),
-                                  torch::randn({1}).to(torch::kBFloat16), torch::randn({9}).to(torch::kDouble),
-                                  torch::randint(0, 255, {11}).to(torch::kByte), torch::tensor({true, false, true}),
-                                  torch::randn({4}, torch::kComplexFloat),   torch::empty({0, 3})};
-  {
-    TraceWriter w(path, nlohmann::json::object(), options);
-    std::vector<TensorToWrite> list;
-    for (std::size_t i = 0; i < tensors.size(); ++i) list.push_back({"t" + std::to_string(i), tensors[i], true, std::nullopt});
-    list.push_back({"view", tensors[0].transpose(0, 2), true, std::nullopt});
-    w.append(RecordType::kEvent, {{"event", "dtypes"}}, list);
-    w.close();
+  for (Compression compression : {Compression::kFast, Compression::kSmall}) {
+    SCOPED_TRACE(to_string(compression));
+    const std::string path = temp_path("dtypes");
+    WriterOptions options;
+    options.compression = compression;
+    std::vector<at::Tensor> tensors{torch::randn({3, 5, 7}),
+                                    torch::randn({13}).to(torch::kHalf),
+                                    torch::randn({1}).to(torch::kBFloat16),
+                                    torch::randn({9}).to(torch::kDouble),
+                                    torch::randint(0, 255, {11}).to(torch::kByte),
+                                    torch::tensor({true, false, true}),
+                                    torch::randn({4}, torch::kComplexFloat),
+                                    torch::empty({0, 3})};
+    {
+      TraceWriter w(path, nlohmann::json::object(), options);
+      std::vector<TensorToWrite> list;
+      for (std::size_t i = 0; i < tensors.size(); ++i)
+        list.push_back({"t" + std::to_string(i), tensors[i], true, std::nullopt});
+      list.push_back({"view", tensors[0].transpose(0, 2), true, std::nullopt});
+      w.append(RecordType::kEvent, {{"event", "dtypes"}}, list);
+      w.close();
+    }
+    const TraceReader r(path);
+    const Record rec = r.read(0);
+    for (std::size_t i = 0; i < tensors.size(); ++i) EXPECT_BITWISE_EQ(tensors[i], r.decode(rec, rec.tensors[i]));
+    EXPECT_BITWISE_EQ(tensors[0].transpose(0, 2).contiguous(), r.decode(rec, *rec.find("view")));
+    fs::remove(path);
   }
-  const TraceReader r(path);
-  const Record rec = r.read(0);
-  for (std::size_t i = 0; i < tensors.size(); ++i) EXPECT_BITWISE_EQ(tensors[i], r.decode(rec, rec.tensors[i]));
-  EXPECT_BITWISE_EQ(tensors[0].transpose(0, 2).contiguous(), r.decode(rec, *rec.find("view")));
-  fs::remove(path);
- }
 }
 
 // A large tensor, so that Blosc splits it into several blocks, round trips bitwise
@@ -152,7 +161,8 @@ TEST(Trace, EncodingANonContiguousTensorIsAnErrorSayingTheFix) {
     encode_tensor_payload(w.t(), TensorCodec::kZstd);
     ADD_FAILURE() << "encoded a non-contiguous tensor";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("not contiguous; pass tensor.cpu().contiguous()"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("not contiguous; pass tensor.cpu().contiguous()"), std::string::npos)
+        << e.what();
   }
   EXPECT_NO_THROW(encode_tensor_payload(w.t().contiguous(), TensorCodec::kZstd));  // control
 }
@@ -255,7 +265,9 @@ TEST(Trace, TruncationAtEveryByteIsACleanEndOrATypedError) {
       ++clean;
       EXPECT_LE(r.records().size(), 3u);
       EXPECT_EQ(r.complete(), cut == bytes.size()) << "cut at " << cut;
-      if (r.truncated()) EXPECT_NE(r.warning().find("readable"), std::string::npos) << r.warning();
+      if (r.truncated()) {
+        EXPECT_NE(r.warning().find("readable"), std::string::npos) << r.warning();
+      }
       for (std::size_t i = 0; i < r.records().size(); ++i) {
         const Record rec = r.read(i);
         for (const TensorEntry& e : rec.tensors) {
@@ -313,7 +325,8 @@ TEST(Trace, DeclaredSizesNeverDriveAnAllocationBeyondTheCap) {
   const std::string path = temp_path("huge");
   {
     TraceWriter w(path, nlohmann::json::object());
-    const at::Tensor huge = torch::empty({std::int64_t{2} << 30}, torch::TensorOptions().device(torch::kMeta).dtype(torch::kByte));
+    const at::Tensor huge =
+        torch::empty({std::int64_t{2} << 30}, torch::TensorOptions().device(torch::kMeta).dtype(torch::kByte));
     w.append(RecordType::kEvent, {{"event", "huge"}}, {{"h", huge, false, Digest{1, 2, DigestAlgorithm::kXxh3_128}}});
     w.close();
   }
@@ -435,12 +448,18 @@ TEST(Trace, TheWriterRefusesWhatTheReaderWouldRefuse) {
   };
   // Metadata size: the description alone is the cap.
   const std::string huge(caps.max_meta_bytes, 'x');
-  EXPECT_NE(message([&] { TraceWriter w(path, {{"description", huge}}); }).find("ReaderOptions::max_meta_bytes"), std::string::npos);
+  EXPECT_NE(message([&] {
+              TraceWriter w(path, {{"description", huge}});
+            }).find("ReaderOptions::max_meta_bytes"),
+            std::string::npos);
   EXPECT_FALSE(fs::exists(path + ".incomplete")) << "a refused header left a file behind";
   // Nesting: 33 levels.
   nlohmann::json deep = 1;
   for (int i = 0; i < caps.max_meta_depth; ++i) deep = nlohmann::json::array({deep});
-  EXPECT_NE(message([&] { TraceWriter w(path, {{"config", deep}}); }).find("ReaderOptions::max_meta_depth"), std::string::npos);
+  EXPECT_NE(message([&] {
+              TraceWriter w(path, {{"config", deep}});
+            }).find("ReaderOptions::max_meta_depth"),
+            std::string::npos);
   EXPECT_FALSE(fs::exists(path + ".incomplete"));
   // A digest-only entry declaring 5 GiB.
   {
@@ -450,7 +469,10 @@ TEST(Trace, TheWriterRefusesWhatTheReaderWouldRefuse) {
     big.dtype = at::kByte;
     big.shape = {std::int64_t{5} << 30};
     big.digest = Digest{1, 2, DigestAlgorithm::kXxh3_128};
-    EXPECT_NE(message([&] { w.append(RecordType::kEvent, {{"event", "big"}}, {big}); }).find("ReaderOptions::max_tensor_bytes"), std::string::npos);
+    EXPECT_NE(message([&] {
+                w.append(RecordType::kEvent, {{"event", "big"}}, {big});
+              }).find("ReaderOptions::max_tensor_bytes"),
+              std::string::npos);
     big.shape = {std::int64_t{1} << 30};  // control: 1 GiB declared is fine
     EXPECT_EQ(message([&] { w.append(RecordType::kEvent, {{"event", "big"}}, {big}); }), "(written)");
     w.close();

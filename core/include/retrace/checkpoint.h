@@ -1,0 +1,84 @@
+#pragma once
+// Activation checkpointing for LibTorch's C++ API (which has none): a named segment runs its
+// forward under no-grad keeping only its inputs, and in backward recomputes itself with grad
+// enabled, under the RNG and autocast state of the forward, and back-propagates through the
+// recompute. This is PyTorch's reentrant checkpoint (use_reentrant=True), with three differences:
+//   - parameter gradients arrive even when no input requires grad;
+//   - the segment has a name, and its events go to attached observers (observer.h);
+//   - misuse is an error naming the segment, never wrong gradients.
+
+#include <retrace/error.h>
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace retrace {
+
+using SegmentFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+using TensorFn = std::function<at::Tensor(const at::Tensor&)>;
+
+// How the forward of a checkpointed segment runs.
+enum class ForwardMode {
+  // With grad enabled on detached inputs, the graph dropped as soon as the outputs exist: every
+  // kernel sees the same grad mode and requires_grad flags as in the recompute. Some kernels pick
+  // their algorithm by grad mode -- torch::nn::LSTM on CPU (oneDNN) computes other bits under
+  // no-grad (docs/checkpoint.md has the measurement) -- so this is what makes
+  // checkpointed gradients bitwise equal to the plain model's. Costs building (not keeping) the
+  // segment's graph; peak memory is one segment's activations, as in its recompute.
+  kLikeRecompute,
+  // Under no-grad, as torch.utils.checkpoint does: a little cheaper, and not bitwise for such
+  // kernels (the verifier reports them).
+  kNoGrad,
+};
+
+struct CheckpointOptions {
+  // Save the CPU generator and the generators of the inputs' CUDA devices at forward and run the
+  // recompute from that state (preserve_rng_state=True in PyTorch). Turning it off makes dropout
+  // draw other masks on recompute: the gradients are then wrong, which the verifier reports.
+  bool preserve_rng_state = true;
+  // Re-apply the forward's autocast state during recompute. Off only for negative controls.
+  bool restore_autocast = true;
+  ForwardMode forward_mode = ForwardMode::kLikeRecompute;
+};
+
+// Runs fn(inputs) as a checkpointed segment named `name` and returns its outputs.
+//
+// fn must return at least one tensor; every output must be a floating-point tensor on the
+// device of the inputs. fn may use module parameters freely: their gradients are accumulated
+// during backward exactly as without checkpointing. fn must be a pure function of its inputs,
+// its parameters and the random generators; it runs twice when backward runs.
+//
+// Cost: the forward costs fn plus, with observers attached, their handlers; memory held until
+// backward is the inputs only (and, with kLikeRecompute, the forward briefly builds the
+// segment's graph). Backward costs a second fn plus its backward.
+// Not supported (throws CheckpointError naming the segment): backward through
+// torch::autograd::grad(...) or backward(inputs=...), outputs of mixed devices, no output,
+// non-floating outputs.
+std::vector<at::Tensor> checkpoint(const std::string& name, SegmentFn fn, const std::vector<at::Tensor>& inputs,
+                                   const CheckpointOptions& options = {});
+
+// Single tensor in, single tensor out.
+at::Tensor checkpoint(const std::string& name, TensorFn fn, const at::Tensor& input,
+                      const CheckpointOptions& options = {});
+
+// A named step of a sequential model.
+struct Stage {
+  std::string name;
+  TensorFn fn;
+};
+
+// Splits `stages` into `segments` contiguous groups of near-equal size (sizes differ by at
+// most one, the earlier groups larger) and checkpoints each group as one segment named after its
+// stages ("block0" or "block0..block3"). Unlike torch.utils.checkpoint.checkpoint_sequential, the
+// last group is checkpointed too; segments == 1 checkpoints the whole sequence.
+// Throws retrace::Error if segments < 1 or segments > stages.size().
+at::Tensor checkpoint_sequential(const std::vector<Stage>& stages, int segments, const at::Tensor& input,
+                                 const CheckpointOptions& options = {});
+
+// The segment names checkpoint_sequential() would use.
+std::vector<std::string> segment_names(const std::vector<Stage>& stages, int segments);
+
+}  // namespace retrace

@@ -1,0 +1,229 @@
+#pragma once
+// The trace format: a versioned header, then append-only records (type, length, checksum), tensor
+// payloads compressed either fast (Blosc: bit-shuffle + LZ4) or small (byte shuffle + zstd with
+// its frame checksum), and an index at the end. The spec, with every field's invariants, is docs/trace-format.md.
+//
+// A trace being written is NAME.incomplete; close() writes the index, fsyncs and renames it to
+// NAME. A truncated tail is a clean end: every complete record stays readable, with a warning.
+// The reader checks every length and offset before it allocates, caps sizes, and fails with a
+// TraceError naming the byte offset. Nothing in a trace is ever unpickled.
+
+#include <retrace/digest.h>
+#include <retrace/error.h>
+#include <retrace/io.h>
+
+#include <ATen/core/Tensor.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace retrace {
+
+// File magic, then kTraceFormatVersion as u32.
+inline constexpr char kTraceMagic[8] = {'R', 'E', 'T', 'R', 'A', 'C', 'E', '\0'};
+// Bumped on any change an older reader could misread. Readers accept versions <= their own.
+// Version 2 added codec 3 (Blosc); a version-1 trace reads unchanged.
+inline constexpr std::uint32_t kTraceFormatVersion = 2;
+
+enum class RecordType : std::uint16_t {
+  kHeader = 1,     // exactly one, first: writer, environment, program
+  kStepBegin = 2,  // state before a step: full tensors or digests; batch and RNG always full
+  kSegment = 3,    // one checkpointed segment's event: forward, recompute or backward
+  kStepEnd = 4,    // loss, grad norm, scale, skipped, grad and post-step state digests
+  kEvent = 5,      // a note: flight-ring dump, exception, signal, injected fault tag
+  kIndex = 15,     // last: offsets of every record, for random access
+};
+const char* to_string(RecordType type);
+
+// How a tensor's bytes are stored.
+enum class TensorCodec : std::uint8_t {
+  kDigestOnly = 0,          // no data, only the digest
+  kZstd = 1,                // zstd frame of the raw little-endian bytes
+  kZstdShuffle = 2,         // zstd frame of the bytes regrouped by byte position (all byte 0s, ...)
+  kBloscBitshuffleLz4 = 3,  // Blosc buffer: bits regrouped by bit position, then LZ4 (version 2+)
+};
+// "digest-only", "zstd", "zstd+shuffle", "blosc-bitshuffle-lz4".
+const char* to_string(TensorCodec codec);
+
+struct TensorEntry {
+  std::string name;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<std::int64_t> shape;
+  Digest digest;
+  TensorCodec codec = TensorCodec::kDigestOnly;
+  std::uint64_t raw_bytes = 0;     // numel * element size
+  std::uint64_t offset = 0;        // into the record's blob
+  std::uint64_t stored_bytes = 0;  // compressed size
+  bool has_data() const { return codec != TensorCodec::kDigestOnly; }
+};
+
+struct Record {
+  RecordType type = RecordType::kEvent;
+  std::uint64_t offset = 0;  // byte offset of the record header in the file
+  nlohmann::json meta;       // record-specific fields (docs/trace-format.md)
+  std::vector<TensorEntry> tensors;
+  std::string blob;  // the stored tensor bytes
+  const TensorEntry* find(const std::string& name) const;
+};
+
+// A tensor to append: data stored (compressed) or only its digest.
+struct TensorToWrite {
+  std::string name;
+  at::Tensor tensor;  // any device; copied to host when stored
+  bool store_data = false;
+  std::optional<Digest> digest;  // precomputed (e.g. on device); else computed on the host
+  // For a digest-only entry without `tensor` (cheaper than a tensor to carry): its dtype and
+  // shape. Ignored when `tensor` is defined.
+  at::ScalarType dtype = at::kFloat;
+  std::vector<std::int64_t> shape;
+  // When set, the writer calls it before reading `tensor`: an asynchronous device-to-host copy
+  // (snapshot_to_host) is still in flight.
+  std::function<void()> ready;
+  // When set and `digest` is not: the digest, finished by the writer (digest_async).
+  std::function<Digest()> digest_later;
+
+  // A digest-only entry: name, digest, dtype and shape of `t`, no data and no tensor kept.
+  static TensorToWrite digest_only(std::string name, const at::Tensor& t, const Digest& d);
+  // A digest-only entry whose digest may still be computing on a device.
+  static TensorToWrite digest_only(std::string name, const at::Tensor& t, const PendingDigest& d);
+};
+
+enum class ShuffleMode { kAuto, kAlways, kNever };
+
+// What the writer optimizes stored tensors for (bench/README.md has the ratios and speeds):
+//   kFast:  Blosc bit-shuffle + LZ4 (codec 3): the default, so that full mode and ring dumps cost
+//           the writer thread little.
+//   kSmall: byte shuffle (ShuffleMode) + zstd (codecs 1/2): smaller and several times slower to
+//           encode; for traces kept long or shipped over a slow link.
+enum class Compression { kFast, kSmall };
+const char* to_string(Compression c);
+
+inline constexpr int kDefaultZstdLevel = -20;
+
+struct WriterOptions {
+  Compression compression = Compression::kFast;
+  // kSmall's zstd level. The default is zstd's fastest level with Huffman coding of literals
+  // forced on, chosen over levels 1 and 3 by bench/README.md's recorder figures.
+  int zstd_level = kDefaultZstdLevel;
+  // kAuto: shuffle floating-point tensors of 2+ byte elements (bench/README.md).
+  ShuffleMode shuffle = ShuffleMode::kAuto;
+  io::FileSystem* fs = nullptr;  // nullptr: the POSIX file system
+};
+
+// Writes one trace. Not thread-safe: one thread appends (the recorder's writer thread).
+class TraceWriter {
+ public:
+  // Creates PATH.incomplete and writes the header record. `header` is stored as the header's
+  // meta, with format_version added.
+  TraceWriter(std::string path, nlohmann::json header, WriterOptions options = {});
+  ~TraceWriter();  // without close(): the .incomplete file stays, readable up to its last record
+  TraceWriter(const TraceWriter&) = delete;
+  TraceWriter& operator=(const TraceWriter&) = delete;
+
+  // Encodes and appends one record; returns its byte offset. Cost: host copy and compression of
+  // stored tensors, XXH3 of digest-only ones.
+  std::uint64_t append(RecordType type, nlohmann::json meta, const std::vector<TensorToWrite>& tensors);
+  // fsync: everything appended so far survives a crash.
+  void sync();
+  // Index, trailer, fsync, rename to the final name, fsync of the directory. Idempotent.
+  void close();
+  bool closed() const { return closed_; }
+  const std::string& path() const { return path_; }
+  std::string incomplete_path() const { return path_ + ".incomplete"; }
+  std::uint64_t bytes_written() const;
+
+ private:
+  void write_record(RecordType type, const nlohmann::json& meta, const std::string& blob,
+                    const std::vector<TensorEntry>& tensors);
+  std::string path_;
+  WriterOptions options_;
+  io::FileSystem* fs_;
+  std::unique_ptr<io::WritableFile> file_;
+  nlohmann::json index_ = nlohmann::json::array();
+  bool closed_ = false;
+};
+
+// A trace that cannot be read past some point.
+class TraceError : public Error {
+ public:
+  enum class Kind { kIo, kBadMagic, kVersion, kChecksum, kMalformed, kTooLarge };
+  TraceError(Kind kind, std::uint64_t offset, const std::string& what) : Error(what), kind_(kind), offset_(offset) {}
+  Kind kind() const noexcept { return kind_; }
+  std::uint64_t offset() const noexcept { return offset_; }
+
+ private:
+  Kind kind_;
+  std::uint64_t offset_;
+};
+
+// The reader's caps. TraceWriter refuses to write what the default ReaderOptions would refuse to
+// read (a clear retrace::Error when the record is appended; the header's, when the writer is
+// created, before any training), so every trace retrace writes reads back with the defaults.
+struct ReaderOptions {
+  // Every record's length is a u32: by default the format's own limit (a full-mode snapshot of a
+  // 100 M-parameter model with AdamW is over 1 GiB). A reader of untrusted files may set less.
+  std::uint64_t max_record_bytes = 0xffffffffu;
+  std::uint64_t max_tensor_bytes = std::uint64_t{4} << 30;  // decoded size of one tensor
+  std::uint32_t max_meta_bytes = 16u << 20;
+  int max_meta_depth = 32;       // JSON nesting
+  io::FileSystem* fs = nullptr;  // nullptr: the POSIX file system (tests substitute failing ones)
+};
+
+struct RecordInfo {
+  RecordType type;
+  std::uint64_t offset;
+  std::uint32_t length;  // payload bytes
+  std::int64_t step = -1;
+  std::string segment;
+  std::string phase;
+};
+
+// Reads a trace (final or .incomplete). Opening scans every record once, verifying framing and
+// checksums. Thread-compatible: const methods may run concurrently.
+class TraceReader {
+ public:
+  explicit TraceReader(const std::string& path, ReaderOptions options = {});
+  ~TraceReader();
+  TraceReader(TraceReader&&) noexcept;
+  TraceReader& operator=(TraceReader&&) = delete;
+
+  const std::string& path() const { return path_; }
+  // The header record's metadata as stored; TraceHeader::decode(trace) (records.h) reads it typed.
+  const nlohmann::json& header() const { return header_; }
+  // Every record after the header, in file order (the index record excluded).
+  const std::vector<RecordInfo>& records() const { return records_; }
+  // True when the file ends inside a record (a crash while writing); warning() says where.
+  bool truncated() const { return !warning_.empty(); }
+  const std::string& warning() const { return warning_; }
+  // True when the trace was closed (index and trailer present).
+  bool complete() const { return complete_; }
+  std::uint64_t file_size() const { return file_size_; }
+
+  // Loads record i of records(): verifies its checksum, parses meta and tensor entries.
+  Record read(std::size_t i) const;
+  // Decodes a stored tensor (CPU), checking sizes against the caps and its digest.
+  at::Tensor decode(const Record& record, const TensorEntry& entry) const;
+
+ private:
+  // Walks the records after the file header: fills records_ and header_, checks the index and
+  // trailer, and says in warning_ where a truncated trace ends.
+  void scan_records();
+  Record load(std::uint64_t offset) const;
+  RecordInfo index_entry(const Record& record, std::uint32_t length) const;
+  std::string path_;
+  ReaderOptions options_;
+  std::unique_ptr<io::ReadableFile> file_;
+  std::uint64_t file_size_ = 0;
+  nlohmann::json header_;
+  std::vector<RecordInfo> records_;
+  std::string warning_;
+  bool complete_ = false;
+  std::uint32_t version_ = 0;
+};
+
+}  // namespace retrace

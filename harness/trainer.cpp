@@ -1,0 +1,224 @@
+#include <retrace/trainer.h>
+
+#include <retrace/autocast.h>
+#include <retrace/error.h>
+#include <retrace/number.h>
+#include <retrace/observer.h>
+
+#include <torch/cuda.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <optional>
+
+namespace retrace {
+
+namespace {
+
+std::shared_ptr<models::SegmentedModel> build_model(const ScenarioSpec& s) {
+  const ModelSpec& m = s.model;
+  if (m.type == "tiny_gpt") {
+    models::GptConfig c;
+    c.vocab = m.vocab;
+    c.d_model = m.d_model;
+    c.heads = m.heads;
+    c.layers = m.layers;
+    c.seq_len = m.seq_len;
+    c.batch = s.data.batch;
+    c.dropout = m.dropout;
+    c.layernorm_eps = std::max(m.layernorm_eps, s.defenses.layernorm_min_eps);  // the eps guard
+    c.layernorm_fp32 = s.defenses.layernorm_fp32;
+    return std::make_shared<models::TinyGpt>(c);
+  }
+  if (m.type == "lstm") {
+    models::LstmConfig c;
+    c.vocab = m.vocab;
+    c.hidden = m.hidden;
+    c.layers = m.layers;
+    c.seq_len = m.seq_len;
+    c.batch = s.data.batch;
+    c.dropout = m.dropout;
+    return std::make_shared<models::LstmLm>(c);
+  }
+  models::MlpConfig c;
+  c.in_features = m.in_features;
+  c.hidden = m.hidden;
+  c.out_features = m.out_features;
+  c.layers = m.layers;
+  c.batch = s.data.batch;
+  c.dropout = m.dropout;
+  return std::make_shared<models::Mlp>(c);
+}
+
+TrainingTraits traits_of(const ScenarioSpec& s, c10::Device device) {
+  TrainingTraits t;
+  t.device = device;
+  if (s.training.precision == "fp16") t.autocast = at::kHalf;
+  if (s.training.precision == "bf16") t.autocast = at::kBFloat16;
+  if (s.model.type != "mlp") t.vocab = s.model.vocab;  // tiny_gpt and lstm take token ids
+  t.loss_weight = s.training.loss_weight;
+  return t;
+}
+
+}  // namespace
+
+ScenarioProgram::ScenarioProgram(ScenarioSpec spec)
+    : spec_(std::move(spec)), defenses_(spec_.defenses, spec_.injections) {
+  if (spec_.training.device == "cuda") {
+    if (!torch::cuda::is_available()) {
+      throw Error(spec_.origin + ": key 'training.device': cuda, but no CUDA device is visible; use cpu");
+    }
+    device_ = c10::Device(c10::kCUDA, 0);
+  }
+  torch::manual_seed(spec_.training.seed);  // seeds CUDA generators too
+  model_ = build_model(spec_);
+  if (spec_.model.init_gain != 1.0) {
+    torch::NoGradGuard no_grad;
+    for (const at::Tensor& p : model_->parameters()) {
+      if (p.dim() >= 2) p.mul_(spec_.model.init_gain);
+    }
+  }
+  model_->to(device_);
+  model_->train();
+  const TrainingSpec& t = spec_.training;
+  if (t.optimizer == "adamw") {
+    optimizer_ = std::make_unique<torch::optim::AdamW>(model_->parameters(),
+                                                       torch::optim::AdamWOptions(t.lr).weight_decay(t.weight_decay));
+  } else if (t.optimizer == "adam") {
+    optimizer_ = std::make_unique<torch::optim::Adam>(model_->parameters(),
+                                                      torch::optim::AdamOptions(t.lr).weight_decay(t.weight_decay));
+  } else {
+    optimizer_ = std::make_unique<torch::optim::SGD>(
+        model_->parameters(), torch::optim::SGDOptions(t.lr).momentum(t.momentum).weight_decay(t.weight_decay));
+  }
+  parameters_ = named_parameters(*model_);
+  buffers_ = named_buffers(*model_);
+  defenses_.attach(*this, *optimizer_, parameters_, traits_of(spec_, device_));
+}
+
+ScenarioProgram::~ScenarioProgram() = default;
+
+std::string ScenarioProgram::config() const { return to_yaml(spec_); }
+
+std::vector<NamedTensor> ScenarioProgram::state() {
+  std::vector<NamedTensor> out = parameters_;
+  out.insert(out.end(), buffers_.begin(), buffers_.end());
+  for (NamedTensor& n : optimizer_state(*optimizer_, parameters_)) out.push_back(std::move(n));
+  for (NamedTensor& n : defenses_.state()) out.push_back(std::move(n));
+  return out;
+}
+
+void ScenarioProgram::load_state(const std::vector<NamedTensor>& state) {
+  copy_state_into(parameters_, state);
+  copy_state_into(buffers_, state);
+  load_optimizer_state(*optimizer_, parameters_, state);
+  defenses_.load_state(state);
+}
+
+std::vector<NamedTensor> ScenarioProgram::batch(std::int64_t step) {
+  const models::Batch b = model_->make_batch(spec_.data.seed * 1000003ULL + static_cast<std::uint64_t>(step));
+  return {{"input", b.input.to(device_), TensorKind::kInput}, {"target", b.target.to(device_), TensorKind::kTarget}};
+}
+
+// One step through the public defense pipeline (defenses.h has the order of what it does).
+StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTensor>& batch_in, StepMonitor* monitor) {
+  DefendedStep s = defenses_.begin(step, monitor);
+  const std::vector<NamedTensor> batch = s.batch(batch_in);
+  if (s.done()) return s.finish();
+  models::Batch b;
+  for (const NamedTensor& n : batch) {
+    if (n.kind == TensorKind::kInput) b.input = n.tensor.to(device_);
+    if (n.kind == TensorKind::kTarget) b.target = n.tensor.to(device_);
+  }
+  if (!b.input.defined() || !b.target.defined()) throw Error("the batch lacks a tensor of kind input or target");
+  optimizer_->zero_grad();
+  models::CheckpointPlan plan{spec_.training.segments, {}};
+  plan.options.preserve_rng_state = spec_.defenses.preserve_rng_state;
+  at::Tensor loss;
+  {
+    const DefendedStep::ForwardScope forward = s.forward();
+    loss = model_->loss(b, plan);
+  }
+  s.backward(loss);
+  return s.finish();
+}
+
+namespace {
+
+// A registered program trained by a scenario: the program does the work; the name and config
+// are the scenario's, so that replay rebuilds the program with the scenario's defenses.
+class ProgramUnderScenario : public Program {
+ public:
+  ProgramUnderScenario(ScenarioSpec spec, std::unique_ptr<Program> inner)
+      : spec_(std::move(spec)), inner_(std::move(inner)) {}
+  std::string name() const override { return "retrace.scenario"; }
+  std::string config() const override { return to_yaml(spec_); }
+  std::vector<NamedTensor> state() override { return inner_->state(); }
+  void load_state(const std::vector<NamedTensor>& state) override { inner_->load_state(state); }
+  std::vector<NamedTensor> batch(std::int64_t step) override { return inner_->batch(step); }
+  StepOutcome step(std::int64_t step, const std::vector<NamedTensor>& batch, StepMonitor* monitor) override {
+    return inner_->step(step, batch, monitor);
+  }
+  std::int64_t default_steps() const override { return spec_.training.steps; }
+  double lr() const override { return inner_->lr(); }
+  double loss_scale() const override { return inner_->loss_scale(); }
+  Defenses* defenses() override { return inner_->defenses(); }
+
+ private:
+  ScenarioSpec spec_;
+  std::unique_ptr<Program> inner_;
+};
+
+}  // namespace
+
+std::unique_ptr<Program> make_scenario_program(const ScenarioSpec& spec) {
+  if (spec.program.empty()) return std::make_unique<ScenarioProgram>(spec);
+  const std::vector<std::string> known = registered_programs();
+  if (std::find(known.begin(), known.end(), spec.program) == known.end()) {
+    std::string names;
+    for (const std::string& n : known) {
+      if (n != "retrace.scenario") names += (names.empty() ? "" : ", ") + n;
+    }
+    throw Error(spec.origin + ": key 'program': '" + spec.program +
+                "' is not registered in this binary (it has: " + (names.empty() ? "none" : names) +
+                "); run the scenario with the binary that registers it (retrace::main "
+                "or retrace::ProgramRegistration)");
+  }
+  torch::manual_seed(spec.training.seed);  // seeds CUDA generators too
+  std::unique_ptr<Program> inner;
+  try {
+    inner = make_program(spec.program, spec.program_config);
+  } catch (const Error& e) {  // the program refuses its config: say which file and key
+    throw Error(spec.origin + ": key 'config': program '" + spec.program + "' refuses it: " + e.what());
+  }
+  Defenses* d = inner->defenses();
+  if (!d) {
+    if (spec.defenses.any() || !spec.injections.empty()) {
+      throw Error(spec.origin + ": key 'program': '" + spec.program +
+                  "' has no defense pipeline (its defenses() returns nullptr), so the scenario's defenses and "
+                  "injections cannot reach it; run its step through retrace::Defenses (retrace/defenses.h)");
+    }
+  } else {
+    try {
+      d->configure(spec.defenses, spec.injections);
+    } catch (const Error& e) {
+      throw Error(spec.origin + ": key 'injections': " + e.what());
+    }
+    d->check_in(inner->state());
+  }
+  return std::make_unique<ProgramUnderScenario>(spec, std::move(inner));
+}
+
+void register_builtin_programs() {
+  register_program("retrace.scenario", [](const std::string& config) -> std::unique_ptr<Program> {
+    return make_scenario_program(parse_scenario_text(config, "<trace program config>"));
+  });
+}
+
+}  // namespace retrace

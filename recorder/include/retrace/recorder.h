@@ -1,0 +1,123 @@
+#pragma once
+// The recorder: writes a trace of a training run. It is a SegmentObserver (segment records come
+// from checkpointed segments) and a StepMonitor (grads after backward), driven per step by
+// begin_step()/end_step().
+//
+// Modes: digest (hashes only; the always-on default), full (tensors), or digest with a full
+// snapshot every k steps. The first step's state is always written in full, so any trace replays
+// from its start. The flight ring keeps the last K step-begin snapshots in memory and writes them
+// when a non-finite loss or gradient is seen, when an exception leaves a step, or on
+// SIGTERM/SIGINT. Write-ahead puts each step-begin snapshot on disk (fsync) before the step runs,
+// for crashes that leave no chance to dump (SIGSEGV, SIGKILL).
+//
+// Records are compressed and written by a background thread behind a bounded queue; a full
+// queue blocks the training thread (backpressure), never drops a record.
+
+#include <retrace/observer.h>
+#include <retrace/program.h>
+#include <retrace/state_check.h>
+#include <retrace/trace.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace retrace {
+
+enum class RecordMode { kDigest, kFull };
+// "digest" | "full"; throws retrace::Error otherwise.
+RecordMode parse_record_mode(const std::string& text);
+
+// What a failing trace write (EIO, ENOSPC, ...) does to training.
+//   kStop:     the error is thrown from the recorder call that finds it: training stops there.
+//   kContinue: recording stops and training goes on; stats().write_error says what failed. The
+//              trace stays PATH.incomplete, readable up to its last complete record.
+// Either way, failing to create the trace (its file and header) throws from the constructor.
+enum class OnWriteError { kStop, kContinue };
+
+struct RecorderOptions {
+  RecordMode mode = RecordMode::kDigest;
+  int every = 0;  // digest mode: also a full step-begin snapshot every k steps (0: never)
+  int ring = 0;   // flight ring size K (0: off)
+  bool write_ahead = false;
+  std::size_t queue_bytes = std::size_t{256} << 20;  // bound on bytes queued for, or being written by, the writer
+  bool dump_on_signal = true;                        // with ring > 0: dump on SIGTERM/SIGINT, then die by the signal
+  OnWriteError on_write_error = OnWriteError::kStop;
+  // record_run's state round-trip self-check (state_check.h): once, at step kStateCheckStep, a
+  // copy of the program rebuilt by name and config from the step's start state() must end the
+  // step bitwise as the live program does; else record_run throws StateCheckError after that
+  // step's records. Costs one program construction and one extra step, once; the recorded run
+  // (its RNG stream, the trace) is bitwise the same with the check on or off.
+  bool state_check = true;
+  WriterOptions writer;
+};
+
+struct RecorderStats {
+  std::int64_t steps = 0;
+  std::int64_t records = 0;
+  std::int64_t backpressure_waits = 0;  // times the training thread waited for the writer
+  double backpressure_seconds = 0;
+  std::int64_t ring_dumps = 0;
+  std::uint64_t bytes = 0;       // written to the trace so far
+  std::string write_error;       // OnWriteError::kContinue: why recording stopped
+  StateCheckResult state_check;  // what record_run's state self-check found (kNotRun: off)
+};
+
+class Recorder : public SegmentObserver, public StepMonitor {
+ public:
+  // Creates PATH.incomplete and writes the header (environment, program name and config).
+  Recorder(const std::string& path, const Program& program, RecorderOptions options = {});
+  // Closes the trace (flush, index, rename) unless close() ran; never throws.
+  ~Recorder() override;
+
+  // Before step `step` runs: its state, batch, LR and loss scale; RNG is captured here.
+  void begin_step(std::int64_t step, const std::vector<NamedTensor>& state, const std::vector<NamedTensor>& batch,
+                  double lr, double loss_scale);
+  // After the step: outcome and the state after the optimizer. Dumps the ring on a non-finite
+  // loss or gradient norm.
+  void end_step(std::int64_t step, const StepOutcome& outcome, const std::vector<NamedTensor>& state_after);
+
+  void on_forward(SegmentEvent& event) override;
+  void on_recompute(SegmentEvent& event) override;
+  void on_backward(SegmentEvent& event) override;
+  void after_backward(const at::Tensor& loss, const std::vector<NamedTensor>& grads) override;
+
+  // Waits until every record so far is written (and fsynced when sync).
+  void flush(bool sync = false);
+  // Writes the ring's snapshots now (reason goes in an event record) and syncs the file.
+  void dump_ring(const std::string& reason);
+  // An exception left the step: note it (an `exception` event, ExceptionEvent) and dump the
+  // ring. raised_by_step: it left Program::step itself, and replay expects the step to raise it
+  // again (record_run says so; a signal or a failing trace write does not).
+  void note_exception(const std::string& what, bool raised_by_step = false);
+  // Flushes everything, writes the index and renames PATH.incomplete to PATH. Idempotent.
+  void close();
+
+  // Keeps the state self-check's result for stats() (record_run calls it).
+  void note_state_check(StateCheckResult result);
+
+  RecorderStats stats() const;
+  const RecorderOptions& options() const;
+  const std::string& path() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Runs `steps` steps of `program` (1..steps), recording them; the building block of
+// `retrace record`. Stops early, after dumping the ring, at the first non-finite step when
+// stop_on_nonfinite -- unless a defense skipped that step (it was handled; the run goes on). Returns the outcomes. An exception from a step is noted in the trace, the
+// ring dumped, the trace closed and the exception rethrown.
+// With options().state_check, step kStateCheckStep is also run on a restored copy (StateCheck);
+// a failing check throws StateCheckError after the step's end record (noted in the trace like
+// any exception; the trace is closed), and a check that could not run (an unregistered program,
+// a run shorter than kStateCheckStep) is a kSkipped result in stats().state_check.
+// `after_step`, when set, is called after each step's end record (and the check).
+std::vector<StepOutcome> record_run(Program& program, Recorder& recorder, std::int64_t steps,
+                                    bool stop_on_nonfinite = true,
+                                    const std::function<void(std::int64_t, const StepOutcome&)>& after_step = {});
+
+}  // namespace retrace

@@ -1,0 +1,124 @@
+#pragma once
+// The replayer: restores a recorded step (parameters, optimizer state, RNG, batch) and
+// re-executes it — forward, recompute, backward, clipping, optimizer — comparing every recorded
+// digest or tensor in order. The result is "reproduced bitwise" or the first divergence (step,
+// segment, phase, tensor, how far off). For a step that went non-finite it re-runs the step with
+// op-level instrumentation (at::RecordFunction, replay only) and names the first op whose output
+// holds NaN or Inf.
+
+#include <retrace/diff.h>
+#include <retrace/digest.h>
+#include <retrace/environment.h>
+#include <retrace/program.h>
+#include <retrace/trace.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace retrace {
+
+struct Divergence {
+  std::int64_t step = -1;
+  std::string segment;  // "" for state outside segments: "(loss)", "(parameters)", "(state)"
+  // step_begin | forward | recompute | backward | optimizer. For a step that raised in one run
+  // and not in the other, or raised another message: how far the replay got (its last segment
+  // event, or optimizer once the program handed its gradients to StepMonitor::after_backward).
+  std::string phase;
+  std::string tensor;  // e.g. "output.0", "grad.lm_head.weight", "state.param.block0.fc.weight"
+  Digest recorded, replayed;
+  std::optional<DiffReport> diff;  // when the trace holds the recorded values
+  std::string detail;              // for structural differences (missing record, other segment)
+  // What probably caused it, where the replay can tell; "" otherwise. Set for a (state)
+  // divergence after the optimizer in the first step replayed from a snapshot taken after the
+  // run's first step (everything before the optimizer step matched): the program's state()
+  // probably leaves out something that step depends on (optimizer moments, a schedule counter).
+  std::string hint;
+  std::string message() const;
+  nlohmann::json to_json() const;
+};
+
+struct TensorStats {
+  std::string name;  // "input 0"
+  std::string meta;  // "Float[4, 16]"
+  // Over the finite elements (what explains a NaN: the negative input of sqrt, the zero divisor);
+  // NaN when a floating tensor holds no finite element.
+  double min = 0, max = 0, abs_max = 0;
+  NonFiniteCounts nonfinite;
+};
+
+struct NonFiniteOrigin {
+  std::int64_t step = -1;
+  std::string segment;  // "" outside checkpointed segments
+  // forward | recompute | backward (checkpointed segments and autograd), post-backward (after
+  // autograd's backward, before the program hands its gradients to StepMonitor::after_backward:
+  // gradient faults, gradient post-processing), optimizer (after that call: loss-scaler unscale,
+  // clipping, the optimizer step)
+  std::string phase;
+  std::string op;  // e.g. "aten::div", "autograd::engine::evaluate_function: MulBackward0"
+  // When `op` made the value inside its own kernel and handed it to a nested op, that nested op
+  // (the first to return it): op "aten::mse_loss", inner_op "aten::sum". Empty otherwise.
+  std::string inner_op;
+  std::vector<TensorStats> inputs;   // `op`'s, as they were before it ran (an in-place op's too)
+  std::vector<TensorStats> outputs;  // of the op that first returned the value (inner_op, else op)
+  std::string message() const;
+  nlohmann::json to_json() const;
+};
+
+// A replayed step that raised. The replay stops there; it reproduced when the recorded run raised
+// the same message at the same step (else first_divergence says how the runs differ).
+struct RaisedStep {
+  std::int64_t step = -1;
+  std::string what;                     // exception_message() of the replay's exception
+  std::optional<std::string> recorded;  // what the recorded run raised at this step, if it did
+  nlohmann::json to_json() const;
+};
+
+struct ReplayOptions {
+  std::optional<std::int64_t> step;  // the last step to replay; default: the last recorded
+  // Replay from the latest full snapshot at or before this step (default: the latest at or
+  // before `step`, so a full-mode or flight-ring trace re-executes just the target step).
+  std::optional<std::int64_t> from;
+  bool force = false;      // replay despite an incompatible environment
+  bool provenance = true;  // find the first non-finite op of a non-finite step
+};
+
+struct ReplayResult {
+  bool reproduced = false;
+  std::int64_t from_step = -1, to_step = -1;  // replayed range
+  std::optional<Divergence> first_divergence;
+  std::optional<NonFiniteOrigin> first_nonfinite;
+  std::optional<RaisedStep> raised;
+  std::vector<EnvironmentDifference> environment;  // bitwise-relevant differences (forced)
+  std::vector<std::string> notes;                  // e.g. the truncated-trace warning
+  nlohmann::json to_json() const;
+};
+
+// Thrown when the environment differs in a field that breaks bitwise equality and
+// ReplayOptions::force is off. what() names the field, both values and the fix.
+class EnvironmentMismatch : public Error {
+ public:
+  explicit EnvironmentMismatch(std::vector<EnvironmentDifference> d);
+  const std::vector<EnvironmentDifference>& differences() const { return differences_; }
+
+ private:
+  std::vector<EnvironmentDifference> differences_;
+};
+
+class Replayer {
+ public:
+  Replayer(const TraceReader& trace, Program& program);
+  ReplayResult run(const ReplayOptions& options = {});
+
+ private:
+  const TraceReader& trace_;
+  Program& program_;
+};
+
+// Rebuilds the program named in the trace header through the registry.
+std::unique_ptr<Program> program_from_trace(const TraceReader& trace);
+
+}  // namespace retrace

@@ -1,0 +1,211 @@
+#pragma once
+// Runs a scenario -- train, inject, defend -- and checks its expectations; the built-in suite of
+// fault x defense scenarios, each with its negative control. `retrace run` (tools/run.cpp) runs
+// these in child processes so that one crash cannot take down the suite.
+
+#include <retrace/program.h>
+#include <retrace/rng.h>
+#include <retrace/scenario.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace retrace {
+
+// One step of a run, condensed from its StepOutcome: what the HTML report draws.
+struct StepPoint {
+  std::int64_t step = 0;
+  double loss = std::numeric_limits<double>::quiet_NaN();
+  double grad_norm = std::numeric_limits<double>::quiet_NaN();          // before clipping
+  double loss_scale = 1.0;                                              // at the step's start
+  double lr = 0.0;                                                      // the LR the step used
+  double loss_scale_after = 1.0;                                        // after the step's update
+  double clip_coef = 1.0;                                               // StepOutcome::clip_coef
+  double clipped_grad_norm = std::numeric_limits<double>::quiet_NaN();  // after clipping
+  bool skipped = false;                                                 // the optimizer step was skipped
+  bool injected = false;                                                // an injection fired in the step
+  bool rolled_back = false;  // a rollback restored an earlier step-start state
+};
+
+struct ExpectationCheck {
+  std::string name;      // "params_finite", "max_skipped_steps", ...
+  std::string expected;  // "true", "<= 1", "< 3.5"
+  std::string observed;  // "false", "3", "4.12"
+  bool passed = false;
+};
+
+// What broke a run, and the first step that showed it: the evidence a negative control's verdict
+// rests on (docs/scenarios.md, "Expectations and the verdict").
+enum class BreakKind {
+  kNonFiniteParams,  // parameters non-finite at the end (step: since when, without a finite step between)
+  kNonFiniteLoss,    // an applied step's loss was non-finite (expect.loss_finite: true failed)
+  kFinalLoss,        // expect.final_loss_below failed (step: the run's last step)
+  kSilentRecompute,  // a recompute that was not bitwise reached applied gradients
+                     // (expect.recompute_bitwise: true failed)
+  kNoProgress,       // a control's expect.min_applied_steps failed: the defense stopped training
+                     // (step: the run's last step)
+  kRaised,           // the run raised (step: the step in progress)
+};
+const char* to_string(BreakKind kind);  // "non_finite_params", ...
+
+struct Breakage {
+  BreakKind kind = BreakKind::kRaised;
+  std::int64_t step = 0;
+  std::string detail;   // "parameters non-finite from step 5 on", "step 3 raised: ..."
+  bool counts = false;  // at or after the fault step, and of a kind the scenario's verdict accepts
+};
+
+// What a step did that the run's counters do not say: an injection that fired in it, or why a
+// defense skipped it. Kept as data (step, kind, text); reporters render it ("step 3: ...").
+enum class StepNoteKind {
+  kInjected,  // text: the injection's own line, "TYPE WHERE: DETAIL" (StepOutcome::injected)
+  kSkipped,   // text: the skip reason (StepOutcome::skip_reason), a rollback's restore included
+};
+const char* to_string(StepNoteKind kind);  // "injected", "skipped"
+
+struct StepNote {
+  std::int64_t step = 0;
+  StepNoteKind kind = StepNoteKind::kInjected;
+  std::string text;
+  std::string line() const { return "step " + std::to_string(step) + ": " + text; }  // "step N: TEXT"
+  bool operator==(const StepNote& o) const { return step == o.step && kind == o.kind && text == o.text; }
+};
+
+// One entry of the scenario's injection list, and what became of it in the run.
+struct InjectionTally {
+  std::size_t entry = 0;            // index in spec.injections
+  std::string type;                 // to_string(InjectionType)
+  std::vector<std::int64_t> due;    // steps reached on which its seeded schedule selected it
+  std::vector<std::int64_t> fired;  // steps it fired on
+};
+
+struct ScenarioResult {
+  std::string name;
+  std::string origin;   // file path or builtin:NAME
+  std::string fault;    // injection types, "none" without
+  std::string defense;  // the defenses switched on, "none" without
+
+  // What happened.
+  bool raised = false;         // an exception left the run
+  bool harness_error = false;  // ... before the fault's step (the program or trace could not be set
+                               // up, or a step before the fault raised): such a run never passes,
+                               // not even as a negative control
+  std::string error;           // its message
+  std::int64_t steps_run = 0;
+  std::int64_t skipped_steps = 0;
+  std::int64_t applied_nonfinite_steps = 0;  // steps not skipped with a non-finite loss or norm
+  std::int64_t scale_backoffs = 0, scale_growths = 0, tolerated_overflows = 0;
+  std::int64_t rollbacks = 0;
+  std::int64_t recompute_mismatches = 0;         // segments whose recompute was not bitwise
+  std::int64_t silent_recompute_mismatches = 0;  // ... in steps whose gradients were applied
+  std::int64_t caught_recompute_mismatches = 0;  // ... caught by defenses.verify_recompute
+  bool params_finite = true;
+  bool all_losses_finite = true;            // over applied (not skipped) steps
+  double final_loss = 0;                    // mean loss of the applied steps in the final window
+                                            // (final_window_first .. last_step); NaN: none
+  std::vector<double> losses, scales, lrs;  // per step
+  std::vector<StepPoint> steps;             // per step, all of it (the report's curves)
+  std::vector<StepNote> notes;              // in step order; per step, its injections before its skip
+  bool replayed = false, replay_bitwise = false;
+  std::string replay_report;  // the first divergence when not bitwise
+  double seconds = 0;
+  double cpu_seconds = 0;  // the process's CPU time over the steps (recording included, setup
+                           // and replay not; 0 when a step raised): steadier than wall time on a
+                           // busy machine (what diagnose ranks fixes by)
+  // The fault and what it did.
+  std::int64_t fault_step = 1;          // the first injection's step (the window's first step, or 1,
+                                        // when there is none: then the configuration is the fault)
+  std::int64_t last_step = 0;           // the last step the run reached (the one that raised included)
+  std::int64_t raised_at_step = 0;      // the step in progress when it raised; 0: did not, or before any
+  std::int64_t applied_from_fault = 0;  // applied steps from fault_step to the end
+  bool last_step_applied = false;
+  std::int64_t final_window_first = 0;          // final_loss averages the applied steps of
+                                                // max(fault_step, last_step - 2) .. last_step
+  std::int64_t nonfinite_params_since = 0;      // parameters non-finite after this step and every
+                                                // later one (the step before the first: from the start)
+  std::int64_t first_nonfinite_loss_step = 0;   // first applied step with a non-finite loss
+  std::int64_t first_silent_mismatch_step = 0;  // first applied step with a non-bitwise recompute
+  std::vector<InjectionTally> injections;
+  std::vector<std::string> segments_seen;  // checkpointed segments that ran, in order of first run
+  std::vector<Breakage> breakage;          // what broke, in the order found
+
+  // Stability figures (retrace run --bench): against the same run without its injections.
+  struct Bench {
+    bool measured = false;
+    bool injected = false;  // the scenario injects (else its "fault" is its config and
+                            // there is no fault-free run to compare with)
+    double fault_free_final_loss = 0;
+    double final_loss_delta = 0;  // final_loss - fault_free_final_loss
+    // From the first disturbed step at or after the first injection (skipped, non-finite, or a
+    // loss more than 10% off the fault-free run's) to the first undisturbed one; 0 when no step
+    // was disturbed, -1 when the run never got back.
+    std::int64_t steps_to_recover = -1;
+    double overhead = 0;  // time per step with the defenses / without, fault-free
+  } bench;
+
+  // Verdict.
+  std::vector<ExpectationCheck> checks;
+  // A scenario that expects to hold broke when it raised (unless expect.raises), ended with
+  // non-finite parameters or failed any check. A negative control broke when some breakage
+  // counts: at or after fault_step, of the kinds its expectations name.
+  bool broke = false;
+  bool expected_to_break = false;  // expect.diverges (a negative control)
+  bool passed = false;
+  std::vector<std::string> reasons;  // why it did not pass, one line each (empty when it passed)
+
+  std::string outcome() const { return broke ? "broke" : "held"; }
+  // The notes of one kind, in step order.
+  std::vector<StepNote> notes_of(StepNoteKind kind) const;
+  // The first breakage that counts (a control's evidence), or nullptr.
+  const Breakage* evidence() const;
+  // The matrix's verdict: "ok", or "FAILED" followed by the reasons in parentheses.
+  std::string verdict() const;
+  // The result as one JSON object (docs/scenarios.md, "JSON"), and back: results come from `retrace
+  // run`'s child processes this way. from_json throws nlohmann::json's errors for a missing or
+  // mistyped field and retrace::Error for an unknown kind of note or breakage.
+  nlohmann::json to_json() const;
+  static ScenarioResult from_json(const nlohmann::json& j);
+};
+
+struct RunOptions {
+  // Where the recorded trace goes when expect.replay_bitwise asks for a replay ("" = a temporary
+  // file, removed afterwards).
+  std::string trace_path;
+  bool replay = true;  // honour expect.replay_bitwise (only for runs from step 1)
+  // A window of the run instead of all of it (retrace diagnose): steps first_step..last_step
+  // (0 = training.steps), starting from `start_state` and `start_rng` when set.
+  std::int64_t first_step = 1, last_step = 0;
+  const std::vector<NamedTensor>* start_state = nullptr;
+  const RngState* start_rng = nullptr;
+  bool restart_schedule = false;  // drop the snapshot's schedule state (warmup starts over)
+};
+
+// Runs `spec` in this process. Never throws for what the scenario does (an exception from
+// training is the result's `raised`); throws retrace::Error only for a broken environment (the
+// trace file cannot be created).
+ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options = {});
+
+// run_scenario plus the stability figures: the run without its injections (defenses on, for the
+// loss delta and recovery) and without injections or defenses (for the defenses' overhead,
+// median of `repeats` runs each).
+ScenarioResult bench_scenario(const ScenarioSpec& spec, int repeats = 5);
+
+// "fault" and "defense" labels of a scenario, as the outcome matrix shows them.
+std::string fault_label(const ScenarioSpec& spec);
+std::string defense_label(const ScenarioSpec& spec);
+
+// The built-in suite (suite/scenarios/*.yaml, compiled in): names and texts, in file-name order.
+struct BuiltinScenario {
+  std::string name;  // file name without .yaml
+  std::string text;
+};
+const std::vector<BuiltinScenario>& builtin_suite();
+// "builtin:NAME" or a path -> the parsed scenario (retrace::Error for an unknown name).
+ScenarioSpec load_scenario(const std::string& path_or_builtin);
+// The renderings of results -- console, JSON, JUnit, HTML -- are in reporter.h and report.h.
+
+}  // namespace retrace

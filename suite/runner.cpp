@@ -1,0 +1,886 @@
+#include <retrace/runner.h>
+
+#include <retrace/error.h>
+#include <retrace/number.h>
+#include <retrace/recorder.h>
+#include <retrace/replayer.h>
+#include <retrace/trace.h>
+#include <retrace/observer.h>
+#include <retrace/trainer.h>
+#include <retrace/verify.h>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <filesystem>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <unistd.h>
+
+namespace retrace {
+
+namespace {
+
+std::string fmt(double v) { return number_text(v); }
+
+nlohmann::json num(double v) { return json_number(v); }
+
+double from_num(const nlohmann::json& j) {
+  return number_from_json(j).value_or(std::numeric_limits<double>::quiet_NaN());
+}
+
+void check(ScenarioResult& r, const char* name, std::string expected, std::string observed, bool passed) {
+  r.checks.push_back({name, std::move(expected), std::move(observed), passed});
+}
+
+std::string steps_text(const std::vector<std::int64_t>& steps) {
+  std::string out;
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    if (i == 8) return out + ", ... (" + std::to_string(steps.size()) + " steps)";
+    out += (i ? ", " : "") + std::to_string(steps[i]);
+  }
+  return out;
+}
+
+// What the runner watches in the segments: the recompute verifier, and the names of the
+// segments that ran (what a segment injection that never fired is compared with).
+class RunObserver : public SegmentObserver {
+ public:
+  explicit RunObserver(RecomputeVerifier& verifier) : verifier_(verifier) {}
+  void on_forward(SegmentEvent& e) override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (std::find(names_.begin(), names_.end(), e.segment) == names_.end()) names_.push_back(e.segment);
+    }
+    verifier_.on_forward(e);
+  }
+  void on_recompute(SegmentEvent& e) override { verifier_.on_recompute(e); }
+  std::vector<std::string> names() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return names_;
+  }
+
+ private:
+  RecomputeVerifier& verifier_;
+  mutable std::mutex mutex_;
+  std::vector<std::string> names_;
+};
+
+// The checks whose failure is a fault getting through (a negative control's evidence); every
+// other check describes the run and must pass in a control too.
+bool is_evidence_check(const std::string& name) {
+  return name == "params_finite" || name == "loss_finite" || name == "final_loss_below" ||
+         name == "recompute_bitwise" || name == "min_applied_steps";
+}
+
+// "steps A..B": the final window the final loss averages (or that the run never reached it).
+std::string final_window(const ScenarioResult& r) {
+  return r.last_step >= r.final_window_first
+             ? "steps " + std::to_string(r.final_window_first) + ".." + std::to_string(r.last_step)
+             : "steps from " + std::to_string(r.final_window_first) + " (the run stopped at step " +
+                   std::to_string(r.last_step) + ")";
+}
+
+// Each expectation of the scenario against what the run did: r.checks.
+void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
+  const ExpectSpec& e = spec.expect;
+  const bool raise_expected = e.raises.value_or(false);
+  auto b = [](bool v) { return std::string(v ? "true" : "false"); };
+  const std::string window = final_window(r);
+  if (e.params_finite)
+    check(r, "params_finite", b(*e.params_finite), b(r.params_finite), r.params_finite == *e.params_finite);
+  if (e.loss_finite) {
+    // Vacuous when every step at the end was skipped: then no loss at the end was looked at.
+    const bool looked = !std::isnan(r.final_loss) || !r.all_losses_finite;
+    const bool finite = r.all_losses_finite && looked;
+    check(r, "loss_finite", b(*e.loss_finite), looked ? b(r.all_losses_finite) : "no applied step in " + window,
+          finite == *e.loss_finite);
+  }
+  if (e.max_skipped_steps) {
+    check(r, "max_skipped_steps", "<= " + std::to_string(*e.max_skipped_steps), std::to_string(r.skipped_steps),
+          r.skipped_steps <= *e.max_skipped_steps);
+  }
+  if (e.min_skipped_steps) {
+    check(r, "min_skipped_steps", ">= " + std::to_string(*e.min_skipped_steps), std::to_string(r.skipped_steps),
+          r.skipped_steps >= *e.min_skipped_steps);
+  }
+  if (e.min_scale_backoffs) {
+    check(r, "min_scale_backoffs", ">= " + std::to_string(*e.min_scale_backoffs), std::to_string(r.scale_backoffs),
+          r.scale_backoffs >= *e.min_scale_backoffs);
+  }
+  if (e.min_scale_growths) {
+    check(r, "min_scale_growths", ">= " + std::to_string(*e.min_scale_growths), std::to_string(r.scale_growths),
+          r.scale_growths >= *e.min_scale_growths);
+  }
+  if (e.min_rollbacks) {
+    check(r, "min_rollbacks", ">= " + std::to_string(*e.min_rollbacks), std::to_string(r.rollbacks),
+          r.rollbacks >= *e.min_rollbacks);
+  }
+  if (e.final_loss_below) {
+    check(r, "final_loss_below", "< " + fmt(*e.final_loss_below) + " (" + window + ")",
+          std::isnan(r.final_loss) ? "no applied step in " + window : fmt(r.final_loss),
+          std::isfinite(r.final_loss) && r.final_loss < *e.final_loss_below);
+  }
+  // Progress: a defense that skips or rolls back (almost) every step after the fault did not let
+  // training go on. Not for a run that raised (that is its verdict, expected or not), nor (unless
+  // asked) for a control.
+  const std::int64_t after = r.last_step - r.fault_step + 1;
+  if (!r.raised && after > 0 && (e.min_applied_steps || !e.diverges)) {
+    const std::string span = "of steps " + std::to_string(r.fault_step) + ".." + std::to_string(r.last_step);
+    std::string observed = std::to_string(r.applied_from_fault) + " applied";
+    if (e.min_applied_steps) {
+      check(r, "min_applied_steps", ">= " + std::to_string(*e.min_applied_steps) + " applied " + span, observed,
+            r.applied_from_fault >= *e.min_applied_steps);
+    } else {
+      const std::int64_t half = (after + 1) / 2;
+      if (!r.last_step_applied) observed += ", the last skipped";
+      check(r, "min_applied_steps", ">= " + std::to_string(half) + " applied " + span + ", the last among them",
+            observed, r.applied_from_fault >= half && r.last_step_applied);
+    }
+  }
+  if (e.recompute_bitwise) {
+    const bool bitwise = r.silent_recompute_mismatches == 0;
+    check(r, "recompute_bitwise", b(*e.recompute_bitwise),
+          b(bitwise) + " (" + std::to_string(r.silent_recompute_mismatches) + " applied, " +
+              std::to_string(r.caught_recompute_mismatches) + " caught)",
+          bitwise == *e.recompute_bitwise);
+  }
+  if (e.replay_bitwise) {
+    check(r, "replay_bitwise", b(*e.replay_bitwise),
+          r.replayed ? b(r.replay_bitwise)
+                     : "not replayed (" +
+                           (r.harness_error ? std::string("the run never reached its fault") : r.replay_report) + ")",
+          r.replayed && r.replay_bitwise == *e.replay_bitwise);
+  }
+  if (e.injections_fired) {
+    const std::size_t fired = r.notes_of(StepNoteKind::kInjected).size();
+    check(r, "injections_fired", b(*e.injections_fired), std::to_string(fired) + " fired",
+          (fired == 0) != *e.injections_fired);
+  }
+  // Every injection entry must have fired on a step it was due: an injection that did nothing
+  // lets a defense "hold", or a control "break", for another reason. An entry due on no step the
+  // run reached never had its chance, which proves nothing either way -- except after a raise
+  // that a scenario expecting to hold asked for, where the run was meant to stop.
+  for (const InjectionTally& t : r.injections) {
+    const InjectionSpec& in = spec.injections[t.entry];
+    const std::string what = "injections[" + std::to_string(t.entry) + "] " + t.type + " fires";
+    if (!t.fired.empty()) continue;
+    if (!t.due.empty()) {
+      std::string observed = "did not fire";
+      // A segment fault whose segment never ran: say which segments did (a typo in the name).
+      if (in.in_segment() && !in.segment.empty() &&
+          std::find(r.segments_seen.begin(), r.segments_seen.end(), in.segment) == r.segments_seen.end()) {
+        std::string seen;
+        for (const std::string& n : r.segments_seen) seen += (seen.empty() ? "" : ", ") + n;
+        observed +=
+            "; segment '" + in.segment + "' never ran (the segments that ran: " + (seen.empty() ? "none" : seen) + ")";
+      }
+      check(r, "injection_fired", what + " (due at step " + steps_text(t.due) + ")", observed, false);
+    } else if (!(r.raised && raise_expected && !e.diverges)) {
+      const std::int64_t last_due = in.step + in.duration - 1;
+      check(r, "injection_fired", what + " (steps " + std::to_string(in.step) + ".." + std::to_string(last_due) + ")",
+            in.step > r.last_step ? "the run stopped at step " + std::to_string(r.last_step)
+                                  : "due on no step (probability " + fmt(in.probability) + ")",
+            false);
+    }
+  }
+  if (e.raises) {
+    const bool matches = e.raises_match.empty() || r.error.find(e.raises_match) != std::string::npos;
+    check(r, "raises", b(*e.raises) + (e.raises_match.empty() ? "" : " with '" + e.raises_match + "'"),
+          r.raised ? "raised: " + r.error : "did not raise", r.raised == *e.raises && (!r.raised || matches));
+  }
+}
+
+// What broke, and when: r.breakage, from the run and its failed checks.
+void find_breakage(const ExpectSpec& e, ScenarioResult& r) {
+  const bool raise_expected = e.raises.value_or(false);
+  auto failed = [&](const char* name) {
+    return std::any_of(r.checks.begin(), r.checks.end(),
+                       [&](const ExpectationCheck& c) { return c.name == name && !c.passed; });
+  };
+  auto add = [&](BreakKind kind, std::int64_t step, std::string detail, bool accepted) {
+    r.breakage.push_back({kind, step, std::move(detail), accepted && step >= r.fault_step});
+  };
+  if (!r.params_finite) {
+    add(BreakKind::kNonFiniteParams, r.nonfinite_params_since,
+        "parameters non-finite from step " + std::to_string(r.nonfinite_params_since) + " on", true);
+  }
+  if (failed("loss_finite") && r.first_nonfinite_loss_step > 0) {
+    add(BreakKind::kNonFiniteLoss, r.first_nonfinite_loss_step,
+        "step " + std::to_string(r.first_nonfinite_loss_step) + " applied a non-finite loss", true);
+  }
+  if (failed("final_loss_below")) {
+    add(BreakKind::kFinalLoss, r.last_step,
+        "final loss " + fmt(r.final_loss) + " (" + final_window(r) + "), expected below " + fmt(*e.final_loss_below),
+        true);
+  }
+  if (failed("recompute_bitwise") && r.first_silent_mismatch_step > 0) {
+    add(BreakKind::kSilentRecompute, r.first_silent_mismatch_step,
+        "step " + std::to_string(r.first_silent_mismatch_step) +
+            " applied gradients from a recompute that was not bitwise",
+        true);
+  }
+  if (e.diverges && failed("min_applied_steps")) {
+    add(BreakKind::kNoProgress, r.last_step,
+        std::to_string(r.applied_from_fault) + " of steps " + std::to_string(r.fault_step) + ".." +
+            std::to_string(r.last_step) + " applied, expected at least " + std::to_string(*e.min_applied_steps),
+        true);
+  }
+  if (r.raised && !r.harness_error) {
+    // For a control the raise is evidence only when it asked for it (and it matched).
+    add(BreakKind::kRaised, r.raised_at_step, "step " + std::to_string(r.raised_at_step) + " raised: " + r.error,
+        e.diverges && raise_expected && !failed("raises"));
+  }
+}
+
+// The verdict, computed once and stored: r.broke, r.passed and r.reasons -- why it did not pass,
+// one line each, the only such text; the reporters render these lines and never derive their own.
+void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
+  const bool raise_expected = e.raises.value_or(false);
+  bool all = true;
+  for (const ExpectationCheck& c : r.checks) all = all && c.passed;
+  r.expected_to_break = e.diverges;
+  r.reasons.clear();
+  auto reason = [&](std::string why) { r.reasons.push_back(std::move(why)); };
+  if (r.harness_error) reason("harness error: " + r.error);
+  if (!e.diverges) {
+    r.broke = (r.raised && !raise_expected) || !r.params_finite || !all;
+    if (r.raised && !raise_expected && !r.harness_error)
+      reason("raised at step " + std::to_string(r.raised_at_step) + ": " + r.error);
+    if (!r.params_finite && !e.params_finite) reason("non-finite parameters at the end");
+    for (const ExpectationCheck& c : r.checks) {
+      if (!c.passed) reason(c.name + ": expected " + c.expected + ", got " + c.observed);
+    }
+  } else {
+    r.broke = std::any_of(r.breakage.begin(), r.breakage.end(), [](const Breakage& x) { return x.counts; });
+    if (!r.harness_error) {
+      if (r.last_step < r.fault_step) {
+        reason("the run stopped at step " + std::to_string(r.last_step) + ", before the fault at step " +
+               std::to_string(r.fault_step));
+      }
+      if (r.raised && !raise_expected) {
+        reason("raised at step " + std::to_string(r.raised_at_step) + ": " + r.error +
+               " (a control breaks through its fault: non-finite parameters or loss, final_loss_below, "
+               "recompute_bitwise, min_applied_steps, "
+               "or the raise that expect.raises names)");
+      }
+      for (const ExpectationCheck& c : r.checks) {
+        if (!c.passed && !is_evidence_check(c.name))
+          reason(c.name + ": expected " + c.expected + ", got " + c.observed);
+      }
+      if (!r.broke) {
+        std::string early;
+        for (const Breakage& x : r.breakage) {
+          if (x.step < r.fault_step && x.kind != BreakKind::kRaised)
+            early += "; " + x.detail + ", before the fault at step " + std::to_string(r.fault_step);
+        }
+        reason("negative control held: the fault did not bite" + early);
+      }
+    }
+  }
+  r.passed = r.reasons.empty();
+}
+
+std::string temp_trace_path(const std::string& name) {
+  std::string clean;
+  for (char c : name) clean += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+  return (std::filesystem::temp_directory_path() /
+          ("retrace_run_" + std::to_string(::getpid()) + "_" + clean + ".trace"))
+      .string();
+}
+
+}  // namespace
+
+const char* to_string(BreakKind kind) {
+  switch (kind) {
+    case BreakKind::kNonFiniteParams: return "non_finite_params";
+    case BreakKind::kNonFiniteLoss: return "non_finite_loss";
+    case BreakKind::kFinalLoss: return "final_loss";
+    case BreakKind::kSilentRecompute: return "silent_recompute";
+    case BreakKind::kNoProgress: return "no_progress";
+    case BreakKind::kRaised: return "raised";
+  }
+  return "?";
+}
+
+const char* to_string(StepNoteKind kind) {
+  switch (kind) {
+    case StepNoteKind::kInjected: return "injected";
+    case StepNoteKind::kSkipped: return "skipped";
+  }
+  return "?";
+}
+
+std::vector<StepNote> ScenarioResult::notes_of(StepNoteKind kind) const {
+  std::vector<StepNote> out;
+  for (const StepNote& n : notes) {
+    if (n.kind == kind) out.push_back(n);
+  }
+  return out;
+}
+
+namespace {
+StepNoteKind parse_step_note_kind(const std::string& name) {
+  for (StepNoteKind k : {StepNoteKind::kInjected, StepNoteKind::kSkipped}) {
+    if (name == to_string(k)) return k;
+  }
+  throw Error("unknown step note kind '" + name + "' in a scenario result");
+}
+
+BreakKind parse_break_kind(const std::string& name) {
+  for (BreakKind k : {BreakKind::kNonFiniteParams, BreakKind::kNonFiniteLoss, BreakKind::kFinalLoss,
+                      BreakKind::kSilentRecompute, BreakKind::kNoProgress, BreakKind::kRaised}) {
+    if (name == to_string(k)) return k;
+  }
+  throw Error("unknown breakage kind '" + name + "' in a scenario result");
+}
+}  // namespace
+
+std::string fault_label(const ScenarioSpec& spec) {
+  if (spec.injections.empty()) return "none";
+  std::string out;
+  for (const InjectionSpec& in : spec.injections) {
+    std::string one = to_string(in.type);
+    if (!in.mode.empty()) one += ":" + in.mode;
+    if (in.type == InjectionType::kBitFlip)
+      one += ":" + in.target + "/" + (in.bit >= 0 ? "bit" + std::to_string(in.bit) : in.bit_class);
+    if (in.phase != "both") one += "@" + in.phase;
+    if (out.find(one) == std::string::npos) out += (out.empty() ? "" : "+") + one;
+  }
+  return out;
+}
+
+std::string defense_label(const ScenarioSpec& spec) {
+  const DefenseSpec& d = spec.defenses;
+  std::vector<std::string> parts;
+  if (d.loss_scaling.enabled) {
+    std::string s = "loss_scaling";
+    if (d.loss_scaling.hysteresis > 1) s += "(hysteresis " + std::to_string(d.loss_scaling.hysteresis) + ")";
+    parts.push_back(s);
+  }
+  if (d.clip.mode != ClipMode::kOff)
+    parts.push_back(std::string("clip:") + to_string(d.clip.mode) + " " + fmt(d.clip.max_norm));
+  if (d.skip_nonfinite) parts.push_back("skip_nonfinite");
+  if (d.lr_scale != 1.0) parts.push_back("lr x" + fmt(d.lr_scale));
+  if (d.warmup_steps > 0) parts.push_back("warmup " + std::to_string(d.warmup_steps));
+  if (d.plateau.enabled) parts.push_back("plateau");
+  if (d.layernorm_fp32) parts.push_back("fp32_layernorm");
+  if (d.layernorm_min_eps > 0) parts.push_back("eps_guard " + fmt(d.layernorm_min_eps));
+  if (d.rollback) parts.push_back("rollback");
+  bool rng_fault = false;
+  for (const InjectionSpec& in : spec.injections) rng_fault = rng_fault || in.type == InjectionType::kRngDesync;
+  if (!d.preserve_rng_state) parts.push_back("rng_not_preserved");
+  else if (rng_fault) parts.push_back("preserve_rng_state");
+  if (d.verify_recompute) parts.push_back("verify_recompute");
+  if (d.validate_batch) parts.push_back("validate_batch");
+  if (parts.empty()) return "none";
+  std::string out;
+  for (const auto& p : parts) out += (out.empty() ? "" : "+") + p;
+  return out;
+}
+
+namespace {
+
+// The result's identity and the fault's window, before anything runs.
+ScenarioResult start_result(const ScenarioSpec& spec, const RunOptions& options) {
+  ScenarioResult r;
+  r.name = spec.name.empty() ? spec.origin : spec.name;
+  r.origin = spec.origin;
+  r.fault = fault_label(spec);
+  r.defense = defense_label(spec);
+  // The fault's step: the first injection's, within this window; the window's first step when
+  // there is none (the configuration itself is the fault).
+  r.fault_step = options.first_step;
+  if (!spec.injections.empty()) {
+    std::int64_t first = spec.injections.front().step;
+    for (const InjectionSpec& in : spec.injections) first = std::min(first, in.step);
+    r.fault_step = std::max(first, options.first_step);
+  }
+  r.last_step = options.first_step - 1;
+  r.nonfinite_params_since = options.first_step - 1;
+  for (std::size_t i = 0; i < spec.injections.size(); ++i)
+    r.injections.push_back({i, to_string(spec.injections[i].type), {}, {}});
+  return r;
+}
+
+// One scenario's training, step by step: what each step adds to the result, and what an
+// exception means (the fault's doing, or the harness's before the fault's step).
+class ScenarioRun {
+ public:
+  ScenarioRun(ScenarioResult& r, RecomputeVerifier& verifier) : r_(r), verifier_(verifier) {}
+
+  void set_program(std::unique_ptr<Program> program) {
+    program_ = std::move(program);
+    defenses_ = program_->defenses();
+  }
+  Program* program() const { return program_.get(); }
+  Defenses* defenses() const { return defenses_; }
+  void mark_started() { started_ = true; }
+  void note_initial_params() { params_were_finite_ = params_finite(); }
+
+  bool params_finite() const {
+    return defenses_ ? defenses_->parameters_finite() : parameters_finite(program_->state());
+  }
+
+  // What each injection entry was due on and did in the step that ends (or raised).
+  void tally_injections(std::int64_t step) {
+    if (!defenses_) return;
+    for (InjectionTally& t : r_.injections) {
+      if (defenses_->injector().scheduled(t.entry, step)) t.due.push_back(step);
+    }
+    for (const InjectionEvent& ev : defenses_->injector().fired()) {
+      std::vector<std::int64_t>& fired = r_.injections.at(ev.entry).fired;
+      if (fired.empty() || fired.back() != step) fired.push_back(step);
+    }
+  }
+
+  void after_step(std::int64_t step, const StepOutcome& o) {
+    ++r_.steps_run;
+    r_.last_step = step;
+    r_.losses.push_back(o.loss);
+    r_.scales.push_back(o.loss_scale);
+    r_.lrs.push_back(o.lr);
+    r_.steps.push_back({step, o.loss, o.grad_norm, o.loss_scale, o.lr, o.loss_scale_after, o.clip_coef,
+                        o.clipped_grad_norm, o.skipped, !o.injected.empty(), o.rolled_back});
+    if (!o.skipped && !std::isfinite(o.loss)) {
+      r_.all_losses_finite = false;
+      if (r_.first_nonfinite_loss_step == 0) r_.first_nonfinite_loss_step = step;
+    }
+    if (!o.skipped && !o.finite()) ++r_.applied_nonfinite_steps;
+    for (const std::string& i : o.injected) r_.notes.push_back({step, StepNoteKind::kInjected, i});
+    if (o.skipped) {
+      ++r_.skipped_steps;
+      r_.notes.push_back({step, StepNoteKind::kSkipped, o.skip_reason});
+    } else if (step >= r_.fault_step) {
+      ++r_.applied_from_fault;
+    }
+    r_.last_step_applied = !o.skipped;
+    tally_injections(step);
+    count_recompute_mismatches(step, o.skipped);
+    // When the parameters went non-finite (and stayed so): the step a control's breakage dates from.
+    const bool finite = params_finite();
+    if (!finite && params_were_finite_) r_.nonfinite_params_since = step;
+    params_were_finite_ = finite;
+  }
+
+  void on_exception(const std::exception& e) {
+    r_.raised = true;
+    r_.error = e.what();
+    const auto nl = r_.error.find('\n');  // c10::Error appends a C++ backtrace; keep the message
+    if (nl != std::string::npos) r_.error = r_.error.substr(0, nl);
+    if (!started_) {  // before the first step: the harness's, not the fault's
+      r_.harness_error = true;
+      return;
+    }
+    r_.raised_at_step = r_.last_step + 1;  // the step in progress
+    r_.last_step = r_.raised_at_step;
+    tally_injections(r_.raised_at_step);  // what fired before it raised
+    if (r_.raised_at_step < r_.fault_step) {
+      r_.harness_error = true;
+      r_.error = "step " + std::to_string(r_.raised_at_step) + " raised before the fault at step " +
+                 std::to_string(r_.fault_step) + ": " + r_.error;
+    }
+  }
+
+  // The program's end state and what its defenses counted.
+  void finish(std::int64_t first_step) {
+    if (!program_) return;
+    if (defenses_) defenses_->observe(nullptr);
+    r_.params_finite = params_finite();
+    if (r_.params_finite) r_.nonfinite_params_since = first_step - 1;
+    else if (params_were_finite_) r_.nonfinite_params_since = r_.last_step;  // the step that raised broke them
+    if (const LossScaler* s = defenses_ ? defenses_->scaler() : nullptr) {
+      r_.scale_backoffs = s->backoffs();
+      r_.scale_growths = s->growths();
+      r_.tolerated_overflows = s->tolerated_overflows();
+    }
+    if (defenses_) {
+      r_.rollbacks = defenses_->rollbacks();
+      r_.caught_recompute_mismatches = defenses_->caught_recompute_mismatches();
+    }
+  }
+
+ private:
+  // Every segment whose recompute was not bitwise; a skipped step never applied its recompute,
+  // so only mismatches in applied steps are "silent".
+  void count_recompute_mismatches(std::int64_t step, bool skipped) {
+    const std::size_t now = verifier_.mismatches().size();
+    r_.recompute_mismatches += static_cast<std::int64_t>(now - seen_mismatches_);
+    if (!skipped && now > seen_mismatches_) {
+      r_.silent_recompute_mismatches += static_cast<std::int64_t>(now - seen_mismatches_);
+      if (r_.first_silent_mismatch_step == 0) r_.first_silent_mismatch_step = step;
+    }
+    verifier_.reset();
+    seen_mismatches_ = verifier_.mismatches().size();
+  }
+
+  ScenarioResult& r_;
+  RecomputeVerifier& verifier_;
+  std::unique_ptr<Program> program_;
+  Defenses* defenses_ = nullptr;  // the program's pipeline: what fired, what the defenses did
+  bool started_ = false;
+  bool params_were_finite_ = true;
+  std::size_t seen_mismatches_ = 0;
+};
+
+// The final loss: the mean of the applied steps among the last three, none before the fault.
+void set_final_loss(ScenarioResult& r) {
+  r.final_window_first = std::max(r.fault_step, r.last_step - 2);
+  r.final_loss = std::numeric_limits<double>::quiet_NaN();
+  double sum = 0;
+  int n = 0;
+  for (const StepPoint& p : r.steps) {
+    if (p.step < r.final_window_first || p.skipped) continue;
+    sum += p.loss;
+    ++n;
+  }
+  if (n > 0) r.final_loss = sum / n;
+}
+
+// Replays the recorded run and says whether it reproduced every step bit for bit. A run that
+// raised replays too: the replay must raise the same message at the same step.
+void replay_recorded(const std::string& trace_path, ScenarioResult& r) {
+  try {
+    const TraceReader trace(trace_path);
+    std::unique_ptr<Program> again = program_from_trace(trace);
+    ReplayOptions ro;
+    ro.provenance = false;
+    const ReplayResult rr = Replayer(trace, *again).run(ro);
+    r.replayed = true;
+    // Bitwise means every step: a replay that stopped early verified only a prefix.
+    r.replay_bitwise = rr.reproduced && rr.to_step == r.last_step;
+    if (rr.first_divergence) r.replay_report = rr.first_divergence->message();
+    else if (rr.to_step != r.last_step)
+      r.replay_report =
+          "the replay stopped at step " + std::to_string(rr.to_step) + " of " + std::to_string(r.last_step);
+  } catch (const std::exception& e) {
+    r.replay_report = std::string("replay failed: ") + e.what();
+  }
+}
+
+}  // namespace
+
+ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::clock_t c0 = 0;          // at the first step: cpu_seconds is the steps', not the setup's
+  register_builtin_programs();  // the replay rebuilds the program from the trace by name
+  ScenarioResult r = start_result(spec, options);
+  const std::int64_t last = options.last_step > 0 ? options.last_step : spec.training.steps;
+  const bool replay = spec.expect.replay_bitwise.has_value() && options.replay && options.first_step == 1 &&
+                      options.start_state == nullptr;
+  const std::string trace_path = options.trace_path.empty() ? temp_trace_path(r.name) : options.trace_path;
+
+  VerifyOptions vo;
+  vo.policy = VerifyPolicy::kRecord;
+  RecomputeVerifier verifier(vo);
+  RunObserver observer(verifier);
+  ScenarioRun run(r, verifier);
+  try {
+    run.set_program(make_scenario_program(spec));
+    Program& program = *run.program();
+    if (options.start_state) {
+      program.load_state(*options.start_state);
+      if (options.restart_schedule && run.defenses()) run.defenses()->schedule().restart();
+    }
+    if (options.start_rng) options.start_rng->restore();
+    run.note_initial_params();
+    auto after_step = [&](std::int64_t step, const StepOutcome& o) { run.after_step(step, o); };
+    // After the injector: it compares what actually flowed. A program without the pipeline has
+    // its segments observed directly.
+    std::optional<ObserverScope> verify_scope;
+    if (run.defenses()) run.defenses()->observe(&observer);
+    else verify_scope.emplace(observer);
+    if (replay) {
+      Recorder recorder(trace_path, program);
+      run.mark_started();
+      c0 = std::clock();
+      record_run(program, recorder, spec.training.steps, /*stop_on_nonfinite=*/false, after_step);
+      recorder.close();
+    } else {
+      run.mark_started();
+      c0 = std::clock();
+      for (std::int64_t s = options.first_step; s <= last; ++s)
+        after_step(s, program.step(s, program.batch(s), nullptr));
+    }
+  } catch (const std::exception& e) {
+    run.on_exception(e);
+  }
+  r.segments_seen = observer.names();
+  run.finish(options.first_step);
+  set_final_loss(r);
+  if (replay && !r.harness_error) replay_recorded(trace_path, r);
+  if (replay && options.trace_path.empty()) {
+    std::error_code ec;
+    std::filesystem::remove(trace_path, ec);
+    std::filesystem::remove(trace_path + ".incomplete", ec);
+  }
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.cpu_seconds = static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
+  check_expectations(spec, r);
+  find_breakage(spec.expect, r);
+  decide_verdict(spec.expect, r);
+  return r;
+}
+
+
+ScenarioResult bench_scenario(const ScenarioSpec& spec, int repeats) {
+  ScenarioResult r = run_scenario(spec);
+  ScenarioSpec clean = spec;
+  clean.injections.clear();
+  clean.expect = ExpectSpec{};
+  ScenarioSpec bare = clean;
+  bare.defenses = DefenseSpec{};
+  bare.training.clip_grad_norm = 0;
+  auto per_step = [](const ScenarioResult& x) {
+    return x.steps_run > 0 ? x.seconds / static_cast<double>(x.steps_run) : 0.0;
+  };
+  // Alternating the two configurations, so that warm-up and drift land on both alike.
+  std::vector<double> with_t, without_t;
+  ScenarioResult fault_free;
+  for (int i = 0; i < std::max(1, repeats); ++i) {
+    ScenarioResult x = run_scenario(clean);
+    with_t.push_back(per_step(x));
+    if (i == 0) fault_free = x;
+    without_t.push_back(per_step(run_scenario(bare)));
+  }
+  std::sort(with_t.begin(), with_t.end());
+  std::sort(without_t.begin(), without_t.end());
+  const double with_defenses = with_t[with_t.size() / 2];
+  const double without = without_t[without_t.size() / 2];
+  r.bench.measured = true;
+  r.bench.fault_free_final_loss = fault_free.final_loss;
+  r.bench.final_loss_delta = r.final_loss - fault_free.final_loss;
+  r.bench.overhead = without > 0 ? with_defenses / without : 0;
+  std::int64_t first = -1;
+  for (const InjectionSpec& in : spec.injections) first = first < 0 ? in.step : std::min(first, in.step);
+  r.bench.injected = first > 0;
+  if (first > 0) {
+    // Disturbed: a skipped step, a non-finite loss, or one more than 10% off the fault-free run's.
+    auto disturbed = [&](std::size_t i) {
+      const double a = r.steps[i].loss, b = fault_free.steps[i].loss;
+      return r.steps[i].skipped || !std::isfinite(a) || std::abs(a - b) > 0.1 * std::abs(b);
+    };
+    const std::size_t n = std::min(r.steps.size(), fault_free.steps.size());
+    std::size_t hit = n;
+    for (std::size_t i = static_cast<std::size_t>(first - 1); i < n && hit == n; ++i) {
+      if (disturbed(i)) hit = i;
+    }
+    r.bench.steps_to_recover = hit == n && !r.raised ? 0 : -1;
+    for (std::size_t i = hit + 1; i < n; ++i) {
+      if (!disturbed(i)) {
+        r.bench.steps_to_recover = static_cast<std::int64_t>(i - hit);
+        break;
+      }
+    }
+  }
+  return r;
+}
+
+nlohmann::json ScenarioResult::to_json() const {
+  nlohmann::json j;
+  j["name"] = name;
+  j["origin"] = origin;
+  j["fault"] = fault;
+  j["defense"] = defense;
+  j["outcome"] = outcome();
+  j["expected"] = expected_to_break ? "broke" : "held";
+  j["passed"] = passed;
+  j["raised"] = raised;
+  j["harness_error"] = harness_error;
+  j["error"] = error;
+  j["steps_run"] = steps_run;
+  j["skipped_steps"] = skipped_steps;
+  j["applied_nonfinite_steps"] = applied_nonfinite_steps;
+  j["scale_backoffs"] = scale_backoffs;
+  j["scale_growths"] = scale_growths;
+  j["tolerated_overflows"] = tolerated_overflows;
+  j["rollbacks"] = rollbacks;
+  j["recompute_mismatches"] = recompute_mismatches;
+  j["silent_recompute_mismatches"] = silent_recompute_mismatches;
+  j["caught_recompute_mismatches"] = caught_recompute_mismatches;
+  j["params_finite"] = params_finite;
+  j["all_losses_finite"] = all_losses_finite;
+  j["final_loss"] = num(final_loss);
+  for (double v : losses) j["losses"].push_back(num(v));
+  for (double v : scales) j["scales"].push_back(num(v));
+  for (double v : lrs) j["lrs"].push_back(num(v));
+  for (const StepPoint& p : steps) {
+    j["steps"].push_back({{"step", p.step},
+                          {"loss", num(p.loss)},
+                          {"grad_norm", num(p.grad_norm)},
+                          {"loss_scale", num(p.loss_scale)},
+                          {"lr", num(p.lr)},
+                          {"loss_scale_after", num(p.loss_scale_after)},
+                          {"clip_coef", num(p.clip_coef)},
+                          {"clipped_grad_norm", num(p.clipped_grad_norm)},
+                          {"skipped", p.skipped},
+                          {"injected", p.injected},
+                          {"rolled_back", p.rolled_back}});
+  }
+  j["notes"] = nlohmann::json::array();
+  for (const StepNote& n : notes)
+    j["notes"].push_back({{"step", n.step}, {"kind", to_string(n.kind)}, {"text", n.text}});
+  // The same notes as lines, for readers of --json (from_json reads "notes").
+  j["injected"] = nlohmann::json::array();
+  for (const StepNote& n : notes_of(StepNoteKind::kInjected)) j["injected"].push_back(n.line());
+  j["skip_reasons"] = nlohmann::json::array();
+  for (const StepNote& n : notes_of(StepNoteKind::kSkipped)) j["skip_reasons"].push_back(n.line());
+  j["replayed"] = replayed;
+  j["replay_bitwise"] = replay_bitwise;
+  j["replay_report"] = replay_report;
+  j["seconds"] = seconds;
+  j["cpu_seconds"] = cpu_seconds;
+  if (bench.measured) {
+    j["bench"] = {{"injected", bench.injected},
+                  {"fault_free_final_loss", num(bench.fault_free_final_loss)},
+                  {"final_loss_delta", num(bench.final_loss_delta)},
+                  {"steps_to_recover", bench.steps_to_recover},
+                  {"overhead", bench.overhead}};
+  }
+  j["fault_step"] = fault_step;
+  j["last_step"] = last_step;
+  j["raised_at_step"] = raised_at_step;
+  j["applied_from_fault"] = applied_from_fault;
+  j["last_step_applied"] = last_step_applied;
+  j["final_window_first"] = final_window_first;
+  j["nonfinite_params_since"] = nonfinite_params_since;
+  j["first_nonfinite_loss_step"] = first_nonfinite_loss_step;
+  j["first_silent_mismatch_step"] = first_silent_mismatch_step;
+  j["injections"] = nlohmann::json::array();
+  for (const InjectionTally& t : injections) {
+    j["injections"].push_back({{"entry", t.entry}, {"type", t.type}, {"due", t.due}, {"fired", t.fired}});
+  }
+  j["segments_seen"] = segments_seen;
+  j["breakage"] = nlohmann::json::array();
+  for (const Breakage& x : breakage) {
+    j["breakage"].push_back(
+        {{"kind", to_string(x.kind)}, {"step", x.step}, {"detail", x.detail}, {"counts", x.counts}});
+  }
+  j["reasons"] = reasons;
+  j["checks"] = nlohmann::json::array();
+  for (const ExpectationCheck& c : checks) {
+    j["checks"].push_back({{"name", c.name}, {"expected", c.expected}, {"observed", c.observed}, {"passed", c.passed}});
+  }
+  return j;
+}
+
+ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
+  ScenarioResult r;
+  r.name = j.at("name");
+  r.origin = j.at("origin");
+  r.fault = j.at("fault");
+  r.defense = j.at("defense");
+  r.expected_to_break = j.at("expected") == "broke";
+  r.broke = j.at("outcome") == "broke";
+  r.passed = j.at("passed");
+  r.raised = j.at("raised");
+  r.harness_error = j.value("harness_error", false);
+  r.error = j.at("error");
+  r.steps_run = j.at("steps_run");
+  r.skipped_steps = j.at("skipped_steps");
+  r.applied_nonfinite_steps = j.value("applied_nonfinite_steps", std::int64_t{0});
+  r.scale_backoffs = j.at("scale_backoffs");
+  r.scale_growths = j.at("scale_growths");
+  r.tolerated_overflows = j.at("tolerated_overflows");
+  r.rollbacks = j.at("rollbacks");
+  r.recompute_mismatches = j.at("recompute_mismatches");
+  r.silent_recompute_mismatches = j.at("silent_recompute_mismatches");
+  r.caught_recompute_mismatches = j.at("caught_recompute_mismatches");
+  r.params_finite = j.at("params_finite");
+  r.all_losses_finite = j.at("all_losses_finite");
+  r.final_loss = from_num(j.at("final_loss"));
+  if (j.contains("losses"))
+    for (const auto& v : j["losses"]) r.losses.push_back(from_num(v));
+  if (j.contains("scales"))
+    for (const auto& v : j["scales"]) r.scales.push_back(from_num(v));
+  if (j.contains("lrs"))
+    for (const auto& v : j["lrs"]) r.lrs.push_back(from_num(v));
+  if (j.contains("steps")) {
+    for (const auto& p : j["steps"]) {
+      r.steps.push_back({p.at("step").get<std::int64_t>(), from_num(p.at("loss")), from_num(p.at("grad_norm")),
+                         from_num(p.at("loss_scale")), from_num(p.at("lr")), from_num(p.at("loss_scale_after")),
+                         from_num(p.at("clip_coef")), from_num(p.at("clipped_grad_norm")), p.at("skipped").get<bool>(),
+                         p.at("injected").get<bool>(), p.at("rolled_back").get<bool>()});
+    }
+  }
+  for (const auto& n : j.at("notes")) {  // written by this build's child processes: never absent
+    r.notes.push_back({n.at("step").get<std::int64_t>(), parse_step_note_kind(n.at("kind").get<std::string>()),
+                       n.at("text").get<std::string>()});
+  }
+  r.replayed = j.at("replayed");
+  r.replay_bitwise = j.at("replay_bitwise");
+  r.replay_report = j.at("replay_report");
+  r.seconds = j.at("seconds");
+  r.cpu_seconds = j.at("cpu_seconds");
+  if (j.contains("bench")) {
+    const auto& b = j["bench"];
+    r.bench.measured = true;
+    r.bench.injected = b.value("injected", true);
+    r.bench.fault_free_final_loss = from_num(b.at("fault_free_final_loss"));
+    r.bench.final_loss_delta = from_num(b.at("final_loss_delta"));
+    r.bench.steps_to_recover = b.at("steps_to_recover");
+    r.bench.overhead = b.at("overhead");
+  }
+  r.fault_step = j.at("fault_step");
+  r.last_step = j.at("last_step");
+  r.raised_at_step = j.at("raised_at_step");
+  r.applied_from_fault = j.at("applied_from_fault");
+  r.last_step_applied = j.at("last_step_applied");
+  r.final_window_first = j.at("final_window_first");
+  r.nonfinite_params_since = j.at("nonfinite_params_since");
+  r.first_nonfinite_loss_step = j.at("first_nonfinite_loss_step");
+  r.first_silent_mismatch_step = j.at("first_silent_mismatch_step");
+  for (const auto& t : j.at("injections")) {
+    r.injections.push_back({t.at("entry").get<std::size_t>(), t.at("type").get<std::string>(),
+                            t.at("due").get<std::vector<std::int64_t>>(),
+                            t.at("fired").get<std::vector<std::int64_t>>()});
+  }
+  r.segments_seen = j.at("segments_seen").get<std::vector<std::string>>();
+  for (const auto& x : j.at("breakage")) {
+    r.breakage.push_back({parse_break_kind(x.at("kind").get<std::string>()), x.at("step").get<std::int64_t>(),
+                          x.at("detail").get<std::string>(), x.at("counts").get<bool>()});
+  }
+  r.reasons = j.at("reasons").get<std::vector<std::string>>();
+  for (const auto& c : j.at("checks"))
+    r.checks.push_back({c.at("name"), c.at("expected"), c.at("observed"), c.at("passed")});
+  return r;
+}
+
+ScenarioSpec load_scenario(const std::string& path_or_builtin) {
+  const std::string prefix = "builtin:";
+  if (path_or_builtin.rfind(prefix, 0) == 0) {
+    const std::string name = path_or_builtin.substr(prefix.size());
+    for (const BuiltinScenario& b : builtin_suite()) {
+      if (b.name == name) return parse_scenario_text(b.text, "builtin:" + name);
+    }
+    std::string known;
+    for (const BuiltinScenario& b : builtin_suite()) known += (known.empty() ? "" : ", ") + b.name;
+    throw Error("no built-in scenario '" + name + "'; built-in scenarios: " + known);
+  }
+  return parse_scenario_file(path_or_builtin);
+}
+
+const Breakage* ScenarioResult::evidence() const {
+  for (const Breakage& x : breakage) {
+    if (x.counts) return &x;
+  }
+  return nullptr;
+}
+
+std::string ScenarioResult::verdict() const {
+  if (passed) {
+    const Breakage* x = expected_to_break ? evidence() : nullptr;
+    return x ? "ok (broke: " + x->detail + ")" : "ok";
+  }
+  std::string v = "FAILED";
+  for (const std::string& why : reasons) v += " (" + why + ")";
+  return v;
+}
+
+}  // namespace retrace

@@ -1,0 +1,321 @@
+// retrace::checkpoint: gradients bitwise equal to the plain model, and clear errors for misuse.
+#include "../support/training.h"
+
+#include <retrace/checkpoint.h>
+#include <retrace/gtest.h>
+#include <retrace/models.h>
+#include <retrace/sequential.h>
+
+#include <ATen/autocast_mode.h>
+#include <torch/torch.h>
+
+namespace retrace {
+namespace {
+
+using models::CheckpointPlan;
+using test::run_step;
+using test::StepSnapshot;
+
+void expect_same_step(const StepSnapshot& plain, const StepSnapshot& ckpt) {
+  EXPECT_BITWISE_EQ(plain.loss, ckpt.loss);
+  ASSERT_TRUE(plain.input_grad.defined());
+  EXPECT_BITWISE_EQ(plain.input_grad, ckpt.input_grad);
+  ASSERT_EQ(plain.grads.size(), ckpt.grads.size());
+  for (std::size_t i = 0; i < plain.grads.size(); ++i) {
+    SCOPED_TRACE(plain.grads[i].first);
+    ASSERT_TRUE(plain.grads[i].second.defined());
+    ASSERT_TRUE(ckpt.grads[i].second.defined());
+    EXPECT_BITWISE_EQ(plain.grads[i].second, ckpt.grads[i].second);
+  }
+}
+
+bool any_grad_differs(const StepSnapshot& a, const StepSnapshot& b) {
+  for (std::size_t i = 0; i < a.grads.size(); ++i) {
+    if (!bitwise_diff(a.grads[i].second, b.grads[i].second).bitwise_equal()) return true;
+  }
+  return false;
+}
+
+template <typename Model, typename Config>
+void check_segments(Config config, int segments) {
+  torch::manual_seed(0);
+  Model model(config);
+  model.train();  // dropout active
+  const models::Batch batch = model.make_batch(7);
+  const StepSnapshot plain = run_step(model, batch, CheckpointPlan{0, {}});
+  const StepSnapshot ckpt = run_step(model, batch, CheckpointPlan{segments, {}});
+  expect_same_step(plain, ckpt);
+}
+
+models::GptConfig gpt4() {
+  models::GptConfig c;
+  c.layers = 4;
+  c.dropout = 0.2;
+  return c;
+}
+
+models::LstmConfig lstm3() {
+  models::LstmConfig c;
+  c.layers = 3;
+  c.dropout = 0.2;
+  return c;
+}
+
+class TinyGptSegments : public ::testing::TestWithParam<int> {};
+TEST_P(TinyGptSegments, LossAndEveryGradBitwiseEqualToPlain) { check_segments<models::TinyGpt>(gpt4(), GetParam()); }
+INSTANTIATE_TEST_SUITE_P(Checkpoint, TinyGptSegments, ::testing::Values(1, 2, 4));
+
+class LstmSegments : public ::testing::TestWithParam<int> {};
+TEST_P(LstmSegments, LossAndEveryGradBitwiseEqualToPlain) { check_segments<models::LstmLm>(lstm3(), GetParam()); }
+INSTANTIATE_TEST_SUITE_P(Checkpoint, LstmSegments, ::testing::Values(1, 2, 3));
+
+class MlpSegments : public ::testing::TestWithParam<int> {};
+TEST_P(MlpSegments, LossAndEveryGradBitwiseEqualToPlain) {
+  check_segments<models::Mlp>(models::MlpConfig{}, GetParam());
+}
+INSTANTIATE_TEST_SUITE_P(Checkpoint, MlpSegments, ::testing::Values(1, 2, 4));
+
+// Negative control for the tests above: without RNG preservation the recompute draws other
+// dropout masks, and the comparison must see it.
+TEST(Checkpoint, WithoutRngPreservationDropoutGradsDiffer) {
+  torch::manual_seed(0);
+  models::TinyGpt model(gpt4());
+  model.train();
+  const models::Batch batch = model.make_batch(7);
+  const StepSnapshot plain = run_step(model, batch, CheckpointPlan{0, {}});
+  CheckpointPlan broken{2, {}};
+  broken.options.preserve_rng_state = false;
+  const StepSnapshot ckpt = run_step(model, batch, broken);
+  EXPECT_BITWISE_EQ(plain.loss, ckpt.loss);    // the forward is the same...
+  EXPECT_TRUE(any_grad_differs(plain, ckpt));  // ...the gradients are not
+}
+
+// torch::nn::LSTM on CPU (oneDNN) computes other bits under no-grad than with grad. A forward
+// under no-grad, as torch.utils.checkpoint runs it, therefore changes the model's numerics; the
+// default ForwardMode::kLikeRecompute is what keeps the LSTM bitwise (LstmSegments above).
+TEST(Checkpoint, NoGradForwardOfOneDnnLstmIsNotBitwise) {
+  torch::manual_seed(0);
+  models::LstmLm model(lstm3());
+  model.train();
+  const models::Batch batch = model.make_batch(7);
+  const StepSnapshot plain = run_step(model, batch, CheckpointPlan{0, {}});
+  CheckpointPlan nograd{3, {}};
+  nograd.options.forward_mode = ForwardMode::kNoGrad;
+  const StepSnapshot ckpt = run_step(model, batch, nograd);
+  EXPECT_TRUE(any_grad_differs(plain, ckpt));
+}
+
+TEST(Checkpoint, AutocastBf16OnCpuBitwiseEqualToPlain) {
+  torch::manual_seed(0);
+  models::TinyGpt model(gpt4());
+  model.train();
+  const models::Batch batch = model.make_batch(3);
+  auto step = [&](int segments) {
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    model.zero_grad();
+    torch::manual_seed(5);
+    at::Tensor loss = model.loss(batch, CheckpointPlan{segments, {}});
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+    loss.backward();  // outside autocast, as recommended; the recompute re-enters it
+    std::vector<at::Tensor> grads{loss.detach()};
+    for (const auto& p : model.parameters()) grads.push_back(p.grad().clone());
+    return grads;
+  };
+  const auto plain = step(0);
+  const auto ckpt = step(2);
+  ASSERT_EQ(plain.size(), ckpt.size());
+  for (std::size_t i = 0; i < plain.size(); ++i) EXPECT_BITWISE_EQ(plain[i], ckpt[i]);
+}
+
+TEST(Checkpoint, ParameterGradsArriveWhenNoInputRequiresGrad) {
+  torch::manual_seed(0);
+  torch::nn::Linear linear(8, 8);
+  const at::Tensor x = torch::randn({4, 8});  // requires_grad == false
+  ASSERT_FALSE(x.requires_grad());
+  at::Tensor y = checkpoint(
+      "linear", [&](const at::Tensor& in) { return linear(in).tanh(); }, x);
+  ASSERT_TRUE(y.requires_grad());
+  y.sum().backward();
+  ASSERT_TRUE(linear->weight.grad().defined());
+  const at::Tensor ckpt_weight = linear->weight.grad().clone();
+  const at::Tensor ckpt_bias = linear->bias.grad().clone();
+  linear->zero_grad();
+  linear(x).tanh().sum().backward();
+  EXPECT_BITWISE_EQ(linear->weight.grad(), ckpt_weight);
+  EXPECT_BITWISE_EQ(linear->bias.grad(), ckpt_bias);
+}
+
+TEST(Checkpoint, SeveralInputsAndOutputs) {
+  torch::manual_seed(0);
+  const at::Tensor a = torch::randn({3, 4}, torch::requires_grad());
+  const at::Tensor b = torch::randn({3, 4}, torch::requires_grad());
+  auto fn = [](const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{in[0] * in[1], (in[0] + in[1]).sin(), in[1].exp()};
+  };
+  auto outs = checkpoint("multi", fn, {a, b});
+  ASSERT_EQ(outs.size(), 3u);
+  (outs[0].sum() + outs[1].pow(2).sum() + 3 * outs[2].mean()).backward();
+  const at::Tensor ga = a.grad().clone(), gb = b.grad().clone();
+  a.grad().zero_();
+  b.grad().zero_();
+  auto plain = fn({a, b});
+  (plain[0].sum() + plain[1].pow(2).sum() + 3 * plain[2].mean()).backward();
+  EXPECT_BITWISE_EQ(a.grad(), ga);
+  EXPECT_BITWISE_EQ(b.grad(), gb);
+}
+
+TEST(Checkpoint, OutputWithoutIncomingGradIsFine) {
+  const at::Tensor a = torch::randn({5}, torch::requires_grad());
+  auto outs = checkpoint("two",
+                         [](const std::vector<at::Tensor>& in) {
+                           return std::vector<at::Tensor>{in[0] * 2, in[0] * 3};
+                         },
+                         {a});
+  outs[1].sum().backward();  // outs[0] receives no gradient
+  EXPECT_BITWISE_EQ(torch::full({5}, 3.0f), a.grad());
+}
+
+TEST(Checkpoint, NoGradModeRunsPlainAndKeepsNothing) {
+  torch::NoGradGuard no_grad;
+  const at::Tensor x = torch::randn({2, 2});
+  at::Tensor y = checkpoint(
+      "nograd", [](const at::Tensor& in) { return in * 2; }, x);
+  EXPECT_FALSE(y.requires_grad());
+  EXPECT_BITWISE_EQ(x * 2, y);
+}
+
+TEST(Checkpoint, NestedCheckpointsGiveSameGrads) {
+  torch::manual_seed(1);
+  torch::nn::Linear l1(6, 6), l2(6, 6);
+  const at::Tensor x = torch::randn({2, 6}, torch::requires_grad());
+  auto inner = [&](const at::Tensor& h) { return torch::dropout(l2(h).relu(), 0.3, true); };
+  auto outer = [&](const at::Tensor& h) { return checkpoint("inner", inner, torch::dropout(l1(h).tanh(), 0.3, true)); };
+  torch::manual_seed(9);
+  checkpoint("outer", outer, x).sum().backward();
+  const at::Tensor g = x.grad().clone(), gw = l1->weight.grad().clone();
+  x.grad().zero_();
+  l1->zero_grad();
+  l2->zero_grad();
+  torch::manual_seed(9);
+  inner(torch::dropout(l1(x).tanh(), 0.3, true)).sum().backward();
+  EXPECT_BITWISE_EQ(x.grad(), g);
+  EXPECT_BITWISE_EQ(l1->weight.grad(), gw);
+}
+
+TEST(Checkpoint, SequentialModuleBitwiseEqualToPlainWithDropout) {
+  torch::manual_seed(0);
+  torch::nn::Sequential seq;
+  for (int i = 0; i < 3; ++i) {
+    seq->push_back(torch::nn::Linear(8, 8));
+    seq->push_back(torch::nn::GELU());
+    seq->push_back(torch::nn::Dropout(0.3));
+  }
+  const at::Tensor x = torch::randn({4, 8}, torch::requires_grad());
+  torch::manual_seed(11);
+  seq->forward(x).pow(2).sum().backward();
+  std::vector<at::Tensor> plain{x.grad().clone()};
+  for (const auto& p : seq->parameters()) plain.push_back(p.grad().clone());
+  seq->zero_grad();
+  x.grad().zero_();
+  torch::manual_seed(11);
+  checkpoint_sequential(seq, 3, x).pow(2).sum().backward();
+  std::vector<at::Tensor> ckpt{x.grad().clone()};
+  for (const auto& p : seq->parameters()) ckpt.push_back(p.grad().clone());
+  ASSERT_EQ(plain.size(), ckpt.size());
+  for (std::size_t i = 0; i < plain.size(); ++i) EXPECT_BITWISE_EQ(plain[i], ckpt[i]);
+}
+
+TEST(Checkpoint, SegmentNamesOfSequentialGroups) {
+  std::vector<Stage> stages;
+  for (int i = 0; i < 5; ++i) stages.push_back({"s" + std::to_string(i), [](const at::Tensor& x) { return x; }});
+  EXPECT_EQ(segment_names(stages, 2), (std::vector<std::string>{"s0..s2", "s3..s4"}));
+  EXPECT_EQ(segment_names(stages, 5)[4], "s4");
+  EXPECT_THROW(segment_names(stages, 0), Error);
+  EXPECT_THROW(segment_names(stages, 6), Error);
+}
+
+// --- misuse is a clear error naming the segment ---------------------------------------------
+
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const CheckpointError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(CheckpointErrors, NoTensorReturned) {
+  const at::Tensor x = torch::randn({2}, torch::requires_grad());
+  const std::string msg = error_of(
+      [&] { checkpoint("empty_seg", [](const std::vector<at::Tensor>&) { return std::vector<at::Tensor>{}; }, {x}); });
+  EXPECT_NE(msg.find("\"empty_seg\""), std::string::npos) << msg;
+  EXPECT_NE(msg.find("returned no tensor"), std::string::npos) << msg;
+}
+
+TEST(CheckpointErrors, UndefinedOutput) {
+  const at::Tensor x = torch::randn({2}, torch::requires_grad());
+  const std::string msg = error_of([&] {
+    checkpoint(
+        "undef_seg", [](const at::Tensor&) { return at::Tensor(); }, x);
+  });
+  EXPECT_NE(msg.find("undef_seg"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("undefined"), std::string::npos) << msg;
+}
+
+TEST(CheckpointErrors, NonFloatingOutput) {
+  const at::Tensor x = torch::randn({2, 3}, torch::requires_grad());
+  const std::string msg = error_of([&] {
+    checkpoint(
+        "argmax_seg", [](const at::Tensor& in) { return in.argmax(1); }, x);
+  });
+  EXPECT_NE(msg.find("argmax_seg"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("Long[2]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("not floating point"), std::string::npos) << msg;
+}
+
+TEST(CheckpointErrors, MixedInputDevices) {
+  const at::Tensor cpu = torch::randn({2}, torch::requires_grad());
+  const at::Tensor meta = torch::empty({2}, torch::TensorOptions().device(at::kMeta));
+  const std::string msg = error_of([&] {
+    checkpoint("mixed_seg", [](const std::vector<at::Tensor>& in) { return in; }, {cpu, meta});
+  });
+  EXPECT_NE(msg.find("mixed_seg"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("input 1 is on meta"), std::string::npos) << msg;
+}
+
+TEST(CheckpointErrors, OutputOnAnotherDevice) {
+  const at::Tensor x = torch::randn({2}, torch::requires_grad());
+  const std::string msg = error_of([&] {
+    checkpoint(
+        "move_seg", [](const at::Tensor& in) { return in.to(at::kMeta); }, x);
+  });
+  EXPECT_NE(msg.find("move_seg"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("output 0 is on meta but the inputs are on cpu"), std::string::npos) << msg;
+}
+
+TEST(CheckpointErrors, AutogradGradWithInputsIsRefused) {
+  torch::nn::Linear linear(4, 4);
+  const at::Tensor x = torch::randn({2, 4}, torch::requires_grad());
+  at::Tensor y = checkpoint(
+      "grad_seg", [&](const at::Tensor& in) { return linear(in); }, x);
+  std::string msg;
+  try {
+    torch::autograd::grad({y.sum()}, {x});
+  } catch (const std::exception& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("grad_seg"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("torch::autograd::grad()"), std::string::npos) << msg;
+}
+
+TEST(CheckpointErrors, EmptyFunction) {
+  const at::Tensor x = torch::randn({2});
+  EXPECT_THROW(checkpoint("nofn", TensorFn(), x), CheckpointError);
+}
+
+}  // namespace
+}  // namespace retrace

@@ -1,0 +1,192 @@
+// Op-level non-finite provenance: the first op that made a NaN or Inf, with its inputs.
+#include "../support/recording.h"
+
+#include <retrace/recorder.h>
+#include <retrace/replayer.h>
+#include <retrace/trace.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+
+namespace retrace {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A program of single ops, to pin down what provenance reports about them. config: "copy" (a
+// NaN from the batch copied into zeros: the first non-finite op is in-place), "sqrt" (the square
+// root of a negative parameter), "all-nan" (an op on an all-NaN batch, whose loss is -nan).
+class OpProgram : public Program {
+ public:
+  explicit OpProgram(std::string config) : config_(std::move(config)) {}
+  std::string name() const override { return "test.ops"; }
+  std::string config() const override { return config_; }
+  std::vector<NamedTensor> state() override { return {{"param.w", w_}}; }
+  void load_state(const std::vector<NamedTensor>& state) override {
+    for (const NamedTensor& n : state) {
+      if (n.name == "param.w") w_.copy_(n.tensor);
+    }
+  }
+  std::vector<NamedTensor> batch(std::int64_t) override {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    if (config_ == "all-nan") return {{"input", torch::full({3}, -nan)}};  // -nan: sign bit set
+    return {{"input", torch::tensor({1.0f, nan, 2.0f, 3.0f})}};
+  }
+  StepOutcome step(std::int64_t, const std::vector<NamedTensor>& batch, StepMonitor*) override {
+    torch::NoGradGuard no_grad;
+    at::Tensor y;
+    if (config_ == "copy") {
+      y = torch::zeros({4});
+      y.copy_(batch[0].tensor);
+    } else if (config_ == "sqrt") {
+      y = w_.sqrt();
+    } else if (config_ == "mse") {
+      y = torch::mse_loss(w_ * 1e20f, torch::zeros({3}));  // squares past float's range inside mse_loss
+    } else {
+      y = batch[0].tensor.mul(2);
+    }
+    StepOutcome out;
+    out.loss = y.sum().item<double>();
+    out.grad_norm = 0;
+    return out;
+  }
+
+ private:
+  std::string config_;
+  at::Tensor w_ = torch::tensor({4.0f, -1.0f, 9.0f});
+};
+
+ReplayResult record_and_replay_ops(const std::string& config, bool drop_step_end = false,
+                                   StepOutcome* recorded = nullptr) {
+  register_program("test.ops", [](const std::string& c) { return std::make_unique<OpProgram>(c); });
+  OpProgram program(config);
+  const std::string path = temp_path("ops_" + config);
+  {
+    Recorder recorder(path, program);
+    const std::vector<StepOutcome> outcomes = record_run(program, recorder, 1);
+    if (recorded && !outcomes.empty()) *recorded = outcomes.front();
+    recorder.close();
+  }
+  std::string replayed = path;
+  if (drop_step_end) {  // as if the run had died in the step
+    replayed = temp_path("ops_died_" + config);
+    const TraceReader in(path);
+    TraceWriter out(replayed, [&] {
+      nlohmann::json h = in.header();
+      h.erase("format_version");
+      h.erase("writer");
+      return h;
+    }());
+    for (std::size_t i = 0; i < in.records().size(); ++i) {
+      Record rec = in.read(i);
+      if (rec.type == RecordType::kStepEnd) continue;
+      std::vector<TensorToWrite> tensors;
+      for (const TensorEntry& e : rec.tensors) {
+        EXPECT_TRUE(e.has_data()) << "a one-step trace stores every tensor of its step_begin";
+        if (e.has_data()) tensors.push_back({e.name, in.decode(rec, e), true, std::nullopt});
+      }
+      rec.meta.erase("tensors");
+      out.append(rec.type, rec.meta, tensors);
+    }
+    out.close();
+  }
+  ReplayResult r = replay(replayed);
+  fs::remove(path);
+  if (replayed != path) fs::remove(replayed);
+  return r;
+}
+
+// An in-place op's inputs are reported as they were before it: the destination of copy_ held
+// zeros (its output holds the NaN), the source the NaN. Control: the output, read after the op,
+// does hold it -- the report of input 0 would too if it were taken after the op.
+TEST(Provenance, InPlaceOpShowsItsInputsBeforeTheOp) {
+  const ReplayResult r = record_and_replay_ops("copy");
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  const NonFiniteOrigin& o = *r.first_nonfinite;
+  EXPECT_EQ(o.op, "aten::copy_");
+  ASSERT_EQ(o.inputs.size(), 2u);
+  EXPECT_EQ(o.inputs[0].nonfinite.nan, 0) << o.message();
+  EXPECT_EQ(o.inputs[0].min, 0);
+  EXPECT_EQ(o.inputs[0].max, 0);
+  EXPECT_EQ(o.inputs[1].nonfinite.nan, 1);
+  ASSERT_EQ(o.outputs.size(), 1u);
+  EXPECT_EQ(o.outputs[0].nonfinite.nan, 1);  // the control: the same tensor after the op
+}
+
+// The text line names the min and max of each input: the -1 that sqrt turned into NaN. Control:
+// an input with no such value (all finite and positive) would show min > 0.
+TEST(Provenance, TextLineNamesTheInputsMinAndMax) {
+  const ReplayResult r = record_and_replay_ops("sqrt");
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  const NonFiniteOrigin& o = *r.first_nonfinite;
+  EXPECT_EQ(o.op, "aten::sqrt");
+  ASSERT_EQ(o.inputs.size(), 1u);
+  EXPECT_EQ(o.inputs[0].min, -1);
+  EXPECT_EQ(o.inputs[0].max, 9);
+  const std::string text = o.message();
+  EXPECT_NE(text.find("input 0 Float[3] min -1 max 9 |max| 9 nan=0 inf=0"), std::string::npos) << text;
+  EXPECT_EQ(o.to_json()["inputs"][0]["min"], -1.0);
+}
+
+// An op that makes the value inside its own kernel and hands it to nested ops (mse_loss squares,
+// then sums and divides) is named, not the nested op that first returned it. Control: the nested
+// op was handed the infinity (its input is non-finite), so naming it would blame the wrong op.
+TEST(Provenance, AnOpThatMakesTheValueInsideItIsNamedNotItsInnerOp) {
+  const ReplayResult r = record_and_replay_ops("mse");
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  const NonFiniteOrigin& o = *r.first_nonfinite;
+  EXPECT_EQ(o.op, "aten::mse_loss") << o.message();
+  EXPECT_FALSE(o.inner_op.empty()) << o.message();
+  ASSERT_EQ(o.inputs.size(), 2u);  // mse_loss's own inputs: finite
+  EXPECT_EQ(o.inputs[0].nonfinite.pos_inf + o.inputs[0].nonfinite.nan, 0) << o.message();
+  EXPECT_NE(o.message().find("(made inside it, first returned by its inner aten::"), std::string::npos) << o.message();
+  EXPECT_EQ(o.to_json()["inner_op"], o.inner_op);
+}
+
+// An all-NaN tensor has no min or max: NaN, not 0, in text and JSON; and a loss of -nan prints as
+// nan. Control: the partly-NaN source of copy_ keeps its finite min and max (1 and 3), and the
+// recorded loss really is negative (so printing it with << would say -nan).
+TEST(Provenance, AllNanTensorHasNanStatsAndNegativeNanPrintsAsNan) {
+  StepOutcome recorded;
+  const ReplayResult r = record_and_replay_ops("all-nan", /*drop_step_end=*/true, &recorded);
+  ASSERT_TRUE(std::isnan(recorded.loss));
+  ASSERT_TRUE(std::signbit(recorded.loss));
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  const NonFiniteOrigin& o = *r.first_nonfinite;
+  ASSERT_FALSE(o.inputs.empty());
+  EXPECT_TRUE(std::isnan(o.inputs[0].min));
+  EXPECT_TRUE(std::isnan(o.inputs[0].max));
+  EXPECT_TRUE(std::isnan(o.inputs[0].abs_max));
+  const std::string text = o.message();
+  EXPECT_NE(text.find("input 0 Float[3] (no finite element) nan=3"), std::string::npos) << text;
+  const nlohmann::json j = r.to_json();
+  EXPECT_EQ(j["first_nonfinite"]["inputs"][0]["min"], "nan");
+  EXPECT_EQ(j["first_nonfinite"]["inputs"][0]["abs_max"], "nan");
+  EXPECT_EQ(j.dump().find("-nan"), std::string::npos) << j.dump();
+  bool noted = false;
+  for (const std::string& n : r.notes) {
+    EXPECT_EQ(n.find("-nan"), std::string::npos) << n;
+    noted = noted || n.find("re-executed from its snapshot: loss nan, grad norm 0") != std::string::npos;
+  }
+  EXPECT_TRUE(noted);
+
+  const ReplayResult control = record_and_replay_ops("copy");
+  ASSERT_TRUE(control.first_nonfinite.has_value());
+  ASSERT_EQ(control.first_nonfinite->inputs.size(), 2u);
+  EXPECT_EQ(control.first_nonfinite->inputs[1].min, 1);
+  EXPECT_EQ(control.first_nonfinite->inputs[1].max, 3);
+}
+
+}  // namespace
+}  // namespace retrace

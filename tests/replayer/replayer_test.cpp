@@ -1,0 +1,421 @@
+// Record then replay: bitwise reproduction in digest and full modes, the first divergence of a
+// perturbed trace, the flight ring of a run forced to NaN, steps that raised.
+#include "../support/recording.h"
+
+#include <retrace/records.h>
+#include <retrace/error.h>
+#include <retrace/recorder.h>
+#include <retrace/replayer.h>
+#include <retrace/runner.h>
+#include <retrace/trace.h>
+#include <retrace/trainer.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+
+namespace retrace {
+namespace {
+
+namespace fs = std::filesystem;
+
+const char* kLstm = R"(
+name: lstm
+model: {type: lstm, layers: 2, hidden: 32, dropout: 0.1}
+training: {steps: 3, optimizer: adam, lr: 0.002, segments: 2}
+)";
+
+const char* kExplode = R"(
+name: explode
+model: {type: tiny_gpt, layers: 4, d_model: 32, heads: 4, dropout: 0.1}
+training: {steps: 20, optimizer: sgd, lr: 50000, segments: 2}
+)";
+
+// A non-finite step that a defense skipped does not end the replay: it goes on verifying every
+// later step, and says which faults were injected.
+TEST(Replay, ContinuesPastAStepADefenseSkipped) {
+  ScenarioSpec spec = load_scenario("builtin:grad-nan-skip");
+  spec.expect = ExpectSpec{};
+  register_builtin_programs();
+  ScenarioProgram program(spec);
+  const std::string path = temp_path("handled");
+  {
+    Recorder recorder(path, program);
+    record_run(program, recorder, spec.training.steps, /*stop_on_nonfinite=*/false);
+    recorder.close();
+  }
+  const ReplayResult r = replay(path);
+  EXPECT_TRUE(r.reproduced);
+  EXPECT_EQ(r.to_step, spec.training.steps);  // not 3, the skipped step
+  bool tagged = false;
+  for (const std::string& n : r.notes)
+    tagged = tagged || n.find("step 3 carries injected faults (not real ones): grad_nonfinite") == 0;
+  EXPECT_TRUE(tagged);
+  fs::remove(path);
+}
+
+class ModesAndModels : public ::testing::TestWithParam<std::tuple<const char*, RecordMode>> {};
+
+TEST_P(ModesAndModels, RecordThenReplayIsBitwise) {
+  const auto [yaml, mode] = GetParam();
+  RecorderOptions options;
+  options.mode = mode;
+  const Recorded rec = record(yaml, mode == RecordMode::kFull ? "full" : "digest", options);
+  ASSERT_EQ(rec.outcomes.size(), 3u);
+  // From step 1: every step re-executed and compared.
+  ReplayOptions all;
+  all.from = 1;
+  const ReplayResult result = replay(rec.path, all);
+  EXPECT_TRUE(result.reproduced) << (result.first_divergence ? result.first_divergence->message() : "");
+  EXPECT_EQ(result.from_step, 1);
+  EXPECT_EQ(result.to_step, 3);
+  EXPECT_FALSE(result.first_nonfinite.has_value());
+  // By default from the nearest full snapshot: step 1 in digest mode, the target in full mode.
+  const ReplayResult nearest = replay(rec.path);
+  EXPECT_TRUE(nearest.reproduced);
+  EXPECT_EQ(nearest.from_step, mode == RecordMode::kFull ? 3 : 1);
+  // Any recorded step can be the target.
+  ReplayOptions two;
+  two.step = 2;
+  EXPECT_TRUE(replay(rec.path, two).reproduced);
+  fs::remove(rec.path);
+}
+
+INSTANTIATE_TEST_SUITE_P(Replay, ModesAndModels,
+                         ::testing::Combine(::testing::Values(kGpt, kLstm),
+                                            ::testing::Values(RecordMode::kDigest, RecordMode::kFull)),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) == kGpt ? "TinyGpt" : "Lstm") +
+                                  (std::get<1>(info.param) == RecordMode::kFull ? "Full" : "Digest");
+                         });
+
+TEST(Replay, FullModeReplaysAnyStepFromItsOwnSnapshot) {
+  RecorderOptions options;
+  options.mode = RecordMode::kFull;
+  const Recorded rec = record(kGpt, "anystep", options);
+  ReplayOptions three;
+  three.step = 3;
+  const ReplayResult r = replay(rec.path, three);
+  EXPECT_TRUE(r.reproduced);
+  EXPECT_EQ(r.from_step, 3);  // its own full step_begin, not step 1
+  fs::remove(rec.path);
+}
+
+TEST(Replay, SampledSnapshotsAnchorTheReplay) {
+  RecorderOptions options;
+  options.every = 2;
+  const Recorded rec = record(kGpt, "sampled", options, 4);
+  ReplayOptions three;
+  three.step = 3;
+  const ReplayResult r = replay(rec.path, three);
+  EXPECT_TRUE(r.reproduced);
+  EXPECT_EQ(r.from_step, 2);
+  fs::remove(rec.path);
+}
+
+// Negative control: one changed parameter element is caught at the segment that uses it.
+class Perturbed : public ::testing::TestWithParam<RecordMode> {};
+
+TEST_P(Perturbed, OneParameterElementDivergesAtItsSegmentAndPhase) {
+  RecorderOptions options;
+  options.mode = GetParam();
+  const Recorded rec = record(kGpt, "perturb_src", options, 2);
+  const std::string copy = temp_path("perturbed");
+  rewrite(rec.path, copy, [](Record& r, std::vector<TensorToWrite>& tensors) {
+    if (r.type != RecordType::kStepBegin || r.meta["step"] != 1) return;
+    for (TensorToWrite& t : tensors) {
+      if (t.name == "state.param.block2.fc.weight") {
+        t.tensor = t.tensor.clone();
+        t.tensor.view(-1)[5] += 0.25;
+      }
+    }
+  });
+  ReplayOptions first_step;
+  first_step.step = 1;
+  const ReplayResult r = replay(copy, first_step);
+  EXPECT_FALSE(r.reproduced);
+  ASSERT_TRUE(r.first_divergence.has_value());
+  const Divergence& d = *r.first_divergence;
+  EXPECT_EQ(d.step, 1);
+  EXPECT_EQ(d.segment, "block2..block3");
+  EXPECT_EQ(d.phase, "forward");
+  EXPECT_EQ(d.tensor, "output.0");
+  EXPECT_NE(d.recorded, d.replayed);
+  EXPECT_EQ(d.diff.has_value(), GetParam() == RecordMode::kFull);  // values only in full mode
+  if (d.diff) {
+    EXPECT_GT(d.diff->differing, 0);
+  }
+  fs::remove(rec.path);
+  fs::remove(copy);
+}
+
+// A recorded tensor the replay does not produce is a divergence too (e.g. an optimizer state the
+// replayed program lost).
+TEST(Replay, RecordedTensorMissingFromTheReplayDiverges) {
+  const Recorded rec = record(kGpt, "extra_src", {}, 2);
+  const std::string copy = temp_path("extra");
+  rewrite(rec.path, copy, [](Record& r, std::vector<TensorToWrite>& tensors) {
+    if (r.type == RecordType::kStepEnd && r.meta["step"] == 1) {
+      tensors.push_back(
+          TensorToWrite::digest_only("state.optim.ghost.exp_avg", torch::zeros({2}), digest(torch::zeros({2}))));
+    }
+  });
+  const ReplayResult r = replay(copy);
+  ASSERT_TRUE(r.first_divergence.has_value());
+  EXPECT_EQ(r.first_divergence->step, 1);
+  EXPECT_EQ(r.first_divergence->phase, "optimizer");
+  EXPECT_EQ(r.first_divergence->tensor, "state.optim.ghost.exp_avg");
+  fs::remove(rec.path);
+  fs::remove(copy);
+}
+
+INSTANTIATE_TEST_SUITE_P(Replay, Perturbed, ::testing::Values(RecordMode::kDigest, RecordMode::kFull),
+                         [](const auto& info) { return info.param == RecordMode::kFull ? "Full" : "Digest"; });
+
+TEST(Replay, NanRunDumpsItsFlightRingAndReplayNamesTheFirstNonFiniteOp) {
+  RecorderOptions options;
+  options.ring = 3;
+  const Recorded rec = record(kExplode, "nan", options);
+  ASSERT_FALSE(rec.outcomes.empty());
+  EXPECT_FALSE(rec.outcomes.back().finite());
+  EXPECT_LT(rec.outcomes.size(), 20u);  // stopped at the first non-finite step
+  EXPECT_EQ(rec.stats.ring_dumps, 1);
+  const TraceReader trace(rec.path);
+  int ring_snapshots = 0;
+  bool dump_event = false;
+  for (std::size_t i = 0; i < trace.records().size(); ++i) {
+    const Record r = trace.read(i);
+    ring_snapshots += r.meta.value("ring", false);
+    dump_event = dump_event || r.meta.value("event", "") == "ring_dump";
+  }
+  EXPECT_EQ(ring_snapshots, std::min<int>(3, static_cast<int>(rec.outcomes.size())));
+  EXPECT_TRUE(dump_event);
+
+  const ReplayResult r = replay(rec.path);
+  EXPECT_TRUE(r.reproduced) << (r.first_divergence ? r.first_divergence->message() : "");
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  EXPECT_EQ(r.first_nonfinite->step, static_cast<std::int64_t>(rec.outcomes.size()));
+  EXPECT_EQ(r.first_nonfinite->op, "aten::native_layer_norm");
+  EXPECT_EQ(r.first_nonfinite->segment, "block0..block1");
+  EXPECT_EQ(r.first_nonfinite->phase, "forward");
+  ASSERT_FALSE(r.first_nonfinite->inputs.empty());
+  EXPECT_EQ(r.first_nonfinite->inputs[0].nonfinite.nan, 0);  // finite but huge inputs...
+  EXPECT_GT(r.first_nonfinite->inputs[0].abs_max, 1e19);     // ...whose variance overflows
+  EXPECT_GT(r.first_nonfinite->outputs[0].nonfinite.nan, 0);
+  const nlohmann::json j = r.to_json();
+  EXPECT_EQ(j["first_nonfinite"]["op"], "aten::native_layer_norm");
+  EXPECT_TRUE(j["first_divergence"].is_null());
+  fs::remove(rec.path);
+}
+
+TEST(Replay, EnvironmentThatBreaksBitwiseEqualityIsRefusedUnlessForced) {
+  const Recorded rec = record(kGpt, "env_src", {}, 2);
+  const std::string copy = temp_path("env");
+  rewrite(
+      rec.path, copy, [](Record&, std::vector<TensorToWrite>&) {},
+      [](nlohmann::json& header) { header["environment"]["bitwise"]["intra_op_threads"] = "64"; });
+  try {
+    replay(copy);
+    ADD_FAILURE() << "an incompatible environment was accepted";
+  } catch (const EnvironmentMismatch& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("intra_op_threads was 64"), std::string::npos) << what;
+    EXPECT_NE(what.find("OMP_NUM_THREADS=64"), std::string::npos) << what;
+    EXPECT_NE(what.find("--force"), std::string::npos) << what;
+  }
+  ReplayOptions force;
+  force.force = true;
+  const ReplayResult forced = replay(copy, force);
+  EXPECT_TRUE(forced.reproduced);
+  ASSERT_EQ(forced.environment.size(), 1u);
+  EXPECT_EQ(forced.environment[0].field, "intra_op_threads");
+  fs::remove(rec.path);
+  fs::remove(copy);
+}
+
+// A scenario whose step 3 raises: an Inf gradient that clipping with error_if_nonfinite refuses.
+// `raises` false: the same run without the error, so step 3 completes (non-finite).
+ScenarioSpec clip_error_spec(bool raises) {
+  ScenarioSpec spec = load_scenario("builtin:grad-inf-clip-error");
+  spec.expect = ExpectSpec{};
+  spec.defenses.clip.error_if_nonfinite = raises;
+  return spec;
+}
+
+std::string record_spec(const ScenarioSpec& spec, const std::string& name) {
+  register_builtin_programs();
+  ScenarioProgram program(spec);
+  const std::string path = temp_path(name);
+  Recorder recorder(path, program);
+  try {
+    record_run(program, recorder, spec.training.steps);
+  } catch (const Error&) {
+    // the step's exception: noted in the trace, which record_run closed
+  }
+  recorder.close();
+  return path;
+}
+
+// A trace with its program config replaced: the same records, another program to replay them.
+std::string with_config(const std::string& path, const ScenarioSpec& spec, const std::string& name) {
+  const std::string copy = temp_path(name);
+  rewrite(
+      path, copy, [](Record&, std::vector<TensorToWrite>&) {},
+      [&](nlohmann::json& h) { h["program"]["config"] = to_yaml(spec); });
+  return copy;
+}
+
+// A step that raised gets a verdict like any other: the replay raises the same message at the
+// same step, and the result says so (no rethrow).
+TEST(Replay, StepThatRaisedReproducesItsException) {
+  const std::string path = record_spec(clip_error_spec(true), "raised");
+  const TraceReader trace(path);
+  std::optional<ExceptionEvent> event;
+  for (std::size_t i = 0; i < trace.records().size(); ++i) {
+    if (trace.records()[i].type != RecordType::kEvent) continue;
+    if (auto e = EventRecord::decode(trace.read(i), trace.path()).exception) event = e;
+  }
+  ASSERT_TRUE(event.has_value()) << "the recorder noted no exception";
+  EXPECT_EQ(event->step, 3);
+  EXPECT_TRUE(event->raised_by_step);
+  EXPECT_NE(event->what.find("clipping refuses it"), std::string::npos) << event->what;
+
+  const ReplayResult r = replay(path);
+  EXPECT_TRUE(r.reproduced) << (r.first_divergence ? r.first_divergence->message() : "");
+  EXPECT_EQ(r.to_step, 3);
+  ASSERT_TRUE(r.raised.has_value());
+  EXPECT_EQ(r.raised->step, 3);
+  EXPECT_EQ(r.raised->what, event->what);
+  EXPECT_EQ(r.raised->recorded, event->what);
+  bool noted = false;
+  for (const std::string& n : r.notes) noted = noted || n.find("step 3 raised, as the recorded run did: ") == 0;
+  EXPECT_TRUE(noted);
+  // What went non-finite before it raised: the gradient norm over the injected Inf, after the
+  // program handed over its gradients.
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  EXPECT_EQ(r.first_nonfinite->step, 3);
+  EXPECT_EQ(r.first_nonfinite->phase, "optimizer") << r.first_nonfinite->message();
+  const nlohmann::json j = r.to_json();
+  EXPECT_EQ(j["raised"]["step"], 3);
+  EXPECT_EQ(j["raised"]["what"], event->what);
+  EXPECT_TRUE(j["first_divergence"].is_null());
+
+  // A trace from before raised_by_step: the step is re-executed and noted, as a run that died.
+  const std::string old = temp_path("raised_old");
+  rewrite(path, old, [](Record& rec, std::vector<TensorToWrite>&) { rec.meta.erase("raised_by_step"); });
+  const ReplayResult o = replay(old);
+  EXPECT_TRUE(o.reproduced);
+  ASSERT_TRUE(o.raised.has_value());
+  EXPECT_FALSE(o.raised->recorded.has_value());
+  bool died = false;
+  for (const std::string& n : o.notes) died = died || n.find("step 3 has no recorded outcome") == 0;
+  EXPECT_TRUE(died);
+  fs::remove(path);
+  fs::remove(old);
+}
+
+// Negative controls: another message, a raise the recorded run did not have, and a recorded raise
+// the replay does not repeat are each a divergence at step 3.
+TEST(Replay, StepThatRaisedOtherwiseThanRecordedDiverges) {
+  const std::string raising = record_spec(clip_error_spec(true), "raising");
+  const std::string completing = record_spec(clip_error_spec(false), "completing");
+  ASSERT_TRUE(replay(completing).reproduced);  // the control's own trace replays
+
+  const std::string other = temp_path("other_message");
+  rewrite(raising, other, [](Record& rec, std::vector<TensorToWrite>&) {
+    if (rec.meta.value("event", "") == "exception") rec.meta["what"] = "step 3: out of memory";
+  });
+  const ReplayResult m = replay(other);
+  EXPECT_FALSE(m.reproduced);
+  ASSERT_TRUE(m.first_divergence.has_value());
+  EXPECT_EQ(m.first_divergence->step, 3);
+  EXPECT_NE(m.first_divergence->detail.find("the recorded run raised 'step 3: out of memory'"), std::string::npos)
+      << m.first_divergence->message();
+  EXPECT_NE(m.first_divergence->detail.find("clipping refuses it"), std::string::npos);
+  ASSERT_TRUE(m.raised.has_value());
+  EXPECT_EQ(m.raised->recorded, "step 3: out of memory");
+
+  // The recorded run completed step 3; the replayed program raises there.
+  const std::string raises_now = with_config(completing, clip_error_spec(true), "raises_now");
+  const ReplayResult n = replay(raises_now);
+  EXPECT_FALSE(n.reproduced);
+  ASSERT_TRUE(n.first_divergence.has_value());
+  EXPECT_EQ(n.first_divergence->step, 3);
+  EXPECT_EQ(n.first_divergence->phase, "optimizer");  // clipping runs after after_backward
+  EXPECT_NE(n.first_divergence->detail.find("; the recorded run completed the step"), std::string::npos)
+      << n.first_divergence->message();
+
+  // The recorded run raised at step 3; the replayed program completes it.
+  const std::string completes_now = with_config(raising, clip_error_spec(false), "completes_now");
+  const ReplayResult c = replay(completes_now);
+  EXPECT_FALSE(c.reproduced);
+  EXPECT_FALSE(c.raised.has_value());
+  ASSERT_TRUE(c.first_divergence.has_value());
+  EXPECT_EQ(c.first_divergence->step, 3);
+  EXPECT_NE(c.first_divergence->detail.find("the replay completed it"), std::string::npos)
+      << c.first_divergence->message();
+  for (const std::string& f : {raising, completing, other, raises_now, completes_now}) fs::remove(f);
+}
+
+// The CLI on those traces: a verdict, --json and --report written, exit 0 when the exception
+// reproduced and 1 when it did not (never the 2 of bad input, whatever the exception's type).
+TEST(ReplayCli, StepThatRaisedHasAVerdictJsonReportAndExitCode) {
+  // RETRACE_BIN (ctest sets it), or the retrace binary next to this one.
+  const char* env = std::getenv("RETRACE_BIN");
+  const std::string bin = env ? env : (fs::read_symlink("/proc/self/exe").parent_path() / "retrace").string();
+  if (!fs::exists(bin)) GTEST_SKIP() << "no retrace binary: the CLI is not built";
+  const std::string raising = record_spec(clip_error_spec(true), "cli_raising");
+  const std::string other = temp_path("cli_other");
+  rewrite(raising, other, [](Record& rec, std::vector<TensorToWrite>&) {
+    if (rec.meta.value("event", "") == "exception") rec.meta["what"] = "step 3: out of memory";
+  });
+  for (const auto& [trace, code] : {std::pair{raising, 0}, std::pair{other, 1}}) {
+    SCOPED_TRACE(trace);
+    const std::string json = trace + ".json", report = trace + ".html";
+    const std::string command =
+        bin + " replay '" + trace + "' --json '" + json + "' --report '" + report + "' >/dev/null 2>&1";
+    const int status = std::system(command.c_str());
+    ASSERT_TRUE(WIFEXITED(status));
+    EXPECT_EQ(WEXITSTATUS(status), code);
+    std::ifstream in(json);
+    const nlohmann::json j = nlohmann::json::parse(in);
+    EXPECT_EQ(j["reproduced"], code == 0);
+    EXPECT_EQ(j["raised"]["step"], 3);
+    EXPECT_EQ(j["first_divergence"].is_null(), code == 0);
+    EXPECT_GT(fs::file_size(report), 1000u);
+    fs::remove(json);
+    fs::remove(report);
+  }
+  fs::remove(raising);
+  fs::remove(other);
+}
+
+// An op after backward and before the program hands over its gradients -- here an injected NaN
+// gradient -- is post-backward, not forward (the forward control: NanRunDumpsItsFlightRing...,
+// whose LayerNorm overflow stays forward).
+TEST(Replay, GradientFaultIsPostBackward) {
+  ScenarioSpec spec = load_scenario("builtin:grad-nan-skip-off");
+  spec.expect = ExpectSpec{};
+  const std::string path = record_spec(spec, "post_backward");
+  const ReplayResult r = replay(path);
+  EXPECT_TRUE(r.reproduced);
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  EXPECT_EQ(r.first_nonfinite->step, 3);
+  EXPECT_EQ(r.first_nonfinite->op, "aten::fill_");
+  EXPECT_EQ(r.first_nonfinite->segment, "");
+  EXPECT_EQ(r.first_nonfinite->phase, "post-backward") << r.first_nonfinite->message();
+  fs::remove(path);
+}
+
+}  // namespace
+}  // namespace retrace

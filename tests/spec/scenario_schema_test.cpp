@@ -1,0 +1,102 @@
+// The scenario schema: a full spec round-trips through canonical YAML, and bad input is one
+// retrace::Error naming file, line and key.
+#include "../support/scenario_text.h"
+
+#include <retrace/error.h>
+#include <retrace/scenario.h>
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+
+namespace retrace {
+namespace {
+
+using test::kGpt;
+using test::with;
+
+TEST(Schema, FullSpecRoundTripsThroughCanonicalYaml) {
+  // A built-in suite file, read from the source tree (the embedded suite is retrace::suite's).
+  const char* suite = std::getenv("RETRACE_SUITE_SCENARIOS");
+  ASSERT_NE(suite, nullptr) << "RETRACE_SUITE_SCENARIOS is not set (ctest sets it)";
+  const ScenarioSpec a = parse_scenario_file(std::string(suite) + "/fp16-overflow-hysteresis.yaml");
+  const ScenarioSpec b = parse_scenario_text(to_yaml(a), "again");
+  EXPECT_EQ(to_yaml(a), to_yaml(b));
+  ASSERT_EQ(b.injections.size(), 1u);
+  EXPECT_TRUE(a.injections[0] == b.injections[0]);
+  EXPECT_EQ(b.defenses.loss_scaling.hysteresis, 2);
+  EXPECT_TRUE(b.expect.replay_bitwise.value_or(false));
+}
+
+void expect_error(const std::string& extra, const std::string& needle) {
+  try {
+    with(extra);
+    ADD_FAILURE() << "no error for: " << extra;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(Schema, BadDefensesInjectionsAndExpectationsNameFileLineAndKey) {
+  // kGpt is 5 lines (the first empty), so the extra text starts on line 6.
+  expect_error("defenses: {clipping: 1}\n",
+               "test.yaml:6: key 'defenses.clipping': unknown key; known keys here: loss_scaling");
+  expect_error("defenses:\n  skip_nonfinite: maybe\n",
+               "test.yaml:7: key 'defenses.skip_nonfinite': must be true or false, got 'maybe'");
+  expect_error("defenses: {clip: {mode: hard}}\n",
+               "key 'defenses.clip.mode': must be one of off, global, per_tensor, adaptive, got 'hard'");
+  expect_error("injections: {type: loss_spike}\n", "test.yaml:6: key 'injections': must be a list");
+  expect_error("injections:\n  - step: 2\n", "test.yaml:7: key 'injections[0].type': is required");
+  expect_error("injections:\n  - {type: loss_spike, probability: 2}\n",
+               "key 'injections[0].probability': must be between 0 and 1, got 2");
+  expect_error("injections:\n  - {type: corrupt_batch, mode: nan_features}\n",
+               "nan_features does not fit model type tiny_gpt (token ids); use token_out_of_range");
+  expect_error("injections:\n  - {type: loss_spike, mode: nan}\n",
+               "key 'injections[0].mode': is not used by injection type loss_spike");
+  expect_error("expect: {max_skipped_steps: -1}\n", "key 'expect.max_skipped_steps': must be between 0 and");
+  expect_error("expect: {replay: true}\n", "key 'expect.replay': unknown key");
+  EXPECT_THROW(
+      parse_scenario_text(
+          "model: {type: mlp, layers: 2}\ntraining: {segments: 0}\ninjections: [{type: activation_overflow}]\n",
+          "x.yaml"),
+      Error);
+  try {
+    parse_scenario_text(
+        "model: {type: mlp, layers: 2}\ntraining: {segments: 0}\ninjections: [{type: activation_overflow}]\n",
+        "x.yaml");
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("x.yaml:3: key 'injections[0].type': activation_overflow hits a checkpointed "
+                                         "segment, but training.segments is 0"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Schema, KeysAndSegmentsThatCannotWorkAreErrors) {
+  // (kGpt has model, data and training already: the extra text uses other sections.)
+  expect_error("defenses: {[a]: 1}\n", "test.yaml:6: key 'defenses.?': a key must be a plain name");
+  ScenarioSpec four =
+      parse_scenario_text("model: {type: tiny_gpt, layers: 4, d_model: 16, heads: 2}\ntraining: {segments: 2}\n"
+                          "injections: [{type: activation_overflow, segment: block0..block1}]\n",
+                          "ok.yaml");
+  EXPECT_EQ(four.injections[0].segment, "block0..block1");
+  try {
+    parse_scenario_text("model: {type: tiny_gpt, layers: 4, d_model: 16, heads: 2}\ntraining: {segments: 2}\n"
+                        "injections: [{type: activation_overflow, segment: block1..block2}]\n",
+                        "bad.yaml");
+    ADD_FAILURE() << "a range that is not a segment parsed";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bad.yaml:3: key 'injections[0].segment': 'block1..block2' is not one of this "
+                                         "run's segments (block0..block1, block2..block3)"),
+              std::string::npos)
+        << e.what();
+  }
+  expect_error("injections: [{type: bit_flip, target: weights, bit: 40}]\n",
+               "key 'injections[0].bit': must be between 0 and 31");
+  expect_error("injections: [{type: bit_flip, target: weights, segment: block0}]\n", "is only for target activations");
+  expect_error("expect:\n  max_skipped_steps: |\n    1\n    x\n", "must be an integer, got '1 x");
+}
+
+}  // namespace
+}  // namespace retrace

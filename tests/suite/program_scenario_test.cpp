@@ -1,0 +1,253 @@
+#include "../support/regressor.h"
+#include "../support/scenario_text.h"
+
+#include <retrace/checkpoint.h>
+#include <retrace/defenses.h>
+#include <retrace/diagnose.h>
+#include <retrace/error.h>
+#include <retrace/recorder.h>
+#include <retrace/replayer.h>
+#include <retrace/runner.h>
+#include <retrace/scenario.h>
+#include <retrace/trace.h>
+#include <retrace/trainer.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <unistd.h>
+
+namespace retrace {
+namespace {
+
+using test::Regressor;
+
+const ProgramRegistration registration("test.regressor",
+                                       [](const std::string& config) { return std::make_unique<Regressor>(config); });
+
+ScenarioSpec program_scenario(const std::string& body) {
+  return parse_scenario_text("name: p\nprogram: test.regressor\ntraining: {steps: 6}\n" + body, "program.yaml");
+}
+
+std::string why(const ScenarioResult& r) {
+  std::string out = r.verdict() + (r.error.empty() ? "" : " error: " + r.error) + "\n";
+  for (const ExpectationCheck& c : r.checks)
+    out += "  " + c.name + ": " + c.expected + " / " + c.observed + (c.passed ? "" : " FAILED") + "\n";
+  return out;
+}
+
+void expect_error(const std::string& text, const std::string& needle) {
+  try {
+    parse_scenario_text(text, "program.yaml");
+    ADD_FAILURE() << "accepted:\n" << text;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+// --- the scenario file ------------------------------------------------------------------------
+
+TEST(ProgramScenario, ProgramAndConfigParseAndRoundTrip) {
+  const ScenarioSpec s =
+      program_scenario("config: {lr: 0.01, layers: [1, 2]}\ndefenses: {skip_nonfinite: true, lr_scale: 0.5}\n");
+  EXPECT_EQ(s.program, "test.regressor");
+  // Block style whatever the file wrote: the program's factory gets "key: value" lines.
+  EXPECT_EQ(s.program_config, "lr: 0.01\nlayers:\n  - 1\n  - 2") << s.program_config;
+  EXPECT_EQ(s.defenses.lr_scale, 0.5);
+  const ScenarioSpec again = parse_scenario_text(to_yaml(s), "again.yaml");
+  EXPECT_EQ(again.program, s.program);
+  EXPECT_EQ(again.program_config, s.program_config);
+  EXPECT_EQ(to_yaml(again), to_yaml(s));
+  EXPECT_EQ(to_yaml(s).find("model:"), std::string::npos) << to_yaml(s);
+}
+
+TEST(ProgramScenario, BuiltInOnlyKeysAreRefusedWithTheirLine) {
+  const std::string head = "name: p\nprogram: test.regressor\n";
+  expect_error(head + "model: {type: mlp}\n", "program.yaml:3: key 'model': describes a built-in model");
+  expect_error(head + "data: {batch: 2}\n", "key 'data'");
+  expect_error(head + "training: {steps: 3, lr: 0.1}\n", "key 'training.lr': applies to the built-in models only");
+  expect_error(head + "defenses: {layernorm_fp32: true}\n",
+               "key 'defenses.layernorm_fp32': acts inside the built-in models");
+  expect_error(head + "config: [1, 2]\n", "key 'config': must be a mapping");
+  expect_error("name: p\nmodel: {type: mlp}\nconfig: {lr: 1}\n",
+               "key 'config': is the configuration of a registered program; it needs 'program: NAME'");
+  expect_error(head + "injections: [{type: corrupt_batch, step: 1}]\n", "key 'injections[0].mode': is required");
+  expect_error("name: p\nmodel: {type: mlp}\ndefenses: {clip: {mode: hard}}\n",
+               "must be one of off, global, per_tensor, adaptive");
+  // Control: the same keys are fine for a built-in model.
+  EXPECT_NO_THROW(
+      parse_scenario_text("name: p\nmodel: {type: mlp}\ndata: {batch: 2}\ntraining: {steps: 3, lr: 0.1}\n", "ok.yaml"));
+}
+
+// --- the runner on a user's program -----------------------------------------------------------
+
+TEST(ProgramScenario, AnOptimizerBitFlipFindsTheProgramsOwnMomentumByKind) {
+  // The momentum buffers are named "momentum.*": a flip of optimizer state finds them by kind.
+  const ScenarioResult r = run_scenario(program_scenario(
+      "injections: [{type: bit_flip, step: 3, target: optimizer, bit: 30}]\nexpect: {injections_fired: true}\n"));
+  const std::vector<StepNote> injected = r.notes_of(StepNoteKind::kInjected);
+  ASSERT_EQ(injected.size(), 1u) << why(r);
+  EXPECT_EQ(injected[0].step, 3);
+  EXPECT_EQ(injected[0].text.rfind("bit_flip momentum.w", 0), 0u) << injected[0].text;
+  ASSERT_EQ(r.injections.size(), 1u);
+  EXPECT_EQ(r.injections[0].fired, std::vector<std::int64_t>{3});
+}
+
+TEST(ProgramScenario, NanFeaturesHitTheInputKindAndValidationSkipsThem) {
+  const ScenarioResult held = run_scenario(program_scenario(
+      "defenses: {validate_batch: true}\ninjections: [{type: corrupt_batch, step: 2, mode: nan_features}]\n"
+      "expect: {params_finite: true, min_skipped_steps: 1, max_skipped_steps: 1, replay_bitwise: true}\n"));
+  EXPECT_TRUE(held.passed) << why(held);
+  const std::vector<StepNote> skips = held.notes_of(StepNoteKind::kSkipped);
+  ASSERT_FALSE(skips.empty());
+  EXPECT_EQ(skips[0].step, 2);
+  EXPECT_NE(skips[0].text.find("non-finite features in 'x'"), std::string::npos) << skips[0].text;
+  // Control: without validation the NaN features reach the parameters.
+  const ScenarioResult broke =
+      run_scenario(program_scenario("injections: [{type: corrupt_batch, step: 2, mode: nan_features}]\nexpect: "
+                                    "{params_finite: true, diverges: true}\n"));
+  EXPECT_TRUE(broke.passed) << why(broke);
+  EXPECT_FALSE(broke.params_finite);
+}
+
+TEST(ProgramScenario, TokenCorruptionNeedsAVocabularyTheProgramDeclares) {
+  // The regressor takes features and declares no vocabulary: a harness error, before step 1.
+  const ScenarioResult r = run_scenario(program_scenario(
+      "injections: [{type: corrupt_batch, step: 2, mode: token_out_of_range}]\nexpect: {params_finite: true}\n"));
+  EXPECT_FALSE(r.passed);
+  EXPECT_TRUE(r.harness_error) << why(r);
+  EXPECT_NE(r.error.find("needs the program's vocabulary"), std::string::npos) << r.error;
+}
+
+TEST(ProgramScenario, DefensesHoldAndTheirControlsBreakOnAUsersProgram) {
+  // Gradient NaN: skip holds; without it the parameters go non-finite.
+  const std::string fault = "injections: [{type: grad_nonfinite, step: 3}]\n";
+  const ScenarioResult held = run_scenario(program_scenario(
+      fault +
+      "defenses: {skip_nonfinite: true}\nexpect: {params_finite: true, max_skipped_steps: 1, replay_bitwise: true}\n"));
+  EXPECT_TRUE(held.passed) << why(held);
+  EXPECT_TRUE(held.replay_bitwise) << held.replay_report;
+  const ScenarioResult control =
+      run_scenario(program_scenario(fault + "expect: {params_finite: true, diverges: true}\n"));
+  EXPECT_TRUE(control.passed) << why(control);
+  ASSERT_NE(control.evidence(), nullptr);
+  EXPECT_EQ(control.evidence()->kind, BreakKind::kNonFiniteParams);
+  // And the same control claimed to hold fails: the verdict is earned, not assumed.
+  const ScenarioResult claimed = run_scenario(program_scenario(fault + "expect: {params_finite: true}\n"));
+  EXPECT_FALSE(claimed.passed) << why(claimed);
+}
+
+TEST(ProgramScenario, RollbackAndLossScalingReachTheProgram) {
+  const ScenarioResult rollback =
+      run_scenario(program_scenario("defenses: {rollback: true}\ninjections: [{type: grad_nonfinite, step: 3}]\n"
+                                    "expect: {params_finite: true, min_rollbacks: 1, replay_bitwise: true}\n"));
+  EXPECT_TRUE(rollback.passed) << why(rollback);
+  const ScenarioResult scaling =
+      run_scenario(program_scenario("defenses: {loss_scaling: {enabled: true, init_scale: 1024}}\ninjections: [{type: "
+                                    "grad_nonfinite, step: 2, mode: inf}]\n"
+                                    "expect: {params_finite: true, min_scale_backoffs: 1, replay_bitwise: true}\n"));
+  EXPECT_TRUE(scaling.passed) << why(scaling);
+  EXPECT_EQ(scaling.scale_backoffs, 1);
+}
+
+TEST(ProgramScenario, AnUnknownProgramIsAHarnessErrorNamingIt) {
+  const ScenarioResult r = run_scenario(parse_scenario_text("name: p\nprogram: no.such\n", "p.yaml"));
+  EXPECT_TRUE(r.harness_error);
+  EXPECT_NE(r.error.find("key 'program': 'no.such' is not registered in this binary (it has: "), std::string::npos)
+      << r.error;
+  EXPECT_NE(r.error.find("test.regressor"), std::string::npos) << r.error;
+}
+
+TEST(ProgramScenario, DefensesNeedTheProgramsPipeline) {
+  const ScenarioResult r =
+      run_scenario(program_scenario("config: {pipeline: false}\ndefenses: {skip_nonfinite: true}\n"));
+  EXPECT_TRUE(r.harness_error);
+  EXPECT_NE(r.error.find("has no defense pipeline"), std::string::npos) << r.error;
+  // Control: without defenses or injections, such a program runs.
+  const ScenarioResult ok =
+      run_scenario(program_scenario("config: {pipeline: false}\nexpect: {params_finite: true}\n"));
+  EXPECT_TRUE(ok.passed) << why(ok);
+}
+
+TEST(ProgramScenario, AStateWithoutTheDefensesStateIsRefused) {
+  const ScenarioResult r =
+      run_scenario(program_scenario("config: {forget_defense_state: true}\ndefenses: {loss_scaling: true}\n"));
+  EXPECT_TRUE(r.harness_error);
+  EXPECT_NE(r.error.find("the program's state() lacks the defenses' 'scaler.scale'"), std::string::npos) << r.error;
+}
+
+TEST(ProgramScenario, DiagnoseDoesNotCountAVariantThatStopsTrainingAsAFix) {
+  // NaN gradients on every step from 3: skipping them avoids the NaN only by never training
+  // again, which is no fix; with the fault on one step only, skipping is one.
+  DiagnoseOptions o;
+  o.repeats = 1;
+  const Diagnosis every = diagnose_scenario(
+      program_scenario("injections: [{type: grad_nonfinite, step: 3, duration: 4}]\nexpect: {params_finite: true}\n"),
+      o);
+  const Diagnosis once = diagnose_scenario(
+      program_scenario("injections: [{type: grad_nonfinite, step: 3}]\nexpect: {params_finite: true}\n"), o);
+  auto find = [](const Diagnosis& d, const std::string& name) -> const VariantResult* {
+    for (const VariantResult& v : d.variants) {
+      if (v.name == name) return &v;
+    }
+    return nullptr;
+  };
+  const VariantResult* skip_every = find(every, "skip non-finite");
+  const VariantResult* skip_once = find(once, "skip non-finite");
+  ASSERT_TRUE(skip_every && skip_once) << every.report();
+  EXPECT_FALSE(skip_every->fixes) << every.report();
+  EXPECT_NE(skip_every->outcome.find("training stopped: 0 of steps 3..6 applied"), std::string::npos) << every.report();
+  EXPECT_TRUE(skip_once->fixes) << once.report();
+  // The variants a program owns are listed as not tried, with why.
+  ASSERT_EQ(once.not_applicable.size(), 3u);
+  EXPECT_NE(once.not_applicable[1].find("fp32: program 'test.regressor' sets its precision in its own config"),
+            std::string::npos);
+  // The re-executed step's injection is named as the cause.
+  EXPECT_NE(once.classification.detail.find("without the injections it does not fail"), std::string::npos)
+      << once.classification.detail;
+}
+
+TEST(ProgramScenario, ASegmentFaultOnASegmentThatNeverRunsSaysWhichRan) {
+  const ScenarioResult r = run_scenario(program_scenario(
+      "injections: [{type: activation_overflow, step: 2, segment: layer7}]\nexpect: {params_finite: true}\n"));
+  EXPECT_FALSE(r.passed);
+  EXPECT_EQ(r.segments_seen, std::vector<std::string>{"layer0"});
+  bool said = false;
+  for (const ExpectationCheck& c : r.checks) {
+    said = said || c.observed.find("segment 'layer7' never ran (the segments that ran: layer0)") != std::string::npos;
+  }
+  EXPECT_TRUE(said) << why(r);
+}
+
+// --- record and replay a program scenario -----------------------------------------------------
+
+TEST(ProgramScenario, ATraceOfAProgramScenarioReplaysWithItsDefenses) {
+  const ScenarioSpec spec = program_scenario("defenses: {loss_scaling: {enabled: true, init_scale: 256}}\ninjections: "
+                                             "[{type: grad_nonfinite, step: 2, mode: inf}]\n");
+  register_builtin_programs();  // "retrace.scenario" rebuilds the program from the trace
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("program-" + std::to_string(::getpid()) + ".trace")).string();
+  {
+    std::unique_ptr<Program> program = make_scenario_program(spec);
+    EXPECT_EQ(program->name(), "retrace.scenario");
+    Recorder recorder(path, *program);
+    record_run(*program, recorder, 4, /*stop_on_nonfinite=*/false);
+    recorder.close();
+  }
+  const TraceReader trace(path);
+  std::unique_ptr<Program> again = program_from_trace(trace);
+  ASSERT_NE(again->defenses(), nullptr);
+  EXPECT_TRUE(again->defenses()->options().loss_scaling.enabled);  // the scenario's defenses came back
+  ReplayOptions ro;
+  ro.provenance = false;
+  const ReplayResult rr = Replayer(trace, *again).run(ro);
+  EXPECT_TRUE(rr.reproduced) << (rr.first_divergence ? rr.first_divergence->message() : "");
+  EXPECT_EQ(rr.to_step, 4);
+  std::filesystem::remove(path);
+}
+
+}  // namespace
+}  // namespace retrace

@@ -1,0 +1,100 @@
+// The scenario runner: results round-trip through JSON, stability figures, and verdicts whose
+// evidence is missing (an injection that never fired, a harness error) fail.
+#include "../support/scenario_text.h"
+#include "../support/state_compare.h"
+
+#include <retrace/runner.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <cmath>
+#include <limits>
+
+namespace retrace {
+namespace {
+
+using test::with;
+
+TEST(Runner, ResultsRoundTripThroughJson) {
+  const ScenarioResult r = run_scenario(load_scenario("builtin:grad-nan-skip"));
+  EXPECT_TRUE(r.passed);
+  EXPECT_TRUE(r.replay_bitwise);  // recorded with the injection and the defense, replayed bitwise
+  const ScenarioResult back = ScenarioResult::from_json(r.to_json());
+  EXPECT_EQ(back.to_json(), r.to_json());
+  EXPECT_EQ(back.checks.size(), r.checks.size());
+  EXPECT_EQ(back.notes, r.notes);
+  EXPECT_EQ(back.notes_of(StepNoteKind::kSkipped),
+            (std::vector<StepNote>{{3, StepNoteKind::kSkipped, "non-finite gradients"}}));
+  ASSERT_EQ(back.notes_of(StepNoteKind::kInjected).size(), 1u);
+  EXPECT_EQ(back.notes_of(StepNoteKind::kInjected)[0].step, 3);
+  // --json's readers also get the notes as lines.
+  const nlohmann::json j = r.to_json();
+  EXPECT_EQ(j.at("skip_reasons"), nlohmann::json::array({"step 3: non-finite gradients"}));
+  EXPECT_EQ(j.at("notes").at(1), (nlohmann::json{{"step", 3}, {"kind", "skipped"}, {"text", "non-finite gradients"}}));
+}
+
+TEST(Runner, StabilityFiguresCountASkippedStepAsDisturbed) {
+  // grad-nan-skip: step 3's gradients are NaN and skipped; its loss is the fault-free run's, so
+  // only the skip makes it disturbed, and step 4 is back on track.
+  const ScenarioResult r = bench_scenario(load_scenario("builtin:grad-nan-skip"), /*repeats=*/1);
+  ASSERT_TRUE(r.bench.measured && r.bench.injected);
+  ASSERT_GE(r.steps.size(), 4u);
+  EXPECT_TRUE(r.steps[2].skipped);
+  EXPECT_TRUE(std::isfinite(r.steps[2].loss));
+  EXPECT_EQ(r.bench.steps_to_recover, 1);
+  // Control: undefended, the NaN reaches the parameters and the run never gets back.
+  const ScenarioResult off = bench_scenario(load_scenario("builtin:grad-nan-skip-off"), /*repeats=*/1);
+  EXPECT_EQ(off.bench.steps_to_recover, -1);
+}
+
+TEST(Runner, AFailedExpectationFailsAndADivergingControlPasses) {
+  ScenarioSpec spec = with("injections: [{type: grad_nonfinite, step: 2}]\nexpect: {params_finite: true}\n");
+  ScenarioResult r = run_scenario(spec);
+  EXPECT_FALSE(r.passed);
+  EXPECT_TRUE(r.broke);
+  spec.expect.diverges = true;
+  r = run_scenario(spec);
+  EXPECT_TRUE(r.passed);
+  // The outcome matrix's row (report_tests render it): fault, defense, outcome, expected.
+  EXPECT_EQ(r.fault, "grad_nonfinite:nan");
+  EXPECT_EQ(r.defense, "none");
+  EXPECT_EQ(r.outcome(), "broke");
+  EXPECT_TRUE(r.expected_to_break);
+}
+
+TEST(Runner, AnInjectionThatNeverFiresFailsTheScenario) {
+  // Adam has no state before its first step: an optimizer flip at step 1 has nothing to flip.
+  ScenarioResult r = run_scenario(with("injections: [{type: bit_flip, step: 1, target: optimizer, bit: 30}]\n"
+                                       "expect: {params_finite: true}\n"));
+  EXPECT_FALSE(r.passed);
+  bool named = false;
+  for (const ExpectationCheck& c : r.checks) named = named || (c.name == "injection_fired" && !c.passed);
+  EXPECT_TRUE(named);
+  r = run_scenario(with("injections: [{type: bit_flip, step: 2, target: optimizer, bit: 30}]\n"
+                        "expect: {params_finite: true, diverges: true}\n"));
+  for (const ExpectationCheck& c : r.checks) EXPECT_NE(c.name, "injection_fired");  // it fired at step 2
+}
+
+TEST(Runner, RaisesMatchesTheErrorAndAHarnessErrorNeverPasses) {
+  const std::string fault = "injections: [{type: grad_nonfinite, step: 2, mode: inf}]\n"
+                            "defenses: {clip: {mode: global, max_norm: 1.0, error_if_nonfinite: true}}\n";
+  EXPECT_TRUE(run_scenario(with(fault + "expect: {raises: true, raises_match: \"clipping refuses it\"}\n")).passed);
+  EXPECT_FALSE(run_scenario(with(fault + "expect: {raises: true, raises_match: \"out of memory\"}\n")).passed);
+  // A program that cannot even be built (no CUDA here, or a bad config at run time) shows
+  // nothing about the fault: not a pass, not even for a negative control.
+  if (!torch::cuda::is_available()) {
+    ScenarioSpec spec = with("expect: {diverges: true}\n");
+    spec.training.device = "cuda";
+    const ScenarioResult r = run_scenario(spec);
+    EXPECT_TRUE(r.harness_error);
+    EXPECT_FALSE(r.passed);
+  }
+}
+
+}  // namespace
+}  // namespace retrace

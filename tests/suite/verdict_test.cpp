@@ -1,0 +1,493 @@
+// The verdict rules of docs/scenarios.md ("Expectations and the verdict"), each with a scenario
+// that meets it and a negative control built to trip it: a control passes only when its own
+// fault broke the run, at or after the fault's step, with every injection fired; "held" needs
+// training to go on; the final loss and loss_finite look at applied steps at the end of the run;
+// every injection entry must fire; a raise before the fault is a harness error.
+#include "../support/scenario_text.h"
+
+#include <retrace/diagnose.h>
+#include <retrace/error.h>
+#include <retrace/recorder.h>
+#include <retrace/runner.h>
+#include <retrace/scenario.h>
+#include <retrace/trainer.h>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <unistd.h>
+
+namespace retrace {
+namespace {
+
+using test::kGpt;
+using test::with;
+
+std::string why(const ScenarioResult& r) {
+  std::string out = r.verdict() + "\n";
+  for (const ExpectationCheck& c : r.checks)
+    out += "  " + c.name + ": " + c.expected + " / " + c.observed + (c.passed ? "" : " FAILED") + "\n";
+  return out;
+}
+
+bool has_reason(const ScenarioResult& r, const std::string& text) {
+  return std::any_of(r.reasons.begin(), r.reasons.end(),
+                     [&](const std::string& s) { return s.find(text) != std::string::npos; });
+}
+
+const ExpectationCheck* find_check(const ScenarioResult& r, const std::string& name) {
+  for (const ExpectationCheck& c : r.checks) {
+    if (c.name == name) return &c;
+  }
+  return nullptr;
+}
+
+// --- negative controls must break because of their fault ---------------------------------------
+
+TEST(Verdict, AControlPassesOnItsFaultsEvidenceAndSaysWhich) {
+  const ScenarioResult r = run_scenario(
+      with("injections: [{type: grad_nonfinite, step: 2}]\nexpect: {params_finite: true, diverges: true}\n"));
+  ASSERT_TRUE(r.passed) << why(r);
+  const Breakage* x = r.evidence();
+  ASSERT_NE(x, nullptr);
+  EXPECT_EQ(x->kind, BreakKind::kNonFiniteParams);
+  EXPECT_EQ(x->step, 2);  // the NaN gradient is applied at step 2
+  EXPECT_NE(r.verdict().find("ok (broke: parameters non-finite from step 2 on)"), std::string::npos) << r.verdict();
+  EXPECT_EQ(
+      r.to_json().at("breakage"),
+      nlohmann::json::parse(
+          R"([{"counts":true,"detail":"parameters non-finite from step 2 on","kind":"non_finite_params","step":2}])"))
+      << r.to_json();
+}
+
+TEST(Verdict, AControlWithAnInjectionThatNeverFiredFails) {
+  // The NaN gradient bites; the optimizer flip at step 1 cannot fire (Adam has no state yet). The
+  // control's claim -- these faults break it -- is then not what ran.
+  const std::string bites = "{type: grad_nonfinite, step: 2}";
+  ScenarioResult r = run_scenario(with("injections: [" + bites +
+                                       ", {type: bit_flip, step: 1, target: optimizer, bit: 30}]\n"
+                                       "expect: {params_finite: true, diverges: true}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_TRUE(has_reason(r, "injections[1] bit_flip fires (due at step 1)")) << why(r);
+  // Control: the same flip at step 2, where Adam has state, fires and the control passes.
+  r = run_scenario(with("injections: [" + bites +
+                        ", {type: bit_flip, step: 2, target: optimizer, bit: 30}]\n"
+                        "expect: {params_finite: true, diverges: true}\n"));
+  EXPECT_TRUE(r.passed) << why(r);
+}
+
+TEST(Verdict, AControlThatFailsAnUnrelatedExpectationFails) {
+  // A benign mantissa flip: nothing breaks; min_rollbacks fails only because rollback is off.
+  ScenarioResult r = run_scenario(with("injections: [{type: bit_flip, step: 2, target: weights, bit: 2}]\n"
+                                       "expect: {params_finite: true, min_rollbacks: 1, diverges: true}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_FALSE(r.broke);
+  EXPECT_TRUE(has_reason(r, "negative control held")) << why(r);
+  EXPECT_TRUE(has_reason(r, "min_rollbacks: expected >= 1, got 0")) << why(r);
+  // A control that does break still fails an unrelated expectation it states...
+  r = run_scenario(with("injections: [{type: grad_nonfinite, step: 2}]\nexpect: {params_finite: true, min_rollbacks: "
+                        "1, diverges: true}\n"));
+  EXPECT_TRUE(r.broke);
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_TRUE(has_reason(r, "min_rollbacks")) << why(r);
+  // ... and passes once that expectation is true of the run.
+  r = run_scenario(with("injections: [{type: grad_nonfinite, step: 2}]\nexpect: {params_finite: true, min_rollbacks: "
+                        "0, diverges: true}\n"));
+  EXPECT_TRUE(r.passed) << why(r);
+}
+
+TEST(Verdict, AControlThatRaisesWithoutSayingSoFailsAndOneThatNamesItsRaisePasses) {
+  // A token id past the vocabulary makes the embedding lookup raise at the fault's step.
+  const std::string fault = "injections: [{type: corrupt_batch, step: 2}]\n";
+  ScenarioResult r = run_scenario(with(fault + "expect: {params_finite: true, diverges: true}\n"));
+  EXPECT_TRUE(r.raised);
+  EXPECT_EQ(r.raised_at_step, 2);
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_TRUE(has_reason(r, "raised at step 2: ")) << why(r);
+  r = run_scenario(with(fault + "expect: {raises: true, raises_match: \"index out of range\", diverges: true}\n"));
+  EXPECT_TRUE(r.passed) << why(r);
+  ASSERT_NE(r.evidence(), nullptr);
+  EXPECT_EQ(r.evidence()->kind, BreakKind::kRaised);
+  // The raise it names must be the one that happened.
+  r = run_scenario(with(fault + "expect: {raises: true, raises_match: \"out of memory\", diverges: true}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+}
+
+TEST(Verdict, ARaiseBeforeTheFaultIsAHarnessErrorNeverAPass) {
+  // Weights x1e6 under fp16 autocast: the very first step's gradients overflow and clipping's
+  // error_if_nonfinite raises at step 1 -- before the injection scheduled for step 3.
+  const std::string run =
+      "model: {type: tiny_gpt, layers: 2, d_model: 16, heads: 2, vocab: 32, seq_len: 8, init_gain: 1.0e6}\n"
+      "training: {steps: 4, segments: 2, precision: fp16}\n"
+      "defenses: {clip: {mode: global, error_if_nonfinite: true}}\n";
+  for (const char* expect : {"expect: {raises: true, diverges: true}\n", "expect: {raises: true}\n"}) {
+    const ScenarioResult r = run_scenario(
+        parse_scenario_text(run + "injections: [{type: grad_nonfinite, step: 3}]\n" + expect, "early.yaml"));
+    EXPECT_TRUE(r.harness_error) << why(r);
+    EXPECT_FALSE(r.passed) << why(r);
+    EXPECT_TRUE(has_reason(r, "harness error: step 1 raised before the fault at step 3")) << why(r);
+  }
+  // Control: the fault at step 1 -- the raise is now at the fault's step, and the held scenario passes.
+  const ScenarioResult r = run_scenario(
+      parse_scenario_text(run + "injections: [{type: grad_nonfinite, step: 1}]\nexpect: {raises: true}\n", "at.yaml"));
+  EXPECT_FALSE(r.harness_error);
+  EXPECT_TRUE(r.passed) << why(r);
+}
+
+TEST(Verdict, BreakageBeforeTheFaultDoesNotCount) {
+  // Without preserved RNG state the recompute is not bitwise from step 1, whatever is injected
+  // at step 3: a control resting on that proves nothing about the injection.
+  const std::string run = "defenses: {preserve_rng_state: false}\n";
+  ScenarioResult r = run_scenario(with(run + "injections: [{type: rng_desync, step: 3, segment: block0}]\n"
+                                             "expect: {recompute_bitwise: true, diverges: true}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_TRUE(
+      has_reason(r, "step 1 applied gradients from a recompute that was not bitwise, before the fault at step 3"))
+      << why(r);
+  // Control: without the injection the configuration is the fault (step 1), and the control passes.
+  r = run_scenario(with(run + "expect: {recompute_bitwise: true, diverges: true}\n"));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.evidence()->kind, BreakKind::kSilentRecompute);
+}
+
+// --- "held" means training went on -----------------------------------------------------------
+
+TEST(Verdict, HeldNeedsTrainingToGoOnAfterTheFault) {
+  // Recompute verification without preserved RNG state skips every step: nothing wrong is
+  // applied, and nothing at all is.
+  const std::string run = "defenses: {preserve_rng_state: false, verify_recompute: true}\n";
+  ScenarioResult r = run_scenario(with(run + "expect: {recompute_bitwise: true}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+  const ExpectationCheck* c = find_check(r, "min_applied_steps");
+  ASSERT_NE(c, nullptr) << why(r);
+  EXPECT_FALSE(c->passed);
+  EXPECT_EQ(c->observed, "0 applied, the last skipped");
+  // An explicit min_applied_steps replaces the default rule (here: asks for none).
+  r = run_scenario(with(run + "expect: {recompute_bitwise: true, min_applied_steps: 0}\n"));
+  EXPECT_TRUE(r.passed) << why(r);
+  // As a control, stopping training is evidence when the control asks for progress.
+  r = run_scenario(with(run + "expect: {min_applied_steps: 2, diverges: true}\n"));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.evidence()->kind, BreakKind::kNoProgress);
+}
+
+TEST(Verdict, TheLastStepMustBeApplied) {
+  // skip_nonfinite holds a NaN gradient at steps 3 and 4: half the steps from the fault were
+  // applied? None were, and the last was skipped.
+  ScenarioResult r =
+      run_scenario(with("defenses: {skip_nonfinite: true}\n"
+                        "injections: [{type: grad_nonfinite, step: 3, duration: 2}]\nexpect: {params_finite: true}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_EQ(r.applied_from_fault, 0);
+  EXPECT_FALSE(r.last_step_applied);
+  // Control: one step skipped at step 3, step 4 applied: held.
+  r = run_scenario(with("defenses: {skip_nonfinite: true}\n"
+                        "injections: [{type: grad_nonfinite, step: 3}]\nexpect: {params_finite: true}\n"));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.applied_from_fault, 1);
+}
+
+TEST(Verdict, FinalLossAndLossFiniteLookAtAppliedStepsAtTheEndOnly) {
+  // Steps 3 and 4 skipped: the old rule averaged steps 1 and 2 (before the fault) and passed.
+  const std::string skipped_end =
+      "defenses: {skip_nonfinite: true}\ninjections: [{type: grad_nonfinite, step: 3, duration: 2}]\n";
+  ScenarioResult r =
+      run_scenario(with(skipped_end + "expect: {final_loss_below: 100, loss_finite: true, min_applied_steps: 0}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_TRUE(std::isnan(r.final_loss));
+  EXPECT_EQ(find_check(r, "final_loss_below")->observed, "no applied step in steps 3..4");
+  EXPECT_EQ(find_check(r, "loss_finite")->observed, "no applied step in steps 3..4");
+  // Control: step 4 applied -- its loss alone is the final loss (step 3 was skipped).
+  r = run_scenario(with("defenses: {skip_nonfinite: true}\ninjections: [{type: grad_nonfinite, step: 3}]\n"
+                        "expect: {final_loss_below: 100, loss_finite: true}\n"));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.final_window_first, 3);
+  EXPECT_EQ(r.final_loss, r.losses[3]);
+}
+
+// --- every injection entry fires --------------------------------------------------------------
+
+TEST(Verdict, EveryInjectionEntryMustFireNotJustOneOfItsType) {
+  // Two optimizer flips: the one at step 1 has no state to flip; the one at step 3 fires. A check
+  // per type saw "bit_flip fired" and passed.
+  ScenarioResult r = run_scenario(with("defenses: {rollback: true}\n"
+                                       "injections: [{type: bit_flip, step: 1, target: optimizer, bit: 30}, "
+                                       "{type: bit_flip, step: 3, target: optimizer, bit: 30}]\n"
+                                       "expect: {params_finite: true, min_applied_steps: 0}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+  ASSERT_EQ(r.injections.size(), 2u);
+  EXPECT_EQ(r.injections[0].due, std::vector<std::int64_t>{1});
+  EXPECT_TRUE(r.injections[0].fired.empty());
+  EXPECT_EQ(r.injections[1].fired, std::vector<std::int64_t>{3});
+  EXPECT_TRUE(has_reason(r, "injections[0] bit_flip fires (due at step 1)")) << why(r);
+  EXPECT_FALSE(has_reason(r, "injections[1]")) << why(r);
+  // Control: both at steps with optimizer state.
+  r = run_scenario(with("defenses: {rollback: true}\n"
+                        "injections: [{type: bit_flip, step: 2, target: optimizer, bit: 30}, "
+                        "{type: bit_flip, step: 3, target: optimizer, bit: 30}]\n"
+                        "expect: {params_finite: true, min_applied_steps: 0}\n"));
+  EXPECT_TRUE(r.passed) << why(r);
+}
+
+TEST(Verdict, AnInjectionDueOnNoStepFails) {
+  // probability 0 over two steps: due on neither (a draw that never comes up acts the same).
+  ScenarioResult r = run_scenario(with("defenses: {skip_nonfinite: true}\n"
+                                       "injections: [{type: grad_nonfinite, step: 2, duration: 2, probability: 0}]\n"));
+  ASSERT_TRUE(r.injections[0].due.empty());
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_TRUE(has_reason(r, "due on no step (probability 0)")) << why(r);
+  // Control: probability 1 is due on both steps and fires on both.
+  r = run_scenario(
+      with("defenses: {skip_nonfinite: true}\n"
+           "injections: [{type: grad_nonfinite, step: 2, duration: 2}]\nexpect: {min_applied_steps: 0}\n"));
+  EXPECT_EQ(r.injections[0].fired, (std::vector<std::int64_t>{2, 3}));
+  EXPECT_TRUE(r.passed) << why(r);
+}
+
+TEST(Verdict, ARunThatRaisedIsReplayedToTheSameRaise) {
+  // grad-inf-clip-error raises at step 3 by design; its replay must raise the same there.
+  ScenarioSpec spec = load_scenario("builtin:grad-inf-clip-error");
+  ASSERT_TRUE(spec.expect.replay_bitwise.value_or(false));
+  ScenarioResult r = run_scenario(spec);
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_TRUE(r.replayed);
+  EXPECT_TRUE(r.replay_bitwise) << r.replay_report;
+  EXPECT_EQ(r.last_step, 3);
+  // Control: expecting the replay to differ fails.
+  spec.expect.replay_bitwise = false;
+  r = run_scenario(spec);
+  EXPECT_FALSE(r.passed) << why(r);
+}
+
+TEST(Verdict, ResultsWithEvidenceRoundTripThroughJson) {
+  const ScenarioResult r = run_scenario(
+      with("injections: [{type: grad_nonfinite, step: 2}]\nexpect: {params_finite: true, diverges: true}\n"));
+  const ScenarioResult back = ScenarioResult::from_json(r.to_json());
+  EXPECT_EQ(back.to_json(), r.to_json());
+  EXPECT_EQ(back.verdict(), r.verdict());
+}
+
+// --- small truths --------------------------------------------------------------------------
+
+TEST(SmallTruths, TheMlpTaskIsLearnable) {
+  const std::string mlp =
+      "model: {type: mlp, layers: 2, hidden: 32}\ndata: {batch: 32}\ntraining: {steps: 60, lr: LR}\n";
+  auto run = [&](const std::string& lr) {
+    std::string text = mlp;
+    text.replace(text.find("LR"), 2, lr);
+    return run_scenario(parse_scenario_text(text + "expect: {final_loss_below: 1.0e6}\n", "mlp.yaml"));
+  };
+  const ScenarioResult learns = run("0.003");
+  ASSERT_TRUE(learns.passed) << why(learns);
+  EXPECT_LT(learns.final_loss, 0.4 * learns.losses.front()) << learns.losses.front() << " -> " << learns.final_loss;
+  // Control: with LR 0 the same run does not learn, so the drop above is learning, not noise.
+  const ScenarioResult frozen = run("0.0");
+  EXPECT_GT(frozen.final_loss, 0.8 * frozen.losses.front()) << frozen.losses.front() << " -> " << frozen.final_loss;
+}
+
+TEST(SmallTruths, StepsCarryTheScaleAfterTheUpdateAndTheClipCoefficient) {
+  const ScenarioResult scaled = run_scenario(load_scenario("builtin:fp16-overflow-loss-scaling"));
+  ASSERT_TRUE(scaled.passed) << why(scaled);
+  int backoffs = 0;
+  for (std::size_t i = 0; i + 1 < scaled.steps.size(); ++i) {
+    EXPECT_EQ(scaled.steps[i].loss_scale_after, scaled.steps[i + 1].loss_scale) << "step " << i + 1;
+    backoffs += scaled.steps[i].loss_scale_after < scaled.steps[i].loss_scale ? 1 : 0;
+  }
+  EXPECT_EQ(backoffs, 1);  // not vacuous: the overflow step's scale after is halved
+
+  // PyTorch's clip_grad_norm_: coefficient min(1, max_norm / (norm + 1e-6)), norm after = min(norm, max_norm).
+  const ScenarioResult clipped = run_scenario(load_scenario("builtin:loss-spike-clipping"));
+  ASSERT_TRUE(clipped.passed) << why(clipped);
+  int clipped_steps = 0;
+  for (const StepPoint& p : clipped.steps) {
+    EXPECT_EQ(p.clip_coef, std::min(1.0, 1.0 / (p.grad_norm + 1e-6))) << "step " << p.step;
+    EXPECT_NEAR(p.clipped_grad_norm, std::min(p.grad_norm, 1.0), 1e-5 * std::max(1.0, p.grad_norm))
+        << "step " << p.step;
+    clipped_steps += p.clip_coef < 1.0 ? 1 : 0;
+  }
+  EXPECT_GT(clipped_steps, 0);                                       // not vacuous: some step was clipped
+  EXPECT_LT(clipped_steps, static_cast<int>(clipped.steps.size()));  // and some was not
+  const std::string json = clipped.to_json().dump();
+  EXPECT_NE(json.find("\"clip_coef\""), std::string::npos);
+  EXPECT_NE(json.find("\"loss_scale_after\""), std::string::npos);
+  EXPECT_EQ(ScenarioResult::from_json(nlohmann::json::parse(json)).to_json().dump(), json);
+}
+
+// --- diagnose: the scenario and its trace tell the same story --------------------------------
+
+// Records a built-in scenario as `retrace record` does (stopping at the first unhandled
+// non-finite step; a raise is noted in the trace).
+std::string record_builtin(const std::string& name) {
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("retrace_verdict_" + std::to_string(::getpid()) + "_" + name + ".trace"))
+                               .string();
+  const ScenarioSpec spec = load_scenario("builtin:" + name);
+  ScenarioProgram program(spec);
+  Recorder recorder(path, program);
+  try {
+    record_run(program, recorder, spec.training.steps, /*stop_on_nonfinite=*/true);
+    recorder.close();
+  } catch (const std::exception&) {
+    // the trace holds the exception (record_run closed it)
+  }
+  return path;
+}
+
+DiagnoseOptions quick() {
+  DiagnoseOptions o;
+  o.repeats = 1;  // the costs are not what these tests look at
+  return o;
+}
+
+TEST(Diagnose, TheScenarioAndItsTraceAgreeOnStepKindAndClassification) {
+  // Four kinds of failure, so that agreement is not agreement on "none".
+  const std::vector<std::pair<std::string, std::string>> cases = {{"fp16-overflow-loss-scaling-off", "loss"},
+                                                                  {"grad-nan-skip-off", "gradient norm"},
+                                                                  {"lr-spike-clipping-off", "expectation"},
+                                                                  {"grad-inf-clip-error", "raised"}};
+  for (const auto& [name, kind] : cases) {
+    const Diagnosis from_yaml = diagnose_scenario(load_scenario("builtin:" + name), quick());
+    const std::string path = record_builtin(name);
+    const Diagnosis from_trace = diagnose_trace(path, quick());
+    std::filesystem::remove(path);
+    EXPECT_EQ(from_yaml.failure_kind, kind) << name << ": " << from_yaml.failure;
+    EXPECT_EQ(from_trace.failure_kind, from_yaml.failure_kind) << name << ": " << from_trace.failure;
+    EXPECT_EQ(from_trace.failing_step, from_yaml.failing_step) << name;
+    EXPECT_EQ(from_trace.classification.kind, from_yaml.classification.kind) << name;
+    EXPECT_FALSE(from_trace.variants.empty()) << name << ": a failure with nothing re-run";
+    EXPECT_EQ(from_trace.from_step, from_yaml.from_step) << name;
+  }
+}
+
+TEST(Diagnose, AFiniteFailureInATraceIsDiagnosedAndAHealthyOneIsNot) {
+  const std::string spike = record_builtin("lr-spike-clipping-off");
+  const Diagnosis d = diagnose_trace(spike, quick());
+  std::filesystem::remove(spike);
+  EXPECT_EQ(d.failure_kind, "expectation");
+  EXPECT_NE(d.failure.find("final loss"), std::string::npos) << d.failure;
+  EXPECT_TRUE(std::any_of(d.variants.begin(), d.variants.end(), [](const VariantResult& v) { return v.fixes; }))
+      << d.report();
+  // Control: a run that meets its expectations has nothing to diagnose.
+  const std::string clean = record_builtin("bf16-clean");
+  const Diagnosis ok = diagnose_trace(clean, quick());
+  std::filesystem::remove(clean);
+  EXPECT_EQ(ok.failure_kind, "none");
+  EXPECT_TRUE(ok.variants.empty());
+}
+
+TEST(Diagnose, StepsThatStopBeforeTheFailureAreAnErrorAndRollbackIsAVariant) {
+  const ScenarioSpec spec = load_scenario("builtin:grad-nan-skip-off");  // fails at step 3
+  DiagnoseOptions o = quick();
+  o.steps = 1;  // from step 2 (lookback 1): step 2 only
+  try {
+    diagnose_scenario(spec, o);
+    ADD_FAILURE() << "--steps 1 ran without reaching the failing step";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("stop before the failing step 3; use 2 or more (retrace diagnose --steps)"),
+              std::string::npos)
+        << e.what();
+  }
+  // Control: two steps reach it; rollback is among the variants, and it fixes a NaN gradient.
+  o.steps = 2;
+  const Diagnosis d = diagnose_scenario(spec, o);
+  const auto rollback =
+      std::find_if(d.variants.begin(), d.variants.end(), [](const VariantResult& v) { return v.name == "rollback"; });
+  ASSERT_NE(rollback, d.variants.end()) << d.report();
+  EXPECT_TRUE(rollback->fixes) << d.report();
+  EXPECT_EQ(rollback->seconds_per_step_runs.size(), 1u);
+}
+
+// --- the scenario file: no silent surprises ----------------------------------------------------
+
+void expect_error(const std::string& text, const std::string& message) {
+  try {
+    parse_scenario_text(text, "s.yaml");
+    ADD_FAILURE() << "parsed without error:\n" << text;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+  }
+}
+
+TEST(ScenarioFile, DuplicateKeysAndSectionsAreErrors) {
+  expect_error("model: {type: mlp}\nmodel: {type: lstm}\n",
+               "s.yaml:2: key 'model': appears twice in one mapping (first on line 1); keep one");
+  expect_error("model: {type: mlp}\ntraining:\n  steps: 2\n  steps: 3\n",
+               "s.yaml:4: key 'training.steps': appears twice");
+  expect_error("model: {type: mlp}\ninjections:\n  - {type: lr_spike, step: 1, step: 2}\n",
+               "key 'injections[0].step': appears twice");
+  // Control: the same keys once each parse.
+  EXPECT_EQ(parse_scenario_text("model: {type: mlp}\ntraining:\n  steps: 3\n", "s.yaml").training.steps, 3);
+}
+
+TEST(ScenarioFile, ASecondDocumentIsAnError) {
+  expect_error("model: {type: mlp}\n---\ninjections: [{type: lr_spike}]\n",
+               "s.yaml:2: a second YAML document starts here");
+  // Control: a leading document marker and a document end marker are one document.
+  EXPECT_EQ(parse_scenario_text("---\nmodel: {type: mlp}\n...\n", "s.yaml").model.type, "mlp");
+}
+
+TEST(ScenarioFile, InjectionsAfterTheLastStepAndClampedBitsAreErrors) {
+  expect_error("model: {type: mlp}\ntraining: {steps: 4}\ninjections:\n  - {type: lr_spike, step: 5}\n",
+               "s.yaml:4: key 'injections[0].step': is 5, after the run's last step 4, so it could never fire");
+  expect_error("model: {type: mlp}\ninjections: [{type: bit_flip, bit_class: exponent, bits: 9}]\n",
+               "key 'injections[0].bits': is 9, but bit_class exponent has 8 bits in an fp32 element; use 1 .. 8");
+  expect_error("model: {type: mlp}\ninjections: [{type: bit_flip, bit_class: sign, bits: 2}]\n", "use 1 .. 1");
+  // Controls: the last step, and the class's full width.
+  EXPECT_EQ(parse_scenario_text("model: {type: mlp}\ntraining: {steps: 4}\ninjections: [{type: lr_spike, step: 4}]\n",
+                                "s.yaml")
+                .injections[0]
+                .step,
+            4);
+  EXPECT_EQ(parse_scenario_text("model: {type: mlp}\ninjections: [{type: bit_flip, bit_class: mantissa, bits: 23}]\n",
+                                "s.yaml")
+                .injections[0]
+                .bits,
+            23);
+}
+
+TEST(ScenarioFile, AnLstmUnderFp16OnTheCpuIsRejectedBeforeItRuns) {
+  expect_error("model: {type: lstm}\ntraining: {precision: fp16}\n",
+               "s.yaml:2: key 'training.precision': fp16 autocast cannot run an lstm on the CPU");
+  // bf16 depends on the CPU: where the probe says it runs, a run passes; where it does not (an
+  // AVX2-only CPU), the file is refused with the reason instead of raising at every step.
+  const std::string bf16 =
+      "model: {type: lstm, layers: 1, hidden: 8, vocab: 16, seq_len: 4}\ntraining: {steps: 2, precision: bf16}\n";
+  if (cpu_runs_lstm_at("bf16")) {
+    const ScenarioResult r = run_scenario(parse_scenario_text(bf16, "s.yaml"));
+    EXPECT_TRUE(r.passed) << why(r);
+  } else {
+    expect_error(bf16, "s.yaml:2: key 'training.precision': bf16 autocast cannot run an lstm on this machine's CPU");
+  }
+  EXPECT_TRUE(cpu_runs_lstm_at("fp32"));  // the probe's yes
+  // Controls: fp32 on the CPU runs (and fp16 on CUDA, which this check leaves alone, parses).
+  const ScenarioResult r = run_scenario(parse_scenario_text(
+      "model: {type: lstm, layers: 1, hidden: 8, vocab: 16, seq_len: 4}\ntraining: {steps: 2, precision: fp32}\n",
+      "s.yaml"));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(
+      parse_scenario_text("model: {type: lstm}\ntraining: {precision: fp16, device: cuda}\n", "s.yaml").training.device,
+      "cuda");
+}
+
+TEST(ScenarioFile, DeepNestingNamesALineThatExists) {
+  std::string deep = "model:\n";
+  for (int i = 1; i <= 600; ++i) deep += std::string(2 * static_cast<std::size_t>(i), ' ') + "a:\n";
+  try {
+    parse_scenario_text(deep, "s.yaml");
+    ADD_FAILURE() << "600 levels parsed";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("levels deep, which the YAML reader refuses"), std::string::npos) << what;
+    const int line = std::stoi(what.substr(what.find(':') + 1));
+    EXPECT_GE(line, 1);
+    EXPECT_LE(line, 601);
+  }
+  // Control: a few levels are no problem for the reader (the schema then names the unknown key).
+  expect_error("model:\n  a:\n    b: 1\n", "key 'model.a': unknown key");
+}
+
+}  // namespace
+}  // namespace retrace
