@@ -178,9 +178,9 @@ int run_record(const std::vector<std::string>& args) {
     std::cerr << binary_name() << " record: " << stats.state_check.message << "\n";
   }
   const bool finite = print_summary(outcomes, stats, output, mode);
-  // A run cut short by a NaN was reported above; a run that ran every step must have fired every injection.
-  const bool all_fired = !(finite && static_cast<std::int64_t>(outcomes.size()) == n) ||
-                         report_unfired(fired, defenses, n);
+  // A run cut short by a NaN was reported above; one that ran every step must have fired every injection.
+  bool all_fired = true;
+  if (finite && static_cast<std::int64_t>(outcomes.size()) == n) all_fired = report_unfired(fired, defenses, n);
   return finite && all_fired && stats.write_error.empty() ? 0 : 1;
 }
 
