@@ -46,6 +46,9 @@ std::string segment_output(SegmentPhase phase, std::size_t i) {
   return "output." + std::to_string(i);
 }
 
+std::string collective_input(std::size_t i) { return "input." + std::to_string(i); }
+std::string collective_output(std::size_t i) { return "output." + std::to_string(i); }
+
 }  // namespace tensor_names
 
 std::optional<SegmentPhase> segment_phase_from_string(std::string_view name) {
@@ -80,6 +83,7 @@ nlohmann::json TraceHeader::to_meta() const {
                         {"ring", recorder->ring},
                         {"write_ahead", recorder->write_ahead}};
   }
+  if (ranks) meta["ranks"] = {{"rank", ranks->rank}, {"world_size", ranks->world_size}, {"run_id", ranks->run_id}};
   return meta;
 }
 
@@ -115,6 +119,19 @@ TraceHeader TraceHeader::decode(const nlohmann::json& meta, const std::string& s
     s.ring = rf.integer("ring", 0);
     s.write_ahead = rf.flag("write_ahead", false);
     h.recorder = s;
+  }
+  if (const nlohmann::json* r = f.find("ranks")) {
+    const Fields rf(*r, source, kHeaderOffset, "the header record's ranks");
+    RankInfo info;
+    const std::int64_t world = rf.integer("world_size");
+    const std::int64_t rank = rf.integer("rank");
+    if (world < 1 || world > kMaxWorldSize)
+      rf.fail("world_size", "is out of range 1.." + std::to_string(kMaxWorldSize));
+    if (rank < 0 || rank >= world) rf.fail("rank", "is not in 0..world_size-1 (" + std::to_string(rank) + ")");
+    info.world_size = static_cast<int>(world);
+    info.rank = static_cast<int>(rank);
+    info.run_id = rf.text("run_id", "");
+    h.ranks = std::move(info);
   }
   return h;
 }
@@ -232,6 +249,60 @@ StepEndRecord StepEndRecord::decode(const nlohmann::json& meta, std::uint64_t of
   return e;
 }
 
+// --- collective --------------------------------------------------------------------------------
+
+nlohmann::json CollectiveRecord::to_meta() const {
+  nlohmann::json meta = {{"step", step},
+                         {"seq", seq},
+                         {"op", to_string(call.op)},
+                         {"rank", rank},
+                         {"input_nonfinite", input.nonfinite},
+                         {"input_abs_max", json_number(input.abs_max)},
+                         {"output_nonfinite", output.nonfinite},
+                         {"output_abs_max", json_number(output.abs_max)}};
+  if (!call.reduce.empty()) meta["reduce"] = call.reduce;
+  if (call.root >= 0) meta["root"] = call.root;
+  if (values) meta["values"] = true;
+  if (ring) meta["ring"] = true;
+  return meta;
+}
+
+CollectiveRecord CollectiveRecord::decode(const Record& record, const std::string& source) {
+  expect_type(record, RecordType::kCollective, source);
+  return decode(record.meta, record.offset, source);
+}
+
+CollectiveRecord CollectiveRecord::decode(const nlohmann::json& meta, std::uint64_t offset, const std::string& source) {
+  const Fields f(meta, source, offset, "the collective record");
+  CollectiveRecord c;
+  c.step = f.step();
+  c.seq = f.step("seq");
+  const std::string op = f.text("op");
+  const std::optional<CollectiveOp> o = collective_op_from_string(op);
+  if (!o) f.fail("op", "is '" + op.substr(0, 40) + "', not allreduce, broadcast, allgather or barrier");
+  c.call.op = *o;
+  c.call.reduce = f.text("reduce", "");
+  const std::int64_t root = f.integer("root", -1);
+  const std::int64_t rank = f.integer("rank");
+  if (root < -1 || root >= kMaxWorldSize) f.fail("root", "is out of range");
+  if (rank < 0 || rank >= kMaxWorldSize) f.fail("rank", "is out of range");
+  c.call.root = static_cast<int>(root);
+  c.rank = static_cast<int>(rank);
+  c.input.nonfinite = f.integer("input_nonfinite", 0);
+  c.input.abs_max = f.number("input_abs_max", 0.0);
+  c.output.nonfinite = f.integer("output_nonfinite", 0);
+  c.output.abs_max = f.number("output_abs_max", 0.0);
+  if (c.input.nonfinite < 0) f.fail("input_nonfinite", "is negative");
+  if (c.output.nonfinite < 0) f.fail("output_nonfinite", "is negative");
+  c.values = f.flag("values", false);
+  c.ring = f.flag("ring", false);
+  return c;
+}
+
+std::string CollectiveRecord::key() const {
+  return "step " + std::to_string(step) + " collective #" + std::to_string(seq) + " " + call.describe();
+}
+
 // --- events --------------------------------------------------------------------------------------
 
 nlohmann::json ExceptionEvent::to_meta() const {
@@ -289,6 +360,7 @@ void validate_record_meta(RecordType type, const nlohmann::json& meta, const std
     case RecordType::kSegment: SegmentRecord::decode(meta, offset, source); break;
     case RecordType::kStepEnd: StepEndRecord::decode(meta, offset, source); break;
     case RecordType::kEvent: EventRecord::decode(meta, offset, source); break;
+    case RecordType::kCollective: CollectiveRecord::decode(meta, offset, source); break;
     case RecordType::kIndex: break;
   }
 }

@@ -85,6 +85,7 @@ const char* to_string(RecordType type) {
     case RecordType::kSegment: return "segment";
     case RecordType::kStepEnd: return "step_end";
     case RecordType::kEvent: return "event";
+    case RecordType::kCollective: return "collective";
     case RecordType::kIndex: return "index";
   }
   return "unknown";

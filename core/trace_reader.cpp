@@ -132,6 +132,7 @@ RecordInfo TraceReader::index_entry(const Record& r, std::uint32_t length) const
       if (e.exception) info.step = e.exception->step;
       break;
     }
+    case RecordType::kCollective: info.step = CollectiveRecord::decode(r, path_).step; break;
     case RecordType::kHeader:
     case RecordType::kIndex: break;
   }
@@ -242,6 +243,14 @@ Record TraceReader::load(std::uint64_t offset) const {
     case 4:
     case 5:
     case 15: r.type = static_cast<RecordType>(h.type); break;
+    case 6:
+      if (version_ < 3) {
+        bad(TraceError::Kind::kMalformed, path_, offset,
+            "record type 6 (collective) in a format version " + std::to_string(version_) +
+                " trace; it came with version 3");
+      }
+      r.type = RecordType::kCollective;
+      break;
     default: bad(TraceError::Kind::kMalformed, path_, offset, "unknown record type " + std::to_string(h.type));
   }
   if (h.length < 4) bad(TraceError::Kind::kMalformed, path_, offset, "record payload shorter than its metadata length");

@@ -340,7 +340,12 @@ void Defenses::configure(DefenseOptions options, std::vector<InjectionSpec> inje
     }
   }
   options_ = std::move(options);
+  if (options.skip_nonfinite_ranks && program_ && !traits_.gradient_sync) {
+    throw Error("defense skip_nonfinite_ranks needs a data-parallel program (TrainingTraits::gradient_sync); this "
+                "program trains in one process: use skip_nonfinite");
+  }
   injector_ = std::make_unique<Injector>(std::move(injections));
+  if (traits_.gradient_sync) injector_->set_rank(traits_.gradient_sync->ranks().rank);
   if (traits_.autocast != at::kFloat) injector_->set_activation_dtype(traits_.autocast);
   scaler_.reset();
   if (options_.loss_scaling.enabled) scaler_ = std::make_unique<LossScaler>(options_.loss_scaling, traits_.device);
@@ -440,6 +445,37 @@ void DefendedStep::detach_observers() {
   inject_scope_.reset();
 }
 
+namespace {
+std::string bad_ranks_reason(const std::vector<int>& ranks) {
+  std::string list;
+  for (int r : ranks) list += (list.empty() ? "" : ", ") + std::to_string(r);
+  return std::string("non-finite gradients on rank") + (ranks.size() > 1 ? "s " : " ") + list +
+         " before the all-reduce: every rank skips";
+}
+}  // namespace
+
+std::vector<int> DefendedStep::sync_gradients(const std::vector<NamedTensor>& grads) {
+  Defenses& d = *d_;
+  GradientSync* sync = d.traits_.gradient_sync;
+  if (!sync) return {};
+  std::vector<int> bad;
+  if (d.options_.skip_nonfinite_ranks) {
+    bool finite = true;
+    for (const NamedTensor& g : grads) finite = finite && at::isfinite(g.tensor).all().item<bool>();
+    bad = sync->ranks_with(!finite);
+    if (!bad.empty()) {
+      if (!d.scaler_) return bad;  // skipped on every rank: nothing to average
+      // The loss scaler owns overflow: every rank hands it the same non-finite gradients.
+      for (const NamedTensor& g : grads) g.tensor.fill_(std::numeric_limits<float>::quiet_NaN());
+      return bad;
+    }
+  }
+  std::vector<at::Tensor> tensors;
+  for (const NamedTensor& g : grads) tensors.push_back(g.tensor);
+  sync->average(tensors);
+  return bad;
+}
+
 void DefendedStep::skip(std::string why) {
   out_.skipped = true;
   out_.skip_reason = std::move(why);
@@ -524,6 +560,7 @@ StepOutcome DefendedStep::finish() {
       if (g.defined()) grads.push_back({d.gradient_names_[i], g, TensorKind::kGradient});
     }
     d.injector_->on_grads(grads);
+    const std::vector<int> bad_ranks = sync_gradients(grads);
     if (monitor_) monitor_->after_backward(loss_, grads);
     out_.loss = loss_.item<double>();
 
@@ -544,6 +581,15 @@ StepOutcome DefendedStep::finish() {
       d.verifier_->reset();  // per step: its list would otherwise grow for the whole run
     }
     bool apply = true;
+    // skip_nonfinite_ranks found a rank with non-finite gradients: every rank skips alike (with a
+    // loss scaler the gradients were poisoned on every rank and take its overflow path instead).
+    // This rank's own gradients decide nothing more: no rollback, no schedule step.
+    const bool rank_skip = !bad_ranks.empty() && !d.scaler_;
+    if (rank_skip) {
+      apply = false;
+      finite_grads = true;
+      skip(bad_ranks_reason(bad_ranks));
+    }
     if (caught > 0) {
       d.caught_mismatches_ += static_cast<std::int64_t>(caught);
       apply = false;
@@ -575,6 +621,7 @@ StepOutcome DefendedStep::finish() {
     } else if (d.scaler_) {
       d.scaler_->discard_unscale();  // the step is not taken: the scale stays as it was
     }
+    if (!bad_ranks.empty() && d.scaler_ && out_.skipped) out_.skip_reason += " (" + bad_ranks_reason(bad_ranks) + ")";
     if (d.options_.rollback && rollback(finite_grads)) out_.rolled_back = true;
     if (!out_.skipped) {
       d.schedule_.on_applied(out_.loss, own_lrs_.empty() ? 0.0 : own_lrs_[0]);

@@ -76,6 +76,16 @@ ScenarioProgram::ScenarioProgram(ScenarioSpec spec)
     }
     device_ = c10::Device(c10::kCUDA, 0);
   }
+  if (spec_.world_size > 1) {
+    RendezvousOptions rendezvous = RendezvousOptions::from_env();
+    if (!replayed_rank() && rendezvous.world_size != spec_.world_size) {
+      throw Error(spec_.origin + ": key 'world_size': the scenario asks for " + std::to_string(spec_.world_size) +
+                  " ranks, but this process was launched as one of " + std::to_string(rendezvous.world_size) +
+                  " (WORLD_SIZE); run it with retrace record --ranks " + std::to_string(spec_.world_size) +
+                  " or retrace run, or a launcher that starts " + std::to_string(spec_.world_size) + " ranks");
+    }
+    group_ = RankGroup::join(rendezvous, to_yaml(spec_), device_);
+  }
   torch::manual_seed(spec_.training.seed);  // seeds CUDA generators too
   model_ = build_model(spec_);
   if (spec_.model.init_gain != 1.0) {
@@ -99,7 +109,9 @@ ScenarioProgram::ScenarioProgram(ScenarioSpec spec)
   }
   parameters_ = named_parameters(*model_);
   buffers_ = named_buffers(*model_);
-  defenses_.attach(*this, *optimizer_, parameters_, traits_of(spec_, device_));
+  TrainingTraits traits = traits_of(spec_, device_);
+  traits.gradient_sync = group_.get();
+  defenses_.attach(*this, *optimizer_, parameters_, traits);
 }
 
 ScenarioProgram::~ScenarioProgram() = default;
@@ -122,7 +134,10 @@ void ScenarioProgram::load_state(const std::vector<NamedTensor>& state) {
 }
 
 std::vector<NamedTensor> ScenarioProgram::batch(std::int64_t step) {
-  const models::Batch b = model_->make_batch(spec_.data.seed * 1000003ULL + static_cast<std::uint64_t>(step));
+  // Each rank's shard: rank 0 draws what a single-process run draws.
+  const std::uint64_t rank = group_ ? static_cast<std::uint64_t>(group_->ranks().rank) : 0;
+  const models::Batch b = model_->make_batch(spec_.data.seed * 1000003ULL + static_cast<std::uint64_t>(step) +
+                                             rank * 0x9E3779B97F4A7C15ULL);
   return {{"input", b.input.to(device_), TensorKind::kInput}, {"target", b.target.to(device_), TensorKind::kTarget}};
 }
 
@@ -169,6 +184,7 @@ class ProgramUnderScenario : public Program {
   double lr() const override { return inner_->lr(); }
   double loss_scale() const override { return inner_->loss_scale(); }
   Defenses* defenses() override { return inner_->defenses(); }
+  RankInfo ranks() const override { return inner_->ranks(); }
 
  private:
   ScenarioSpec spec_;

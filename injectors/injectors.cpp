@@ -152,6 +152,7 @@ void Injector::begin_step(std::int64_t step) {
 
 bool Injector::scheduled(std::size_t index, std::int64_t step) const {
   const InjectionSpec& s = specs_.at(index);
+  if (s.rank >= 0 && s.rank != rank_) return false;  // another rank's fault
   if (step < s.step || step >= s.step + s.duration) return false;
   if (s.probability >= 1.0) return true;
   auto gen = rng_for(s.seed, step, index, 1);
@@ -216,7 +217,8 @@ void Injector::flip_state(const std::vector<NamedTensor>& state) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (std::size_t i = 0; i < specs_.size(); ++i) {
     const InjectionSpec& s = specs_[i];
-    if (s.type != InjectionType::kBitFlip || s.target == "activations" || !fires(i)) continue;
+    if (s.type != InjectionType::kBitFlip || s.target == "activations" || s.target == "gradients" || !fires(i))
+      continue;
     const TensorKind kind = s.target == "optimizer" ? TensorKind::kOptimizerState : TensorKind::kParameter;
     std::vector<const NamedTensor*> candidates;
     for (const NamedTensor& n : state) {
@@ -246,6 +248,20 @@ void Injector::on_grads(const std::vector<NamedTensor>& grads) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (std::size_t i = 0; i < specs_.size(); ++i) {
     const InjectionSpec& s = specs_[i];
+    if (s.type == InjectionType::kBitFlip && s.target == "gradients" && !grads.empty() && fires(i)) {
+      std::vector<const NamedTensor*> candidates;
+      for (const NamedTensor& g : grads) {
+        if (g.tensor.is_floating_point() && g.tensor.numel() > 0) candidates.push_back(&g);
+      }
+      if (candidates.empty()) continue;
+      auto gen = rng_for(s.seed, step_, i, 3);
+      const NamedTensor& victim = *candidates[gen() % candidates.size()];
+      at::Tensor t = victim.tensor;
+      std::string detail;
+      at::NoGradGuard no_grad;
+      if (flip_bits(s, t, gen, detail) >= 0) note(s, victim.name, detail);  // else past the width: nothing fires
+      continue;
+    }
     if (s.type != InjectionType::kGradNonFinite || !fires(i) || grads.empty()) continue;
     auto gen = rng_for(s.seed, step_, i, 4);
     const NamedTensor& g = grads[gen() % grads.size()];

@@ -13,6 +13,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
 
 #include <atomic>
 #include <chrono>
@@ -355,6 +358,8 @@ struct Recorder::Impl {
     std::int64_t step;
     nlohmann::json meta;
     std::vector<TensorToWrite> tensors;
+    // The step's collective records with stored results, written after its step_begin.
+    std::vector<std::pair<nlohmann::json, std::vector<TensorToWrite>>> collectives;
   };
   std::deque<RingEntry> ring;
 
@@ -378,6 +383,14 @@ struct Recorder::Impl {
            (options.every > 0 && s % options.every == 0);
   }
   bool store_values() const { return options.mode == RecordMode::kFull; }
+  // A collective's result is what replay of one rank serves in place of its peers: stored
+  // whenever replay may re-execute the step from the trace alone (full mode, write-ahead).
+  bool store_collective_values() const { return options.mode == RecordMode::kFull || options.write_ahead; }
+
+  RankInfo ranks;
+  std::int64_t next_collective = 0;                 // the step's next collective's seq
+  std::optional<CollectiveRecord> open_collective;  // before_collective ran, after_collective not yet
+  std::vector<TensorToWrite> collective_inputs;
 
   // True when `state` holds the bits end_step digested: the same tensors at the same version
   // counters, or (for tensors a program makes afresh, like Adam's step count) equal digests.
@@ -424,6 +437,7 @@ struct Recorder::Impl {
       for (RingEntry& r : ring) {
         dump.steps.push_back(r.step);
         writer->push(RecordType::kStepBegin, r.meta, r.tensors, stats);
+        for (auto& [meta, tensors] : r.collectives) writer->push(RecordType::kCollective, meta, tensors, stats);
       }
       writer->push(RecordType::kEvent, dump.to_meta(), {}, stats);
       writer->flush(/*sync=*/true);
@@ -449,6 +463,8 @@ Recorder::Recorder(const std::string& path, const Program& program, RecorderOpti
   header.program = ProgramRef{program.name(), program.config()};
   header.recorder = RecorderSettings{options.mode == RecordMode::kFull ? "full" : "digest", options.every, options.ring,
                                      options.write_ahead};
+  impl_->ranks = program.ranks();
+  if (impl_->ranks.distributed()) header.ranks = impl_->ranks;
   impl_->writer = std::make_unique<BackgroundWriter>(
       std::make_unique<TraceWriter>(path, header.to_meta(), options.writer), options.queue_bytes);
   if (options.ring > 0 && options.dump_on_signal && g_signal_recorder == nullptr && ::pipe(g_signal_pipe) == 0) {
@@ -500,6 +516,8 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
   if (m.disabled) return;
   m.step = step;
   m.next_ordinal = 0;
+  m.next_collective = 0;
+  m.open_collective.reset();
   m.ordinals.clear();
   m.after_backward.clear();
   const bool full = m.full_now(step);
@@ -571,6 +589,68 @@ void Recorder::after_backward(const at::Tensor& loss, const std::vector<NamedTen
   } else {
     for (TensorToWrite& w : digest_entries("", grads)) m.after_backward.push_back(std::move(w));
   }
+}
+
+namespace {
+
+// Non-finite elements and max |x| over the finite ones, across the floating tensors of `ts`.
+CollectiveRecord::Stats collective_stats(const std::vector<at::Tensor>& ts) {
+  CollectiveRecord::Stats s;
+  for (const at::Tensor& t : ts) {
+    if (!t.defined() || !t.is_floating_point() || t.numel() == 0) continue;
+    const at::Tensor finite = at::isfinite(t);
+    const std::int64_t bad = t.numel() - finite.sum().item<std::int64_t>();
+    s.nonfinite += bad;
+    const at::Tensor a = bad == 0 ? t.abs() : at::where(finite, t.abs(), at::zeros({}, t.options()));
+    s.abs_max = std::max(s.abs_max, a.max().item<double>());
+  }
+  return s;
+}
+
+}  // namespace
+
+void Recorder::before_collective(const CollectiveCall& call, const std::vector<at::Tensor>& contribution) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
+  Impl& m = *impl_;
+  if (m.step < 0 || m.closed || m.disabled) return;  // outside a recorded step
+  CollectiveRecord rec;
+  rec.step = m.step;
+  rec.seq = m.next_collective++;
+  rec.call = call;
+  rec.rank = m.ranks.rank;
+  rec.input = collective_stats(contribution);
+  m.collective_inputs.clear();
+  for (std::size_t i = 0; i < contribution.size(); ++i)
+    m.collective_inputs.push_back(entry(tensor_names::collective_input(i), contribution[i], false));
+  m.open_collective = std::move(rec);
+}
+
+void Recorder::after_collective(const CollectiveCall& call, const std::vector<at::Tensor>& result) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
+  Impl& m = *impl_;
+  if (!m.open_collective || m.step < 0 || m.closed || m.disabled) return;
+  CollectiveRecord rec = std::move(*m.open_collective);
+  m.open_collective.reset();
+  rec.output = collective_stats(result);
+  const bool values = m.store_collective_values();
+  rec.values = values;
+  std::vector<TensorToWrite> tensors = std::move(m.collective_inputs);
+  m.collective_inputs.clear();
+  const std::size_t inputs = tensors.size();
+  for (std::size_t i = 0; i < result.size(); ++i)
+    tensors.push_back(entry(tensor_names::collective_output(i), result[i], values));
+  if (m.options.ring > 0 && !m.ring.empty() && m.ring.back().step == m.step) {
+    CollectiveRecord ring_rec = rec;
+    ring_rec.values = true;
+    ring_rec.ring = true;
+    std::vector<TensorToWrite> ring_tensors(tensors.begin(), tensors.begin() + static_cast<std::ptrdiff_t>(inputs));
+    for (std::size_t i = 0; i < result.size(); ++i) {
+      if (values) ring_tensors.push_back(tensors[inputs + i]);  // the same stored copy
+      else ring_tensors.push_back(stored(tensor_names::collective_output(i), result[i]));
+    }
+    m.ring.back().collectives.emplace_back(ring_rec.to_meta(), std::move(ring_tensors));
+  }
+  m.io([&] { m.writer->push(RecordType::kCollective, rec.to_meta(), std::move(tensors), m.stats); });
 }
 
 void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std::vector<NamedTensor>& state_after) {
@@ -698,8 +778,10 @@ std::vector<StepOutcome> record_run(Program& program, Recorder& recorder, std::i
                                     const std::function<void(std::int64_t, const StepOutcome&)>& after_step) {
   std::vector<StepOutcome> outcomes;
   ObserverScope scope(recorder);
+  CollectiveObserverScope collectives(recorder);
   const std::int64_t kill_at = g_crash_after_step_begin.load();  // crash_point.h; 0: off
-  const bool check_state = recorder.options().state_check;
+  const bool distributed = program.ranks().distributed();
+  const bool check_state = recorder.options().state_check && !distributed;
   for (std::int64_t s = 1; s <= steps; ++s) {
     bool in_step = false;  // the exception, if any, left Program::step (not the loader or the recorder)
     try {
@@ -732,13 +814,16 @@ std::vector<StepOutcome> record_run(Program& program, Recorder& recorder, std::i
       throw;
     }
   }
-  if (check_state && recorder.stats().state_check.status == StateCheckResult::Status::kNotRun) {
+  if (recorder.options().state_check && recorder.stats().state_check.status == StateCheckResult::Status::kNotRun) {
     StateCheckResult skipped;
     skipped.status = StateCheckResult::Status::kSkipped;
     skipped.step = kStateCheckStep;
-    skipped.message = "state round-trip self-check skipped: the run ended before step " +
-                      std::to_string(kStateCheckStep) +
-                      ", the first step whose start state is not the one the program's constructor made";
+    skipped.message = distributed
+                          ? "state round-trip self-check skipped: a data-parallel rank cannot run a copy's step (its "
+                            "collectives would have no peers); replay each rank's trace instead (retrace replay)"
+                          : "state round-trip self-check skipped: the run ended before step " +
+                                std::to_string(kStateCheckStep) +
+                                ", the first step whose start state is not the one the program's constructor made";
     recorder.note_state_check(std::move(skipped));
   }
   return outcomes;

@@ -138,15 +138,21 @@ EnvironmentMismatch::EnvironmentMismatch(std::vector<EnvironmentDifference> d)
     : Error(describe_differences(d)), differences_(std::move(d)) {}
 
 std::unique_ptr<Program> program_from_trace(const TraceReader& trace) {
-  const ProgramRef program = TraceHeader::decode(trace).require_program(trace.path());
+  const TraceHeader header = TraceHeader::decode(trace);
+  const ProgramRef program = header.require_program(trace.path());
+  // A rank of a data-parallel run is rebuilt alone: its group has no peers, its collectives are
+  // served from the trace (collectives.h).
+  std::optional<ReplayedRankScope> rank;
+  if (header.ranks) rank.emplace(*header.ranks);
   return make_program(program.name, program.config);
 }
 
 namespace {
 
 struct StepRecords {
-  std::vector<std::size_t> begins;    // record indices of step_begin records (regular, then ring)
-  std::vector<std::size_t> segments;  // in file order
+  std::vector<std::size_t> begins;       // record indices of step_begin records (regular, then ring)
+  std::vector<std::size_t> segments;     // in file order
+  std::vector<std::size_t> collectives;  // in file order (a ring dump's copies after the originals)
   std::optional<std::size_t> end;
   std::optional<std::string> raised;  // what the step raised (an exception event raised_by_step)
 };
@@ -335,6 +341,107 @@ class Comparer : public SegmentObserver, public StepMonitor {
   std::string reached_segment_, reached_phase_ = "forward";     // how far the replay got
 };
 
+// Serves a replayed step's collectives from its collective records, in place of the rank's peers:
+// checks each call's key and this rank's contribution (by digest) against the record, then hands
+// the program the recorded result. A contribution that differs is a divergence (the recorded result
+// is served anyway: it is what the peers sent); another key is a desync that ends the step. With
+// `comparer` null (provenance's re-run) it only serves.
+class CollectiveTape : public CollectiveReplay {
+ public:
+  CollectiveTape(const TraceReader& trace, std::int64_t step, const StepRecords& records, Comparer* comparer)
+      : trace_(trace), step_(step), comparer_(comparer), ended_(records.end.has_value()) {
+    // Per seq, the record with stored results wins (a flight-ring dump's copy of a digest one).
+    std::map<std::int64_t, std::pair<std::size_t, bool>> by_seq;
+    for (std::size_t i : records.collectives) {
+      const CollectiveRecord c = CollectiveRecord::decode(trace.read(i), trace.path());
+      auto it = by_seq.find(c.seq);
+      if (it == by_seq.end() || (c.values && !it->second.second)) by_seq[c.seq] = {i, c.values};
+    }
+    for (const auto& [seq, rec] : by_seq) order_.push_back(rec.first);
+  }
+
+  void serve(const CollectiveCall& call, const std::vector<at::Tensor>& contribution,
+             const std::vector<at::Tensor>& result) override {
+    const std::size_t seq = next_++;
+    const std::string here = "collective #" + std::to_string(seq) + " " + call.describe();
+    if (seq >= order_.size()) {
+      if (!ended_) {
+        // The recorded run never finished this step: its collective #seq did not return (a peer
+        // died, a timeout). Nothing to serve; the replay stops before this step.
+        ran_out_ = true;
+        throw CollectiveDesync("the recorded run stopped in step " + std::to_string(step_) + " before " + here +
+                               " returned");
+      }
+      desync(here, "the trace holds " + std::to_string(order_.size()) + " collective(s) in this step");
+    }
+    const Record rec = trace_.read(order_[seq]);
+    const CollectiveRecord recorded = CollectiveRecord::decode(rec, trace_.path());
+    if (recorded.seq != static_cast<std::int64_t>(seq) || recorded.call.op != call.op ||
+        recorded.call.reduce != call.reduce || recorded.call.root != call.root) {
+      desync(here, "the trace's collective #" + std::to_string(seq) + " is " + recorded.call.describe());
+    }
+    for (std::size_t i = 0; i < contribution.size(); ++i) {
+      const TensorEntry* e = rec.find(tensor_names::collective_input(i));
+      if (!e || e->dtype != contribution[i].scalar_type() || e->shape != contribution[i].sizes().vec()) {
+        desync(here, "its input " + std::to_string(i) + " is " + describe(contribution[i]) + ", the trace's " +
+                         (e ? describe(*e) : std::string("is missing")));
+      }
+      if (comparer_) comparer_->compare(rec, e->name, contribution[i], "(" + here + ")", "collective");
+    }
+    for (std::size_t i = 0; i < result.size(); ++i) {
+      const TensorEntry* e = rec.find(tensor_names::collective_output(i));
+      if (!e || e->dtype != result[i].scalar_type() || e->shape != result[i].sizes().vec()) {
+        desync(here, "its output " + std::to_string(i) + " is " + describe(result[i]) + ", the trace's " +
+                         (e ? describe(*e) : std::string("is missing")));
+      }
+      if (!e->has_data()) {
+        // The trace cannot serve it: bad input, not the program raising.
+        const Error error(trace_.path() + ": step " + std::to_string(step_) + " " + here +
+                          ": the trace holds only the digest of its result, and a rank replays alone from recorded "
+                          "results; record with --mode full or --write-ahead (or replay the steps of a flight-ring "
+                          "dump)");
+        if (comparer_) comparer_->own_error = std::make_exception_ptr(error);
+        throw error;
+      }
+      result[i].copy_(trace_.decode(rec, *e));
+    }
+  }
+
+ private:
+  static std::string describe(const at::Tensor& t) {
+    std::string s = c10::toString(t.scalar_type());
+    s += "[";
+    for (std::int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+    return s + "]";
+  }
+  static std::string describe(const TensorEntry& e) {
+    std::string s = c10::toString(e.dtype);
+    s += "[";
+    for (std::size_t d = 0; d < e.shape.size(); ++d) s += (d ? ", " : "") + std::to_string(e.shape[d]);
+    return s + "]";
+  }
+  [[noreturn]] void desync(const std::string& here, const std::string& why) {
+    const std::string what =
+        "collective desync: the replay ran " + here + " of step " + std::to_string(step_) + ", but " + why;
+    if (comparer_) comparer_->diverge("(" + here + ")", "collective", "", what);
+    throw CollectiveDesync(what);
+  }
+
+  const TraceReader& trace_;
+  std::int64_t step_;
+  Comparer* comparer_;
+  bool ended_;                      // the step has a step_end record
+  std::vector<std::size_t> order_;  // record index per seq
+  std::size_t next_ = 0;
+  bool ran_out_ = false;
+
+ public:
+  // The replay asked for a collective past the last one a step that never ended recorded.
+  bool ran_out() const { return ran_out_; }
+  // Recorded collectives the replay did not run.
+  std::size_t unconsumed() const { return next_ < order_.size() ? order_.size() - next_ : 0; }
+};
+
 // The record's state.* (or batch.*) tensors, decoded, under the program's names.
 std::vector<NamedTensor> named_tensors(const TraceReader& trace, const Record& rec,
                                        std::optional<std::string_view> (*program_name)(std::string_view)) {
@@ -386,6 +493,7 @@ std::map<std::int64_t, StepRecords> index_steps(const TraceReader& trace) {
     switch (r.type) {
       case RecordType::kStepBegin: steps[r.step].begins.push_back(i); break;
       case RecordType::kSegment: steps[r.step].segments.push_back(i); break;
+      case RecordType::kCollective: steps[r.step].collectives.push_back(i); break;
       case RecordType::kStepEnd: steps[r.step].end = i; break;
       case RecordType::kEvent:
         if (const EventRecord e = EventRecord::decode(trace.read(i), trace.path());
@@ -440,11 +548,13 @@ Anchor find_anchor(const TraceReader& trace, const std::map<std::int64_t, StepRe
 }
 
 // What went non-finite first in step `s`, re-run from the state and RNG it started from.
-void find_provenance(Program& program, std::int64_t s, const std::vector<NamedTensor>& state_before,
-                     const std::vector<std::uint8_t>& rng, const std::vector<NamedTensor>& batch,
-                     ReplayResult& result) {
+void find_provenance(const TraceReader& trace, const StepRecords& recs, Program& program, std::int64_t s,
+                     const std::vector<NamedTensor>& state_before, const std::vector<std::uint8_t>& rng,
+                     const std::vector<NamedTensor>& batch, ReplayResult& result) {
   program.load_state(state_before);
   RngState::deserialize(rng.data(), rng.size()).restore();
+  CollectiveTape tape(trace, s, recs, nullptr);  // the step's collectives again, served only
+  CollectiveReplayScope collectives(tape);
   result.first_nonfinite = find_first_nonfinite(program, s, batch);
   if (result.first_nonfinite) result.first_nonfinite->step = s;
 }
@@ -454,8 +564,8 @@ void find_provenance(Program& program, std::int64_t s, const std::vector<NamedTe
 // handled. `anchor`: the step restored from its snapshot; `trained_to`: a step the recorded run
 // reached by training (not its first).
 bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, const StepRecords& recs,
-                 const Record& begin, bool anchor, bool trained_to, const ReplayOptions& options,
-                 ReplayResult& result) {
+                 const Record& begin, bool anchor, bool trained_to, const ReplayOptions& options, ReplayResult& result,
+                 bool& stopped_before) {
   Comparer comparer(trace, s, recs);
   const StepBeginRecord begin_record = StepBeginRecord::decode(begin, trace.path());
   const std::vector<std::uint8_t> rng = rng_bytes(trace, begin, s);
@@ -477,14 +587,25 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
 
   StepOutcome outcome;
   std::optional<std::string> raised;
+  CollectiveTape tape(trace, s, recs, &comparer);
   {
     ObserverScope scope(comparer);
+    CollectiveReplayScope collectives(tape);
     try {
       outcome = program.step(s, batch, &comparer);
     } catch (const std::exception& e) {
       if (comparer.own_error) std::rethrow_exception(comparer.own_error);  // a bad trace, not the program
       raised = exception_message(e);
     }
+  }
+  if (raised && tape.ran_out()) {
+    // A rank whose peers went away mid-step (SIGKILL, a timeout): the steps before it are the
+    // replay's verdict; this one cannot be re-executed alone past its last recorded collective.
+    result.notes.push_back("step " + std::to_string(s) + " did not finish in the recorded run: " + *raised +
+                           (recs.raised ? " (it raised: " + *recs.raised + ")" : std::string()) +
+                           "; replayed up to the last complete step " + std::to_string(s - 1));
+    stopped_before = true;
+    return false;
   }
   if (raised) {
     // The step raised: its verdict is whether the recorded run raised the same here. Nothing
@@ -500,8 +621,14 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
       result.notes.push_back("step " + std::to_string(s) + " raised, as the recorded run did: " + *raised);
     }
     // What went non-finite before it raised (a non-finite gradient norm that clipping refuses).
-    if (options.provenance && !result.first_nonfinite) find_provenance(program, s, state_before, rng, batch, result);
+    if (options.provenance && !result.first_nonfinite)
+      find_provenance(trace, recs, program, s, state_before, rng, batch, result);
     return false;
+  }
+  if (const std::size_t left = tape.unconsumed(); left > 0 && !comparer.first) {
+    comparer.diverge("(collectives)", "collective", "",
+                     "collective desync: the trace holds " + std::to_string(left) +
+                         " more collective(s) in this step than the replay ran");
   }
   const std::vector<NamedTensor> state_after = program.state();
   comparer.finish(state_after);
@@ -542,7 +669,7 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
     result.notes.push_back("step " + std::to_string(s) + " went non-finite and a defense skipped it (" +
                            outcome.skip_reason + "); the replay goes on");
   } else if (nonfinite && options.provenance && !result.first_nonfinite) {
-    find_provenance(program, s, state_before, rng, batch, result);
+    find_provenance(trace, recs, program, s, state_before, rng, batch, result);
   }
   return !result.first_divergence && !(nonfinite && !handled);
 }
@@ -583,11 +710,12 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
     const auto found = steps.find(s);
     const StepRecords& recs = found == steps.end() ? kNone : found->second;
     if (recs.begins.empty()) throw Error("the trace holds no step_begin record of step " + std::to_string(s));
+    bool stopped_before = false;
     const bool go_on = replay_step(trace_, program_, s, recs,
                                    s == result.from_step ? anchor.begin : trace_.read(recs.begins.front()),
-                                   s == result.from_step, s > first_recorded, options, result);
+                                   s == result.from_step, s > first_recorded, options, result, stopped_before);
     if (!go_on) {
-      result.to_step = s;
+      result.to_step = stopped_before ? s - 1 : s;
       break;
     }
   }

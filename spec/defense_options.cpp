@@ -24,8 +24,8 @@ ClipMode parse_clip_mode(const std::string& name) {
 }
 
 bool DefenseOptions::any() const {
-  return loss_scaling.enabled || clip.mode != ClipMode::kOff || skip_nonfinite || warmup_steps > 0 || lr_scale != 1.0 ||
-         plateau.enabled || rollback || verify_recompute || validate_batch;
+  return loss_scaling.enabled || clip.mode != ClipMode::kOff || skip_nonfinite || skip_nonfinite_ranks ||
+         warmup_steps > 0 || lr_scale != 1.0 || plateau.enabled || rollback || verify_recompute || validate_batch;
 }
 
 }  // namespace retrace

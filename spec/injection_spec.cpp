@@ -64,7 +64,8 @@ bool InjectionSpec::in_segment() const {
 bool InjectionSpec::operator==(const InjectionSpec& o) const {
   return type == o.type && step == o.step && duration == o.duration && probability == o.probability && seed == o.seed &&
          segment == o.segment && factor == o.factor && mode == o.mode && target == o.target &&
-         bit_class == o.bit_class && bits == o.bits && bit == o.bit && rows == o.rows && phase == o.phase;
+         bit_class == o.bit_class && bits == o.bits && bit == o.bit && rows == o.rows && phase == o.phase &&
+         rank == o.rank;
 }
 
 }  // namespace retrace

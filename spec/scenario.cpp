@@ -157,8 +157,9 @@ constexpr std::int64_t kBig = std::int64_t{1} << 40;
 
 // `builtin_model`: the defenses that act inside the built-in models are known keys too.
 void parse_defenses(const Parser& p, const YAML::Node& d, DefenseSpec& out, bool builtin_model) {
-  std::vector<std::string> known = {"loss_scaling", "clip",     "skip_nonfinite", "warmup_steps",     "lr_scale",
-                                    "plateau",      "rollback", "rollback_depth", "verify_recompute", "validate_batch"};
+  std::vector<std::string> known = {
+      "loss_scaling", "clip",     "skip_nonfinite", "skip_nonfinite_ranks", "warmup_steps",  "lr_scale",
+      "plateau",      "rollback", "rollback_depth", "verify_recompute",     "validate_batch"};
   if (builtin_model) known.insert(known.end(), {"layernorm_fp32", "layernorm_min_eps", "preserve_rng_state"});
   p.keys(d, "defenses", known);
   if (const YAML::Node ls = d["loss_scaling"]; ls.IsDefined()) {
@@ -201,6 +202,8 @@ void parse_defenses(const Parser& p, const YAML::Node& d, DefenseSpec& out, bool
     cl.multiplier = p.number(c, "multiplier", "defenses.clip.multiplier", cl.multiplier, 1.0, 1e6);
   }
   out.skip_nonfinite = p.boolean(d, "skip_nonfinite", "defenses.skip_nonfinite", out.skip_nonfinite);
+  out.skip_nonfinite_ranks =
+      p.boolean(d, "skip_nonfinite_ranks", "defenses.skip_nonfinite_ranks", out.skip_nonfinite_ranks);
   out.warmup_steps = p.integer(d, "warmup_steps", "defenses.warmup_steps", out.warmup_steps, 0, 1 << 30);
   out.lr_scale = p.number(d, "lr_scale", "defenses.lr_scale", out.lr_scale, 1e-12, 1e12);
   if (const YAML::Node pl = d["plateau"]; pl.IsDefined()) {
@@ -226,7 +229,7 @@ void parse_defenses(const Parser& p, const YAML::Node& d, DefenseSpec& out, bool
 InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::string& at, const ScenarioSpec& s) {
   p.keys(n, at,
          {"type", "step", "duration", "probability", "seed", "segment", "factor", "mode", "target", "bit_class", "bits",
-          "bit", "rows", "phase"});
+          "bit", "rows", "phase", "rank"});
   InjectionSpec in;
   const std::string type = p.choice(n, "type", at + ".type", "", injection_type_names(), /*required=*/true);
   in.type = parse_injection_type(type);
@@ -261,6 +264,14 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
   in.bit = static_cast<int>(p.integer(n, "bit", at + ".bit", in.bit, 0, 31));  // the harness's tensors are fp32
   in.bit_class = p.choice(n, "bit_class", at + ".bit_class", in.bit_class, {"sign", "exponent", "mantissa", "any"});
   in.phase = p.choice(n, "phase", at + ".phase", in.phase, {"both", "forward", "recompute"});
+  if (n["rank"].IsDefined()) {
+    in.rank = static_cast<int>(p.integer(n, "rank", at + ".rank", 0, 0, 1 << 16));
+    if (in.rank >= s.world_size) {
+      p.fail(n["rank"], at + ".rank",
+             "is " + std::to_string(in.rank) + ", but the run has world_size " + std::to_string(s.world_size) +
+                 " (ranks 0.." + std::to_string(s.world_size - 1) + "); lower it or raise world_size");
+    }
+  }
   if (in.step > s.training.steps) {
     p.fail(n["step"], at + ".step",
            "is " + std::to_string(in.step) + ", after the run's last step " + std::to_string(s.training.steps) +
@@ -299,7 +310,8 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
       break;
     }
     case InjectionType::kBitFlip:
-      in.target = p.choice(n, "target", at + ".target", "weights", {"weights", "activations", "optimizer"});
+      in.target =
+          p.choice(n, "target", at + ".target", "weights", {"weights", "activations", "optimizer", "gradients"});
       break;
     default: break;
   }
@@ -395,6 +407,10 @@ void parse_expect(const Parser& p, const YAML::Node& e, ExpectSpec& out) {
 }
 
 void parse_injections_and_expect(const Parser& p, const YAML::Node& root, ScenarioSpec& s) {
+  if (s.defenses.skip_nonfinite_ranks && s.world_size < 2) {
+    p.fail(root["defenses"]["skip_nonfinite_ranks"], "defenses.skip_nonfinite_ranks",
+           "needs a data-parallel run (world_size 2 or more); a single process uses skip_nonfinite");
+  }
   if (const YAML::Node list = root["injections"]; list.IsDefined()) {
     if (!list.IsSequence()) p.fail(list, "injections", "must be a list of injections (each a mapping with 'type')");
     for (std::size_t i = 0; i < list.size(); ++i) {
@@ -480,9 +496,11 @@ ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
   if (!root.IsDefined() || root.IsNull())
     throw Error(origin + ": the scenario file is empty; it needs at least a 'model' section (or 'program: NAME')");
   p.keys(root, "",
-         {"name", "description", "program", "config", "model", "data", "training", "defenses", "injections", "expect"});
+         {"name", "description", "program", "config", "world_size", "model", "data", "training", "defenses",
+          "injections", "expect"});
   s.name = p.text(root, "name", "name");
   s.description = p.text(root, "description", "description");
+  s.world_size = static_cast<int>(p.integer(root, "world_size", "world_size", 1, 1, kMaxScenarioRanks));
   if (root["program"].IsDefined()) return parse_program_scenario(p, root, std::move(s));
   if (root["config"].IsDefined())
     p.fail(root["config"], "config", "is the configuration of a registered program; it needs 'program: NAME'");
@@ -696,6 +714,7 @@ void emit_defenses(YAML::Emitter& out, const DefenseSpec& d, bool builtin) {
   out << YAML::Key << "multiplier" << YAML::Value << d.clip.multiplier;
   out << YAML::EndMap;
   out << YAML::Key << "skip_nonfinite" << YAML::Value << d.skip_nonfinite;
+  if (d.skip_nonfinite_ranks) out << YAML::Key << "skip_nonfinite_ranks" << YAML::Value << true;
   out << YAML::Key << "warmup_steps" << YAML::Value << d.warmup_steps;
   out << YAML::Key << "lr_scale" << YAML::Value << d.lr_scale;
   if (d.plateau.enabled) {
@@ -745,6 +764,7 @@ void emit_injection(YAML::Emitter& out, const InjectionSpec& in) {
   }
   if (in.type == InjectionType::kLayerNormInput) out << YAML::Key << "rows" << YAML::Value << in.rows;
   if (in.phase != "both") out << YAML::Key << "phase" << YAML::Value << in.phase;
+  if (in.rank >= 0) out << YAML::Key << "rank" << YAML::Value << in.rank;
   out << YAML::EndMap;
 }
 
@@ -779,6 +799,7 @@ std::string to_yaml(const ScenarioSpec& s) {
   out << YAML::BeginMap;
   out << YAML::Key << "name" << YAML::Value << s.name;
   if (!s.description.empty()) out << YAML::Key << "description" << YAML::Value << s.description;
+  if (s.world_size > 1) out << YAML::Key << "world_size" << YAML::Value << s.world_size;
   if (!s.program.empty()) {
     out << YAML::Key << "program" << YAML::Value << s.program;
     if (!s.program_config.empty()) out << YAML::Key << "config" << YAML::Value << YAML::Load(s.program_config);

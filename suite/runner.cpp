@@ -171,6 +171,7 @@ void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
     const InjectionSpec& in = spec.injections[t.entry];
     const std::string what = "injections[" + std::to_string(t.entry) + "] " + t.type + " fires";
     if (!t.fired.empty()) continue;
+    if (in.rank >= 0 && in.rank != r.rank) continue;  // another rank's: accounted in that rank's result
     if (!t.due.empty()) {
       std::string observed = "did not fire";
       // A segment fault whose segment never ran: say which segments did (a typo in the name).
@@ -351,6 +352,7 @@ std::string fault_label(const ScenarioSpec& spec) {
     if (in.type == InjectionType::kBitFlip)
       one += ":" + in.target + "/" + (in.bit >= 0 ? "bit" + std::to_string(in.bit) : in.bit_class);
     if (in.phase != "both") one += "@" + in.phase;
+    if (in.rank >= 0) one += "@rank" + std::to_string(in.rank);
     if (out.find(one) == std::string::npos) out += (out.empty() ? "" : "+") + one;
   }
   return out;
@@ -367,6 +369,7 @@ std::string defense_label(const ScenarioSpec& spec) {
   if (d.clip.mode != ClipMode::kOff)
     parts.push_back(std::string("clip:") + to_string(d.clip.mode) + " " + fmt(d.clip.max_norm));
   if (d.skip_nonfinite) parts.push_back("skip_nonfinite");
+  if (d.skip_nonfinite_ranks) parts.push_back("skip_nonfinite_ranks");
   if (d.lr_scale != 1.0) parts.push_back("lr x" + fmt(d.lr_scale));
   if (d.warmup_steps > 0) parts.push_back("warmup " + std::to_string(d.warmup_steps));
   if (d.plateau.enabled) parts.push_back("plateau");
@@ -418,6 +421,8 @@ class ScenarioRun {
   void set_program(std::unique_ptr<Program> program) {
     program_ = std::move(program);
     defenses_ = program_->defenses();
+    r_.rank = program_->ranks().rank;
+    r_.world_size = program_->ranks().world_size;
   }
   Program* program() const { return program_.get(); }
   Defenses* defenses() const { return defenses_; }
@@ -597,7 +602,11 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
     if (run.defenses()) run.defenses()->observe(&observer);
     else verify_scope.emplace(observer);
     if (replay) {
-      Recorder recorder(trace_path, program);
+      // A rank of a data-parallel run replays alone from its collectives' recorded results, which
+      // digest mode does not store.
+      RecorderOptions recording;
+      if (program.ranks().distributed()) recording.mode = RecordMode::kFull;
+      Recorder recorder(trace_path, program, recording);
       run.mark_started();
       c0 = std::clock();
       record_run(program, recorder, spec.training.steps, /*stop_on_nonfinite=*/false, after_step);
@@ -693,6 +702,8 @@ nlohmann::json ScenarioResult::to_json() const {
   j["passed"] = passed;
   j["raised"] = raised;
   j["harness_error"] = harness_error;
+  j["rank"] = rank;
+  j["world_size"] = world_size;
   j["error"] = error;
   j["steps_run"] = steps_run;
   j["skipped_steps"] = skipped_steps;
@@ -781,6 +792,8 @@ ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
   r.passed = j.at("passed");
   r.raised = j.at("raised");
   r.harness_error = j.value("harness_error", false);
+  r.rank = j.value("rank", 0);
+  r.world_size = j.value("world_size", 1);
   r.error = j.at("error");
   r.steps_run = j.at("steps_run");
   r.skipped_steps = j.at("skipped_steps");

@@ -42,6 +42,23 @@ void write_output(const std::string& path, std::string_view text, const std::str
   write_file(path, text, what);
 }
 
+namespace {
+// Prints the help (nullopt) when --help was given; else checks the required options.
+std::optional<boost::program_options::variables_map> help_or_notify(
+    boost::program_options::variables_map vm, const boost::program_options::options_description& options) {
+  if (vm.count("help")) {
+    std::ostringstream text;
+    text << options;
+    std::string help = text.str();
+    if (help.rfind("retrace ", 0) == 0) help = binary_name() + help.substr(7);  // the usage line names this binary
+    std::cout << help;
+    return std::nullopt;
+  }
+  boost::program_options::notify(vm);
+  return vm;
+}
+}  // namespace
+
 std::optional<boost::program_options::variables_map> parse_arguments(
     const std::vector<std::string>& args, const boost::program_options::options_description& options,
     const char* positional_name, std::string* positional) {
@@ -54,16 +71,22 @@ std::optional<boost::program_options::variables_map> parse_arguments(
   pos.add(positional_name, 1);
   po::variables_map vm;
   po::store(po::command_line_parser(args).options(all).positional(pos).run(), vm);
-  if (vm.count("help")) {
-    std::ostringstream text;
-    text << options;
-    std::string help = text.str();
-    if (help.rfind("retrace ", 0) == 0) help = binary_name() + help.substr(7);  // the usage line names this binary
-    std::cout << help;
-    return std::nullopt;
-  }
-  po::notify(vm);
-  return vm;
+  return help_or_notify(std::move(vm), options);
+}
+
+std::optional<boost::program_options::variables_map> parse_arguments(
+    const std::vector<std::string>& args, const boost::program_options::options_description& options,
+    const char* positional_name, std::vector<std::string>* positionals) {
+  namespace po = boost::program_options;
+  po::options_description hidden;
+  hidden.add_options()(positional_name, po::value<std::vector<std::string>>(positionals));
+  po::options_description all;
+  all.add(options).add(hidden);
+  po::positional_options_description pos;
+  pos.add(positional_name, -1);
+  po::variables_map vm;
+  po::store(po::command_line_parser(args).options(all).positional(pos).run(), vm);
+  return help_or_notify(std::move(vm), options);
 }
 const std::string& default_program() { return g_default_program; }
 void set_default_program(const std::string& name) { g_default_program = name; }

@@ -17,6 +17,10 @@ namespace retrace::cli {
 std::optional<boost::program_options::variables_map> parse_arguments(
     const std::vector<std::string>& args, const boost::program_options::options_description& options,
     const char* positional_name, std::string* positional);
+// The same with any number of positional arguments (retrace inspect/replay RANK_TRACES...).
+std::optional<boost::program_options::variables_map> parse_arguments(
+    const std::vector<std::string>& args, const boost::program_options::options_description& options,
+    const char* positional_name, std::vector<std::string>* positionals);
 
 // Writes `bytes` to `path` (created or truncated) and closes it; throws retrace::Error
 // "cannot write WHAT 'PATH'" when any of it fails, a full disk at close included.

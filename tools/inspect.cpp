@@ -2,6 +2,7 @@
 #include "commands.h"
 
 #include <retrace/number.h>
+#include <retrace/rank_attribution.h>
 #include <retrace/records.h>
 #include <retrace/trace.h>
 
@@ -65,27 +66,66 @@ std::string describe(const Record& r, const std::string& path) {
       else os << " " << e.name;
       break;
     }
+    case RecordType::kCollective: {
+      const CollectiveRecord c = CollectiveRecord::decode(r, path);
+      os << " step " << c.step << " #" << c.seq << " " << c.call.describe() << " rank " << c.rank;
+      if (c.input.nonfinite > 0) os << " contribution NON-FINITE (" << c.input.nonfinite << ")";
+      if (c.ring) os << " (flight ring)";
+      break;
+    }
     case RecordType::kHeader:
     case RecordType::kIndex: break;
   }
   return os.str();
 }
 
+// `retrace inspect RANK_TRACE...`: which rank went bad first.
+int inspect_ranks(const std::vector<std::string>& paths, bool json) {
+  std::vector<TraceReader> traces;
+  for (const std::string& p : paths) traces.emplace_back(p);
+  std::vector<const TraceReader*> ptrs;
+  for (const TraceReader& t : traces) ptrs.push_back(&t);
+  const RankAttribution a = attribute_ranks(ptrs);
+  if (json) {
+    std::cout << a.to_json().dump(2) << "\n";
+    return 0;
+  }
+  std::cout << "run " << a.run.run_id << ", world size " << a.run.world_size << ": " << traces.size()
+            << " rank traces, " << a.collectives << " collectives compared\n";
+  for (const std::string& n : a.notes) std::cout << "note: " << n << "\n";
+  if (a.culprit) {
+    std::cout << "culprit: " << a.culprit->message() << "\n";
+  } else {
+    std::cout << "no rank went bad: every collective agreed (same keys, finite contributions, equal results)\n";
+  }
+  return 0;
+}
+
 }  // namespace
 
 int run_inspect(const std::vector<std::string>& args) {
   std::string trace_path, export_dir;
+  std::vector<std::string> paths;
   po::options_description opts(
-      "retrace inspect TRACE [options]\n\n"
-      "Lists the trace's environment, steps, segments and tensors (sizes, digests).\n\noptions");
+      "retrace inspect TRACE [options]\n"
+      "retrace inspect RANK_TRACE RANK_TRACE... [--json]\n\n"
+      "Lists the trace's environment, steps, segments and tensors (sizes, digests). Given the traces\n"
+      "of the ranks of one data-parallel run, names the first collective where a rank's contribution\n"
+      "went non-finite, the ranks desynchronized, their results differed, or a rank stopped.\n\noptions");
   opts.add_options()("help,h", "show this help")("json", "print JSON instead of text")(
       "tensors", "list every tensor of every record (text mode)")(
       "export", po::value<std::string>(&export_dir),
       "write every stored tensor to DIR as .pt files (torch.load(..., weights_only=True) opens them)");
-  const auto parsed = parse_arguments(args, opts, "trace", &trace_path);
+  const auto parsed = parse_arguments(args, opts, "trace", &paths);
   if (!parsed) return 0;
   const po::variables_map& vm = *parsed;
-  if (trace_path.empty()) throw Error("missing TRACE: the trace to inspect");
+  if (paths.empty()) throw Error("missing TRACE: the trace to inspect");
+  if (paths.size() > 1) {
+    if (vm.count("tensors") || vm.count("export"))
+      throw Error("--tensors and --export list one trace; give one TRACE, or drop them to compare rank traces");
+    return inspect_ranks(paths, vm.count("json") > 0);
+  }
+  trace_path = paths.front();
   const TraceReader trace(trace_path);
 
   if (!export_dir.empty()) {
@@ -138,6 +178,10 @@ int run_inspect(const std::vector<std::string>& args) {
     if (trace.truncated()) std::cout << "warning: " << trace.warning() << "\n";
     std::cout << "writer: " << (h.writer.empty() ? "?" : h.writer) << ", format " << h.format_version << "\n";
     if (h.program) std::cout << "program: " << h.program->name << "\n";
+    if (h.ranks) {
+      std::cout << "ranks: rank " << h.ranks->rank << " of " << h.ranks->world_size << ", run " << h.ranks->run_id
+                << "\n";
+    }
     if (h.recorder) {
       std::cout << "recorder: mode " << h.recorder->mode << ", every " << h.recorder->every << ", ring "
                 << h.recorder->ring << (h.recorder->write_ahead ? ", write-ahead" : "") << "\n";

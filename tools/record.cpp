@@ -1,5 +1,6 @@
 // `retrace record SCENARIO.yaml -o TRACE`: trains as the scenario says, recording a trace.
 #include "commands.h"
+#include "rank_launcher.h"
 
 #include <retrace/runner.h>
 
@@ -92,7 +93,7 @@ bool report_unfired(const std::vector<char>& fired, const Defenses* defenses, st
 
 int run_record(const std::vector<std::string>& args) {
   std::string scenario, output, mode = "digest", compression = "fast", on_write_error = "stop", config_path;
-  int every = 0, ring = 0;
+  int every = 0, ring = 0, ranks = 0;
   std::int64_t steps = 0;
   po::options_description opts(
       "retrace record [SCENARIO.yaml | builtin:NAME] -o TRACE [options]\n\n"
@@ -122,7 +123,10 @@ int run_record(const std::vector<std::string>& args) {
       "skip the state round-trip self-check (step 2 re-run on a copy of the program restored from its "
       "state(), which must end it bitwise equal; a failure exits 1)")(
       "deterministic",
-      "deterministic algorithms on, cuDNN benchmark off, cuBLAS workspace configured (replay then does the same)");
+      "deterministic algorithms on, cuDNN benchmark off, cuBLAS workspace configured (replay then does the same)")(
+      "ranks", po::value<int>(&ranks),
+      "data parallel: run N ranks as processes of this binary (default: the scenario's world_size), each writing "
+      "its own trace, TRACE with .rankR before its extension (run.trace -> run.rank0.trace, run.rank1.trace)");
   const auto parsed = parse_arguments(args, opts, "scenario", &scenario);
   if (!parsed) return 0;
   const po::variables_map& vm = *parsed;
@@ -135,6 +139,25 @@ int run_record(const std::vector<std::string>& args) {
   if (compression != "fast" && compression != "small") {
     throw Error("--compression must be fast or small, got '" + compression + "'");
   }
+  if (vm.count("ranks") && (ranks < 1 || ranks > kMaxScenarioRanks)) {
+    throw Error("--ranks must be 1 to " + std::to_string(kMaxScenarioRanks) + ", got " + std::to_string(ranks));
+  }
+  if (!launched_as_rank()) {
+    int world = vm.count("ranks") ? ranks : 1;
+    if (!scenario.empty()) {
+      const int asked = load_scenario(scenario).world_size;
+      if (vm.count("ranks") && ranks != asked) {
+        throw Error("--ranks " + std::to_string(ranks) + " but the scenario's world_size is " + std::to_string(asked) +
+                    "; drop --ranks, or change world_size in the scenario");
+      }
+      world = asked;
+    }
+    if (world > 1) {
+      std::vector<std::string> rank_args = {"record"};
+      for (const std::string& a : without_ranks_flag(args)) rank_args.push_back(a);
+      return launch_ranks(world, rank_args);
+    }
+  }
   const auto parent = std::filesystem::path(output).parent_path();
   if (!parent.empty() && !std::filesystem::is_directory(parent)) {
     throw Error("the output folder '" + parent.string() + "' does not exist; create it first");
@@ -143,6 +166,7 @@ int run_record(const std::vector<std::string>& args) {
   std::optional<DeterministicGuard> deterministic;
   if (vm.count("deterministic")) deterministic.emplace();
   std::unique_ptr<Program> program = program_to_record(scenario, config_path);
+  if (const RankInfo r = program->ranks(); r.distributed()) output = rank_trace_path(output, r.rank);
   RecorderOptions options;
   options.mode = parse_record_mode(mode);
   options.every = every;

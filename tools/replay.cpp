@@ -1,8 +1,12 @@
 // `retrace replay TRACE`: re-executes recorded steps and compares them bit for bit.
 #include "commands.h"
 
+#include <retrace/rank_attribution.h>
+#include <retrace/records.h>
 #include <retrace/replayer.h>
 #include <retrace/report.h>
+
+#include <ATen/Parallel.h>
 
 #include <boost/program_options.hpp>
 
@@ -12,14 +16,90 @@ namespace retrace::cli {
 
 namespace po = boost::program_options;
 
+namespace {
+
+// Runs the replay under the trace's intra-op thread count unless told otherwise (`threads` > 0):
+// the count is part of what bitwise replay needs (the library refuses another one unless forced).
+void set_threads(const TraceReader& trace, int threads) {
+  if (threads > 0) {
+    at::set_num_threads(threads);
+    return;
+  }
+  const Environment recorded = TraceHeader::decode(trace).environment;
+  const auto it = recorded.bitwise.find("intra_op_threads");
+  if (it == recorded.bitwise.end()) return;
+  try {
+    const int n = std::stoi(it->second);
+    if (n >= 1 && n <= 4096 && n != at::get_num_threads()) at::set_num_threads(n);
+  } catch (const std::exception&) {
+    // A garbled count: the environment check names it.
+  }
+}
+
+void print_result(std::ostream& out, const ReplayResult& result, const std::string& who) {
+  for (const std::string& note : result.notes) out << "note: " << note << "\n";
+  for (const auto& d : result.environment)
+    out << "warning: forced despite " << d.field << " " << d.recorded << " -> " << d.current << "\n";
+  out << who << "replayed steps " << result.from_step << ".." << result.to_step << ": "
+      << (result.reproduced ? "reproduced bitwise" : "DIVERGED") << "\n";
+  if (result.first_divergence) out << "first divergence: " << result.first_divergence->message() << "\n";
+  if (result.first_nonfinite) out << result.first_nonfinite->message() << "\n";
+}
+
+// `retrace replay RANK_TRACE...`: names the culprit rank and replays it alone to its first
+// non-finite op; with no culprit, replays every rank alone.
+int replay_ranks(const std::vector<std::string>& paths, ReplayOptions options, int threads,
+                 const std::string& json_path) {
+  std::vector<TraceReader> traces;
+  for (const std::string& p : paths) traces.emplace_back(p);
+  std::vector<const TraceReader*> ptrs;
+  for (const TraceReader& t : traces) ptrs.push_back(&t);
+  const RankAttribution a = attribute_ranks(ptrs);
+  std::ostream& out = json_path == "-" ? std::cerr : std::cout;
+  for (const std::string& n : a.notes) out << "note: " << n << "\n";
+  out << (a.culprit ? "culprit: " + a.culprit->message() : std::string("no rank went bad: every collective agreed"))
+      << "\n";
+  std::vector<std::size_t> which;
+  if (a.culprit) {
+    const int rank = a.culprit->ranks.front();
+    for (std::size_t i = 0; i < traces.size(); ++i) {
+      if (TraceHeader::decode(traces[i]).ranks->rank == rank) which.push_back(i);
+    }
+    // Up to the step it went bad in; a rank that stopped is replayed to its last complete step.
+    if (!options.step && a.culprit->kind != CulpritRank::Kind::kStopped) options.step = a.culprit->step;
+  } else {
+    for (std::size_t i = 0; i < traces.size(); ++i) which.push_back(i);
+  }
+  nlohmann::json doc = {{"attribution", a.to_json()}, {"replays", nlohmann::json::array()}};
+  bool all = true;
+  for (std::size_t i : which) {
+    set_threads(traces[i], threads);
+    std::unique_ptr<Program> program = program_from_trace(traces[i]);
+    const ReplayResult result = Replayer(traces[i], *program).run(options);
+    print_result(out, result, "rank " + std::to_string(TraceHeader::decode(traces[i]).ranks->rank) + " alone: ");
+    doc["replays"].push_back({{"trace", paths[i]}, {"result", result.to_json()}});
+    all = all && result.reproduced;
+  }
+  if (!json_path.empty()) write_output(json_path, doc.dump(2) + "\n", "--json file");
+  return all ? 0 : 1;
+}
+
+}  // namespace
+
 int run_replay(const std::vector<std::string>& args) {
   std::string trace_path, json_path, report_path;
+  std::vector<std::string> paths;
   std::int64_t step = -1, from = -1;
+  int threads = 0;
   po::options_description opts(
-      "retrace replay TRACE [options]\n\n"
+      "retrace replay TRACE [options]\n"
+      "retrace replay RANK_TRACE RANK_TRACE... [options]\n\n"
       "Restores the state before a recorded step and re-executes up to it, comparing every\n"
       "recorded digest or tensor in order. A step that raised is a verdict too: reproduced when the\n"
-      "replay raises the same message at the same step. Exit code 0 reproduced bitwise, 1 diverged\n"
+      "replay raises the same message at the same step. A rank of a data-parallel run replays alone,\n"
+      "its collectives served from its trace. Given several rank traces of one run, names the rank\n"
+      "that went bad first (retrace inspect) and replays it to its first non-finite op; with none,\n"
+      "replays every rank. Exit code 0 reproduced bitwise, 1 diverged\n"
       "(or raised where the recorded run did not, or the other way round), 2 bad input.\n\n"
       "options");
   opts.add_options()("help,h", "show this help")("step", po::value<std::int64_t>(&step),
@@ -31,29 +111,32 @@ int run_replay(const std::vector<std::string>& args) {
       "write an HTML report to FILE: the first divergence, the first non-finite op with its inputs' statistics, "
       "and the recorded loss, gradient-norm, loss-scale and LR curves (one self-contained file, no script)")(
       "force", "replay even where the environment differs in a way that breaks bitwise equality")(
-      "no-provenance", "do not look for the first non-finite op");
-  const auto parsed = parse_arguments(args, opts, "trace", &trace_path);
+      "no-provenance", "do not look for the first non-finite op")(
+      "threads", po::value<int>(&threads),
+      "LibTorch intra-op threads (default: the trace's recorded count, which bitwise replay needs)");
+  const auto parsed = parse_arguments(args, opts, "trace", &paths);
   if (!parsed) return 0;
   const po::variables_map& vm = *parsed;
-  if (trace_path.empty()) throw Error("missing TRACE: the trace to replay");
-
-  const TraceReader trace(trace_path);
-  std::unique_ptr<Program> program = program_from_trace(trace);
+  if (paths.empty()) throw Error("missing TRACE: the trace to replay");
+  if (vm.count("threads") && threads < 1) throw Error("--threads must be at least 1, got " + std::to_string(threads));
   ReplayOptions options;
   if (vm.count("step")) options.step = step;
   if (vm.count("from")) options.from = from;
   options.force = vm.count("force") > 0;
   options.provenance = vm.count("no-provenance") == 0;
+  if (paths.size() > 1) {
+    if (!report_path.empty()) throw Error("--report is for one trace; replay the culprit rank's trace alone for it");
+    return replay_ranks(paths, options, threads, json_path);
+  }
+  trace_path = paths.front();
+
+  const TraceReader trace(trace_path);
+  set_threads(trace, threads);
+  std::unique_ptr<Program> program = program_from_trace(trace);
   const ReplayResult result = Replayer(trace, *program).run(options);
 
   std::ostream& out = json_path == "-" ? std::cerr : std::cout;
-  for (const std::string& note : result.notes) out << "note: " << note << "\n";
-  for (const auto& d : result.environment)
-    out << "warning: forced despite " << d.field << " " << d.recorded << " -> " << d.current << "\n";
-  out << "replayed steps " << result.from_step << ".." << result.to_step << ": "
-      << (result.reproduced ? "reproduced bitwise" : "DIVERGED") << "\n";
-  if (result.first_divergence) out << "first divergence: " << result.first_divergence->message() << "\n";
-  if (result.first_nonfinite) out << result.first_nonfinite->message() << "\n";
+  print_result(out, result, "");
   if (!report_path.empty()) {
     write_file(report_path, html_replay_report(trace_path, result, recorded_run(trace)), "--report file");
     out << "wrote the HTML report to " << report_path << "\n";

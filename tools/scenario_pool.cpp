@@ -2,6 +2,7 @@
 
 #include "commands.h"
 #include "progress.h"
+#include "rank_launcher.h"
 
 #include <retrace/error.h>
 
@@ -90,16 +91,93 @@ std::optional<ScenarioResult> read_result(const Child& child, int status) {
 
 }  // namespace
 
+namespace {
+
+// One result of a data-parallel scenario from its ranks' results: rank 0's, failing when a rank
+// has no result, any rank failed, or the ranks disagree on held/broke.
+ScenarioResult merge_ranks(const ScenarioSpec& spec, const std::string& source,
+                           const std::vector<std::optional<ScenarioResult>>& ranks) {
+  ScenarioResult r;
+  if (ranks.front()) r = *ranks.front();
+  else {
+    r.name = spec.name.empty() ? source : spec.name;
+    r.origin = source;
+    r.fault = fault_label(spec);
+    r.defense = defense_label(spec);
+    r.expected_to_break = spec.expect.diverges;
+    r.broke = true;
+    r.harness_error = true;
+  }
+  r.world_size = spec.world_size;
+  std::vector<std::string> reasons;
+  bool all_passed = true;
+  for (std::size_t k = 0; k < ranks.size(); ++k) {
+    const std::string who = "rank " + std::to_string(k);
+    if (!ranks[k]) {
+      reasons.push_back("harness error: " + who + " left no result (it died, or its rendezvous failed)");
+      all_passed = false;
+      r.harness_error = true;
+      continue;
+    }
+    for (const std::string& why : ranks[k]->reasons) reasons.push_back(who + ": " + why);
+    all_passed = all_passed && ranks[k]->passed;
+    if (ranks[k]->broke != ranks.front().value_or(*ranks[k]).broke) {
+      reasons.push_back("the ranks disagree: rank 0 " + std::string(ranks.front()->broke ? "broke" : "held") + ", " +
+                        who + " " + (ranks[k]->broke ? "broke" : "held"));
+      all_passed = false;
+    }
+  }
+  r.passed = all_passed;
+  r.reasons = reasons;
+  return r;
+}
+
+std::optional<ScenarioResult> read_result_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  if (text.str().empty()) return std::nullopt;
+  try {
+    return ScenarioResult::from_json(nlohmann::json::parse(text.str()));
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+}  // namespace
+
 int run_child(const std::string& source, const std::string& result_path, int threads, bool bench) {
-  if (threads > 0) torch::set_num_threads(threads);
   const ScenarioSpec spec = load_scenario(source);
+  if (spec.world_size > 1 && !launched_as_rank()) {
+    // This child launches the scenario's ranks and combines their results.
+    std::vector<std::string> args = {"run", "--child", source, "--result", result_path};
+    if (threads > 0) {
+      args.push_back("--threads");
+      args.push_back(std::to_string(std::max(1, threads / spec.world_size)));
+    }
+    launch_ranks(spec.world_size, args);  // each rank's verdict is in its result file
+    std::vector<std::optional<ScenarioResult>> ranks;
+    for (int k = 0; k < spec.world_size; ++k) {
+      const std::string path = rank_trace_path(result_path, k);
+      ranks.push_back(read_result_file(path));
+      ::unlink(path.c_str());
+    }
+    write_file(result_path, merge_ranks(spec, source, ranks).to_json().dump() + "\n", "the result file");
+    return 0;
+  }
+  if (threads > 0) torch::set_num_threads(threads);
+  std::string own_result = result_path;
+  if (spec.world_size > 1) {
+    const char* rank = std::getenv("RANK");
+    own_result = rank_trace_path(result_path, rank ? std::atoi(rank) : 0);
+  }
   // A recorded run's trace lives beside the result, in the parent's private folder, which the
   // parent empties even when this process is killed mid-run.
   RunOptions options;
-  options.trace_path = result_path + ".trace";
+  options.trace_path = own_result + ".trace";
   const ScenarioResult r = bench ? bench_scenario(spec) : run_scenario(spec, options);
   ::unlink(options.trace_path.c_str());
-  write_file(result_path, r.to_json().dump() + "\n", "the result file");
+  write_file(own_result, r.to_json().dump() + "\n", "the result file");
   return 0;
 }
 

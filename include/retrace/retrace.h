@@ -7,6 +7,7 @@
 // retrace::core
 #include <retrace/autocast.h>
 #include <retrace/checkpoint.h>
+#include <retrace/collectives.h>
 #include <retrace/determinism.h>
 #include <retrace/diff.h>
 #include <retrace/digest.h>
@@ -31,7 +32,11 @@
 #include <retrace/recorder.h>
 #include <retrace/state_check.h>
 // retrace::replayer
+#include <retrace/rank_attribution.h>
 #include <retrace/replayer.h>
+// retrace::dist
+#include <retrace/collective_backend.h>
+#include <retrace/dist.h>
 // retrace::injectors
 #include <retrace/injectors.h>
 // retrace::defenses

@@ -12,13 +12,14 @@ for arg in "$@"; do dirs[${arg%%=*}]=${arg#*=}; done
 
 # LIB: headers it must see | headers it must not see (one per component above or beside it).
 declare -A see hide
-see[core]="diff.h trace.h records.h";        hide[core]="scenario.h recorder.h replayer.h injectors.h defenses.h models.h runner.h report.h cli.h"
+see[core]="diff.h trace.h records.h collectives.h"; hide[core]="scenario.h recorder.h replayer.h dist.h injectors.h defenses.h models.h runner.h report.h cli.h"
 see[spec]="scenario.h injection_spec.h diff.h"; hide[spec]="injectors.h defenses.h recorder.h replayer.h models.h runner.h"
-see[recorder]="recorder.h trace.h";          hide[recorder]="replayer.h scenario.h injectors.h defenses.h models.h runner.h"
-see[replayer]="replayer.h trace.h";          hide[replayer]="recorder.h scenario.h injectors.h defenses.h models.h runner.h"
+see[recorder]="recorder.h trace.h";          hide[recorder]="replayer.h dist.h scenario.h injectors.h defenses.h models.h runner.h"
+see[replayer]="replayer.h trace.h";          hide[replayer]="recorder.h dist.h scenario.h injectors.h defenses.h models.h runner.h"
+see[dist]="dist.h collective_backend.h collectives.h"; hide[dist]="recorder.h replayer.h scenario.h injectors.h defenses.h models.h runner.h"
 see[injectors]="injectors.h scenario.h";     hide[injectors]="defenses.h recorder.h replayer.h models.h runner.h"
-see[defenses]="defenses.h injectors.h";      hide[defenses]="models.h trainer.h recorder.h replayer.h runner.h"
-see[harness]="models.h trainer.h defenses.h"; hide[harness]="runner.h diagnose.h recorder.h replayer.h report.h"
+see[defenses]="defenses.h injectors.h collectives.h"; hide[defenses]="dist.h models.h trainer.h recorder.h replayer.h runner.h"
+see[harness]="models.h trainer.h defenses.h dist.h"; hide[harness]="runner.h diagnose.h recorder.h replayer.h report.h"
 see[suite]="runner.h recorder.h replayer.h models.h"; hide[suite]="report.h reporter.h cli.h"
 see[report]="reporter.h report.h runner.h";  hide[report]="cli.h"
 

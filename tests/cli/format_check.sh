@@ -7,7 +7,7 @@ clang_format=$1 root=$2
 cd "$root"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-mapfile -t files < <(find core spec recorder replayer injectors defenses harness suite report tools include tests bench examples \
+mapfile -t files < <(find core spec recorder replayer dist injectors defenses harness suite report tools include tests bench examples \
   -type f \( -name '*.h' -o -name '*.cpp' -o -name '*.cu' \) | sort)
 ((${#files[@]} > 100)) || { echo "found only ${#files[@]} sources under $root"; exit 1; }
 # The control: the same style file, one source with its first indented line's indentation doubled.

@@ -3,6 +3,8 @@
 // defenses, behind one interface. Built-in scenarios register theirs by name; a user's training
 // binary hands its own to retrace::main() (cli.h) to get the same subcommands.
 
+#include <retrace/collectives.h>
+
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -95,6 +97,10 @@ class Program {
   // scenario's defenses and injections reach a program through it (Defenses::configure), and
   // the scenario runner reads what the defenses did from it.
   virtual Defenses* defenses() { return nullptr; }
+  // A data-parallel program: which rank of how many this process trains as, and the run id the
+  // ranks share (the recorder writes it into the trace's header; replay rebuilds the program as
+  // that rank, alone). A single-process program keeps the default.
+  virtual RankInfo ranks() const { return {}; }
 };
 
 using ProgramFactory = std::function<std::unique_ptr<Program>(const std::string& config)>;

@@ -9,6 +9,7 @@
 // a TraceError (kMalformed) naming the trace and the record's byte offset. A field that older
 // traces lack (golden v1 and v2) reads as the default the field documents.
 
+#include <retrace/collectives.h>
 #include <retrace/environment.h>
 #include <retrace/observer.h>
 #include <retrace/program.h>
@@ -74,6 +75,9 @@ struct TraceHeader {
   Environment environment;
   std::optional<ProgramRef> program;  // absent in traces not made by a Recorder
   std::optional<RecorderSettings> recorder;
+  // The rank of a data-parallel run that wrote this trace (every rank writes its own); absent in
+  // a single-process trace.
+  std::optional<RankInfo> ranks;
 
   nlohmann::json to_meta() const;
   // `source` names the trace in errors.
@@ -127,6 +131,40 @@ struct StepEndRecord {
   static StepEndRecord decode(const nlohmann::json& meta, std::uint64_t offset, const std::string& source);
 };
 
+// The most ranks a trace may name (a bound for the decoders, not for training).
+inline constexpr std::int64_t kMaxWorldSize = 1 << 16;
+
+// One collective of a data-parallel step as this rank saw it (format version 3+). Its tensors:
+// input.I -- this rank's contribution, digest only -- and output.I -- the result, stored when
+// `values` (full mode, write-ahead, a flight-ring dump), else a digest. The key of a collective
+// is (step, seq, op, reduce, root, and each tensor's dtype and shape); replay of one rank alone
+// serves output.I back to the program in place of its peers.
+struct CollectiveRecord {
+  struct Stats {
+    std::int64_t nonfinite = 0;  // NaN and Inf elements over the floating tensors
+    double abs_max = 0;          // max |x| over their finite elements (0 when none)
+  };
+  std::int64_t step = 0;
+  std::int64_t seq = 0;  // its position among the step's collectives, from 0
+  CollectiveCall call;
+  int rank = 0;  // the rank that recorded it
+  Stats input, output;
+  bool values = false;  // output.I hold the values (replay can serve them)
+  bool ring = false;    // written by a flight-ring dump (a copy with values of an earlier record)
+
+  // "step 3 collective #1 allreduce(avg)"
+  std::string key() const;
+  nlohmann::json to_meta() const;
+  static CollectiveRecord decode(const Record& record, const std::string& source);  // also checks the type
+  static CollectiveRecord decode(const nlohmann::json& meta, std::uint64_t offset, const std::string& source);
+};
+
+namespace tensor_names {
+// A collective record's tensors: input.I (this rank's contribution), output.I (the result).
+std::string collective_input(std::size_t i);
+std::string collective_output(std::size_t i);
+}  // namespace tensor_names
+
 // An `exception` event record (docs/trace-format.md): an exception left a recorded step, or a
 // signal ended the run. Written by the recorder; read by the replayer and `retrace inspect`.
 struct ExceptionEvent {
@@ -163,7 +201,7 @@ struct EventRecord {
   static EventRecord decode(const nlohmann::json& meta, std::uint64_t offset, const std::string& source);
 };
 
-// Decodes `meta` with the typed decoder of `type` (header, step_begin, segment, step_end, event;
+// Decodes `meta` with the typed decoder of `type` (header, step_begin, segment, step_end, event, collective;
 // the index is the reader's own), throwing its TraceError. TraceWriter calls it before writing a
 // record, TraceReader when it opens a trace: what one refuses the other never writes.
 void validate_record_meta(RecordType type, const nlohmann::json& meta, const std::string& source, std::uint64_t offset);

@@ -27,16 +27,18 @@ namespace retrace {
 // File magic, then kTraceFormatVersion as u32.
 inline constexpr char kTraceMagic[8] = {'R', 'E', 'T', 'R', 'A', 'C', 'E', '\0'};
 // Bumped on any change an older reader could misread. Readers accept versions <= their own.
-// Version 2 added codec 3 (Blosc); a version-1 trace reads unchanged.
-inline constexpr std::uint32_t kTraceFormatVersion = 2;
+// Version 2 added codec 3 (Blosc); version 3 the collective record (data-parallel runs). Older
+// traces read unchanged.
+inline constexpr std::uint32_t kTraceFormatVersion = 3;
 
 enum class RecordType : std::uint16_t {
-  kHeader = 1,     // exactly one, first: writer, environment, program
-  kStepBegin = 2,  // state before a step: full tensors or digests; batch and RNG always full
-  kSegment = 3,    // one checkpointed segment's event: forward, recompute or backward
-  kStepEnd = 4,    // loss, grad norm, scale, skipped, grad and post-step state digests
-  kEvent = 5,      // a note: flight-ring dump, exception, signal, injected fault tag
-  kIndex = 15,     // last: offsets of every record, for random access
+  kHeader = 1,      // exactly one, first: writer, environment, program
+  kStepBegin = 2,   // state before a step: full tensors or digests; batch and RNG always full
+  kSegment = 3,     // one checkpointed segment's event: forward, recompute or backward
+  kStepEnd = 4,     // loss, grad norm, scale, skipped, grad and post-step state digests
+  kEvent = 5,       // a note: flight-ring dump, exception, signal, injected fault tag
+  kCollective = 6,  // one collective of a data-parallel step: key, contribution, result (version 3+)
+  kIndex = 15,      // last: offsets of every record, for random access
 };
 const char* to_string(RecordType type);
 

@@ -27,12 +27,14 @@
 // (floored at min_lr) x warmup x injected spike; batch (injected corruption, validation);
 // rollback snapshot; injected state bit flips; forward under autocast with the injector and the
 // recompute verifier attached; loss x loss_weight (x injected spike) x loss scale; backward;
-// injected gradient faults; the monitor; unscale; gradient norm; recompute verification;
+// injected gradient faults; data parallel: skip_nonfinite_ranks' check, then the gradient
+// all-reduce; the monitor; unscale; gradient norm; recompute verification;
 // clipping; optimizer step unless skipped; rollback when the step went non-finite; the schedule
 // advances only on applied steps. The optimizer's LR is put back after the step, so a program's
 // own LR scheduler composes with the pipeline's.
 
 #include <retrace/autocast.h>
+#include <retrace/collectives.h>
 #include <retrace/defense_options.h>
 #include <retrace/injectors.h>
 #include <retrace/loss_scaler.h>
@@ -66,6 +68,10 @@ struct TrainingTraits {
   // corrupt_batch's token_out_of_range exceeds. 0: the inputs are features.
   std::int64_t vocab = 0;
   double loss_weight = 1.0;  // the loss back-propagated is loss x loss_weight
+  // A data-parallel program's group (retrace/dist.h's RankGroup), or nullptr: the pipeline
+  // averages the gradients over the ranks after the injected gradient faults, before the
+  // monitor, and skip_nonfinite_ranks agrees on the step through it. It must outlive the program.
+  GradientSync* gradient_sync = nullptr;
 };
 
 // --- The pieces ---------------------------------------------------------------------------------
@@ -269,6 +275,9 @@ class DefendedStep {
   friend class Defenses;
   DefendedStep(Defenses& d, std::int64_t step, StepMonitor* monitor);
   void skip(std::string why);
+  // Data parallel: skip_nonfinite_ranks' check, then the gradient all-reduce. Returns the ranks
+  // whose own gradients were not finite (empty: none, or the check is off).
+  std::vector<int> sync_gradients(const std::vector<NamedTensor>& grads);
   void detach_observers();
   void restore_lr();
   bool rollback(bool finite_grads);

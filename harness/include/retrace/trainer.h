@@ -6,6 +6,7 @@
 // registered program (`program:`) trains that program instead (make_scenario_program).
 
 #include <retrace/defenses.h>
+#include <retrace/dist.h>
 #include <retrace/models.h>
 #include <retrace/program.h>
 #include <retrace/scenario.h>
@@ -19,7 +20,9 @@ namespace retrace {
 class ScenarioProgram : public Program {
  public:
   // Seeds the CPU (and CUDA) generators with training.seed, then builds model and optimizer.
-  // The spec names a built-in model (spec.program empty).
+  // The spec names a built-in model (spec.program empty). With world_size > 1 it first joins the
+  // data-parallel group (RankGroup::join, RendezvousOptions::from_env: RANK, WORLD_SIZE, ...);
+  // every rank builds the same model from the same seed and trains on its own shard of the data.
   explicit ScenarioProgram(ScenarioSpec spec);
   ~ScenarioProgram() override;
 
@@ -33,6 +36,7 @@ class ScenarioProgram : public Program {
   double lr() const override { return defenses_.next_lr(); }
   double loss_scale() const override { return defenses_.loss_scale(); }
   Defenses* defenses() override { return &defenses_; }
+  RankInfo ranks() const override { return group_ ? group_->ranks() : RankInfo{}; }
 
   const ScenarioSpec& spec() const { return spec_; }
   models::SegmentedModel& model() { return *model_; }
@@ -42,6 +46,7 @@ class ScenarioProgram : public Program {
  private:
   ScenarioSpec spec_;
   c10::Device device_{c10::kCPU};
+  std::unique_ptr<RankGroup> group_;  // world_size > 1: the data-parallel group (rendezvous from the environment)
   std::shared_ptr<models::SegmentedModel> model_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::vector<NamedTensor> parameters_, buffers_;

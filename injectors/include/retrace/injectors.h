@@ -43,6 +43,9 @@ class Injector : public SegmentObserver {
   // value past fp16's 65504 becomes Inf, as it does in a model whose activations are fp16.
   void set_activation_dtype(at::ScalarType dtype) { activation_dtype_ = dtype; }
   const std::vector<InjectionSpec>& specs() const { return specs_; }
+  // A data-parallel run: the rank this process is. A spec with `rank` set fires on that rank only.
+  void set_rank(int rank) { rank_ = rank; }
+  int rank() const { return rank_; }
 
   // Call once at the start of each step, before any other hook; clears fired().
   void begin_step(std::int64_t step);
@@ -57,7 +60,8 @@ class Injector : public SegmentObserver {
   void flip_state(const std::vector<NamedTensor>& state);
   // kLossSpike: the loss to back-propagate.
   at::Tensor on_loss(const at::Tensor& loss);
-  // kGradNonFinite: poisons one element of one gradient in place.
+  // kGradNonFinite: poisons one element of one gradient in place; kBitFlip with target
+  // gradients flips bits of one element of one of them (after backward, before any all-reduce).
   void on_grads(const std::vector<NamedTensor>& grads);
 
   // Segment faults: kActivationOverflow, kLayerNormInput and activation bit flips replace the
@@ -68,8 +72,8 @@ class Injector : public SegmentObserver {
 
   // What fired since begin_step(), in order.
   std::vector<InjectionEvent> fired() const;
-  // Whether spec `index` is due on `step`: inside its window and drawn by its seeded coin. A pure
-  // function of (spec, step), so a runner can tell which steps an injection had to fire on.
+  // Whether spec `index` is due on `step`: for this rank, inside its window and drawn by its seeded
+  // coin. A pure function of (spec, rank, step), so a runner can tell which steps an injection had to fire on.
   // Being due is not firing: a hook may find nothing to hit (no optimizer state yet, a segment
   // that does not run, a bit past the element's width).
   bool scheduled(std::size_t index, std::int64_t step) const;
@@ -82,6 +86,7 @@ class Injector : public SegmentObserver {
 
   std::vector<InjectionSpec> specs_;
   at::ScalarType activation_dtype_ = at::kFloat;
+  int rank_ = 0;
   std::int64_t step_ = 0;
   mutable std::mutex mutex_;  // fired_ and the per-invocation bookkeeping (backward runs on the
                               // autograd engine's thread)

@@ -13,6 +13,7 @@
 // Records are compressed and written by a background thread behind a bounded queue; a full
 // queue blocks the training thread (backpressure), never drops a record.
 
+#include <retrace/collectives.h>
 #include <retrace/observer.h>
 #include <retrace/program.h>
 #include <retrace/state_check.h>
@@ -65,7 +66,13 @@ struct RecorderStats {
   StateCheckResult state_check;  // what record_run's state self-check found (kNotRun: off)
 };
 
-class Recorder : public SegmentObserver, public StepMonitor {
+// Data-parallel runs (retrace/dist.h): the recorder is also a CollectiveObserver. Each rank's trace
+// holds every collective of its steps as a collective record: the key (step, sequence number, op,
+// dtypes and shapes), its contribution's digest, non-finite count and max |x|, and the result --
+// stored in full mode and with write-ahead (what replay of the rank alone serves back), a digest
+// otherwise; the flight ring keeps stored copies of its steps' results and dumps them with the
+// ring. The header names the rank, the world size and the run id.
+class Recorder : public SegmentObserver, public StepMonitor, public CollectiveObserver {
  public:
   // Creates PATH.incomplete and writes the header (environment, program name and config).
   Recorder(const std::string& path, const Program& program, RecorderOptions options = {});
@@ -83,6 +90,8 @@ class Recorder : public SegmentObserver, public StepMonitor {
   void on_recompute(SegmentEvent& event) override;
   void on_backward(SegmentEvent& event) override;
   void after_backward(const at::Tensor& loss, const std::vector<NamedTensor>& grads) override;
+  void before_collective(const CollectiveCall& call, const std::vector<at::Tensor>& contribution) override;
+  void after_collective(const CollectiveCall& call, const std::vector<at::Tensor>& result) override;
 
   // Waits until every record so far is written (and fsynced when sync).
   void flush(bool sync = false);
@@ -115,6 +124,9 @@ class Recorder : public SegmentObserver, public StepMonitor {
 // a failing check throws StateCheckError after the step's end record (noted in the trace like
 // any exception; the trace is closed), and a check that could not run (an unregistered program,
 // a run shorter than kStateCheckStep) is a kSkipped result in stats().state_check.
+// A data-parallel program (Program::ranks()) has its collectives recorded too (the recorder is
+// attached as the CollectiveObserver for the run), and skips the state check: the copy's step
+// would run collectives its peers never join.
 // `after_step`, when set, is called after each step's end record (and the check).
 std::vector<StepOutcome> record_run(Program& program, Recorder& recorder, std::int64_t steps,
                                     bool stop_on_nonfinite = true,

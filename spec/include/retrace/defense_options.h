@@ -52,7 +52,11 @@ struct PlateauOptions {
 struct DefenseOptions {
   LossScalingOptions loss_scaling;
   ClipOptions clip;
-  bool skip_nonfinite = false;    // skip the optimizer step when gradients are not finite
+  bool skip_nonfinite = false;  // skip the optimizer step when gradients are not finite
+  // Data-parallel: before the gradient all-reduce, each rank checks its own gradients; when any
+  // rank's are not finite, every rank skips the step (they agree by an all-reduce of the flag),
+  // and the skip reason names the ranks. Without it one rank's NaN poisons every rank.
+  bool skip_nonfinite_ranks = false;
   std::int64_t warmup_steps = 0;  // linear LR warmup over the first applied steps
   double lr_scale = 1.0;          // the program's LR multiplied by this (diagnose's LR / 10)
   PlateauOptions plateau;

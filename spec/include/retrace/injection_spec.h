@@ -45,13 +45,15 @@ struct InjectionSpec {
   // kLayerNormInput: constant | huge | nan. kGradNonFinite: nan | inf.
   // kCorruptBatch: nan_features | token_out_of_range.
   std::string mode;
-  // kBitFlip: weights | activations | optimizer.
+  // kBitFlip: weights | activations | optimizer | gradients (after backward, before the all-reduce
+  // of a data-parallel run).
   std::string target;
   std::string bit_class = "exponent";  // kBitFlip: sign | exponent | mantissa | any
   int bits = 1;                        // kBitFlip: how many distinct bits of the element
   int bit = -1;                        // kBitFlip: this bit (0 = least significant), not a random
                                        // one of bit_class
   double rows = 0.25;                  // kLayerNormInput: fraction of rows hit (at least one)
+  int rank = -1;                       // a data-parallel run: fires on this rank only (-1: on every rank)
 
   double effective_factor() const;  // factor, or the type's default when 0
   // A fault that acts inside a checkpointed segment (through the observer): activation

@@ -14,6 +14,9 @@
 
 namespace retrace {
 
+// The most ranks a scenario may ask for (processes on one machine).
+inline constexpr int kMaxScenarioRanks = 64;
+
 struct ModelSpec {
   std::string type;  // tiny_gpt | lstm | mlp (required)
   std::int64_t layers = 2;
@@ -94,6 +97,9 @@ struct ScenarioSpec {
   // built-in model.
   std::string program;
   std::string program_config;
+  // Data-parallel ranks (`world_size:`): the run is this many processes on c10d (retrace/dist.h),
+  // each on its own shard of the data, gradients averaged. 1: one process.
+  int world_size = 1;
   ModelSpec model;
   DataSpec data;
   TrainingSpec training;

@@ -95,6 +95,11 @@ struct ScenarioResult {
                                // up, or a step before the fault raised): such a run never passes,
                                // not even as a negative control
   std::string error;           // its message
+  // A data-parallel run: the rank this result is of, and how many there were. Each rank judges its
+  // own run (an injection for another rank is accounted in that rank's result); `retrace run`
+  // combines the ranks' results into one (rank 0's, failing when any rank failed or they disagree).
+  int rank = 0;
+  int world_size = 1;
   std::int64_t steps_run = 0;
   std::int64_t skipped_steps = 0;
   std::int64_t applied_nonfinite_steps = 0;  // steps not skipped with a non-finite loss or norm

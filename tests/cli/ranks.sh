@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# Data-parallel runs through the CLI (2 ranks, Gloo over loopback, a file store), as a user runs
+# them. Every wait is bounded: RETRACE_DIST_TIMEOUT for the ranks, `timeout` for each command.
+#   ranks.sh CASE RETRACE_BIN RETRACE_CRASHABLE_BIN SCENARIO_DIR
+# CASE: replay_alone | culprit | sigkill | config_mismatch
+set -euo pipefail
+case_name=$1 bin=$2 crashable=$3 scenarios=$4
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+export RETRACE_DIST_TIMEOUT=15
+scenario() {  # scenario NAME [EXTRA_YAML_LINES]
+  cat >"$work/$1.yaml" <<YAML
+name: $1
+world_size: 2
+model: {type: tiny_gpt, layers: 2, d_model: 32, heads: 4, vocab: 64, seq_len: 16, dropout: 0.1}
+data: {batch: 4, seed: 1}
+training: {steps: 4, optimizer: adamw, lr: 0.003, segments: 2}
+$2
+YAML
+}
+
+case $case_name in
+replay_alone)
+  # Each rank of a clean run replays alone, from step 1, bitwise; the ranks end with the same
+  # parameters (the last step_end's state digests agree).
+  scenario clean ""
+  timeout 120 "$bin" record "$work/clean.yaml" -o "$work/clean.trace" --mode full >"$work/out" 2>&1 ||
+    fail "record: $(cat "$work/out")"
+  for r in 0 1; do
+    [[ -f "$work/clean.rank$r.trace" ]] || fail "no trace of rank $r"
+    timeout 120 "$bin" replay "$work/clean.rank$r.trace" --from 1 >"$work/replay$r" 2>&1 ||
+      fail "rank $r did not replay alone: $(cat "$work/replay$r")"
+    grep -q "replayed steps 1..4: reproduced bitwise" "$work/replay$r" || fail "rank $r: $(cat "$work/replay$r")"
+    "$bin" inspect "$work/clean.rank$r.trace" --tensors | awk '/step_end step 4/{on=1; next} /^#/{on=0} on && /state\.param/' \
+      >"$work/params$r"
+  done
+  [[ -s "$work/params0" ]] || fail "no parameter digests in step 4's step_end"
+  cmp -s "$work/params0" "$work/params1" || fail "the ranks' final parameters differ"
+  # Control: a rank's trace in digest mode holds no collective results to serve: a clear refusal.
+  timeout 120 "$bin" record "$work/clean.yaml" -o "$work/digest.trace" >/dev/null 2>&1 || fail "digest record"
+  set +e
+  timeout 120 "$bin" replay "$work/digest.rank1.trace" --from 1 >"$work/err" 2>&1
+  rc=$?
+  set -e
+  [[ $rc -eq 2 ]] && grep -q "holds only the digest of its result" "$work/err" || fail "digest replay: exit $rc, $(cat "$work/err")"
+  # Both ranks' traces together: no culprit, and each replays alone.
+  timeout 120 "$bin" replay "$work/clean.rank0.trace" "$work/clean.rank1.trace" >"$work/both" 2>&1 ||
+    fail "replay of both ranks: $(cat "$work/both")"
+  grep -q "no rank went bad" "$work/both" && [[ $(grep -c "reproduced bitwise" "$work/both") -eq 2 ]] ||
+    fail "$(cat "$work/both")"
+  ;;
+culprit)
+  # Rank 1's gradient goes NaN at step 3: inspect names rank 1, step 3, the all-reduce; replay of
+  # the rank traces replays rank 1 to its first non-finite op.
+  scenario nan "injections: [{type: grad_nonfinite, step: 3, mode: nan, rank: 1}]"
+  set +e
+  timeout 120 "$bin" record "$work/nan.yaml" -o "$work/nan.trace" --ring 4 >"$work/out" 2>&1
+  set -e
+  timeout 60 "$bin" inspect "$work/nan.rank0.trace" "$work/nan.rank1.trace" >"$work/inspect" || fail "inspect"
+  grep -q "culprit: step 3 collective #0 allreduce(sum): rank 1's contribution went non-finite" "$work/inspect" ||
+    fail "attribution: $(cat "$work/inspect") / $(cat "$work/out")"
+  timeout 120 "$bin" replay "$work/nan.rank1.trace" "$work/nan.rank0.trace" >"$work/replay" 2>&1 || fail "replay: $(cat "$work/replay")"
+  grep -q "rank 1 alone: replayed steps 3..3: reproduced bitwise" "$work/replay" &&
+    grep -q "first non-finite value at step 3" "$work/replay" || fail "culprit replay: $(cat "$work/replay")"
+  # Control: the same on rank 0 names rank 0.
+  scenario nan0 "injections: [{type: grad_nonfinite, step: 2, mode: nan, rank: 0}]"
+  set +e
+  timeout 120 "$bin" record "$work/nan0.yaml" -o "$work/nan0.trace" >/dev/null 2>&1
+  set -e
+  timeout 60 "$bin" inspect "$work/nan0.rank0.trace" "$work/nan0.rank1.trace" | grep -q "step 2 collective #0 allreduce(sum): rank 0's" ||
+    fail "control: rank 0 not named"
+  # An exponent bit flip of one element of rank 1's gradients (finite, but ~2^100 too large): named
+  # as a magnitude outlier at that step's all-reduce.
+  scenario flip "injections: [{type: bit_flip, target: gradients, bit: 30, step: 2, rank: 1}]"
+  set +e
+  timeout 120 "$bin" record "$work/flip.yaml" -o "$work/flip.trace" --ring 4 >"$work/out" 2>&1
+  set -e
+  timeout 60 "$bin" inspect "$work/flip.rank0.trace" "$work/flip.rank1.trace" >"$work/inspect" || fail "inspect flip"
+  grep -q "culprit: step 2 collective #0 allreduce(sum): rank 1's contribution is an outlier in magnitude" "$work/inspect" ||
+    fail "bit flip attribution: $(cat "$work/inspect") / $(cat "$work/out")"
+  # Traces of different runs are refused.
+  set +e
+  timeout 60 "$bin" inspect "$work/nan.rank0.trace" "$work/nan0.rank1.trace" >/dev/null 2>"$work/err"
+  rc=$?
+  set -e
+  [[ $rc -eq 2 ]] && grep -q "of another run" "$work/err" || fail "mixed runs: exit $rc, $(cat "$work/err")"
+  ;;
+sigkill)
+  # Rank 1 is killed (SIGKILL) at the start of step 3; rank 0 times out in that step's all-reduce
+  # and says so. Rank 0's trace reads and replays up to step 2; inspect names rank 1.
+  scenario kill ""
+  set +e
+  RETRACE_DIST_TIMEOUT=5 RETRACE_FAULT_KILL_AT_STEP=3 RETRACE_FAULT_KILL_RANK=1 \
+    timeout 120 "$crashable" record "$work/kill.yaml" -o "$work/kill.trace" --write-ahead >"$work/out" 2>&1
+  rc=$?
+  set -e
+  [[ $rc -eq 1 ]] || fail "record with a killed rank: exit $rc, $(cat "$work/out")"
+  grep -q "rank 1 died by signal 9" "$work/out" || fail "the launcher did not name the killed rank: $(cat "$work/out")"
+  [[ -f "$work/kill.rank0.trace" ]] || fail "rank 0's trace was not closed"
+  timeout 120 "$bin" replay "$work/kill.rank0.trace" --from 1 >"$work/replay" 2>&1 || fail "survivor replay: $(cat "$work/replay")"
+  grep -q "replayed steps 1..2: reproduced bitwise" "$work/replay" || fail "survivor: $(cat "$work/replay")"
+  timeout 120 "$bin" replay "$work/kill.rank1.trace.incomplete" --from 1 >"$work/replay1" 2>&1 || fail "killed rank replay: $(cat "$work/replay1")"
+  grep -q "reproduced bitwise" "$work/replay1" || fail "killed rank: $(cat "$work/replay1")"
+  timeout 60 "$bin" inspect "$work/kill.rank0.trace" "$work/kill.rank1.trace.incomplete" >"$work/inspect"
+  grep -q "culprit: step 3: rank 1 stopped recording" "$work/inspect" || fail "attribution: $(cat "$work/inspect")"
+  ;;
+config_mismatch)
+  # Two ranks launched by hand (torchrun's variables) with different configs: both refuse at the
+  # rendezvous, naming the line, within the timeout -- no hang in the first all-reduce.
+  scenario a ""
+  sed 's/lr: 0.003/lr: 0.004/' "$work/a.yaml" >"$work/b.yaml"
+  common=(WORLD_SIZE=2 RETRACE_STORE="$work/store" RETRACE_DIST_TIMEOUT=10 OMP_NUM_THREADS=1)
+  set +e
+  env "${common[@]}" RANK=0 timeout 60 "$bin" record "$work/a.yaml" -o "$work/a.trace" >"$work/out0" 2>&1 &
+  p0=$!
+  env "${common[@]}" RANK=1 timeout 60 "$bin" record "$work/b.yaml" -o "$work/b.trace" >"$work/out1" 2>&1 &
+  p1=$!
+  wait $p0; rc0=$?
+  wait $p1; rc1=$?
+  set -e
+  for r in 0 1; do
+    rc=$([[ $r -eq 0 ]] && echo $rc0 || echo $rc1)
+    [[ $rc -eq 2 ]] || fail "rank $r: exit $rc, $(cat "$work/out$r")"
+    grep -q "runs another config (line .*lr: 0.00" "$work/out$r" || fail "rank $r: $(cat "$work/out$r")"
+  done
+  # A rank that never comes: the other gives up within RETRACE_DIST_TIMEOUT, naming it.
+  set +e
+  env WORLD_SIZE=2 RANK=0 RETRACE_STORE="$work/store2" RETRACE_DIST_TIMEOUT=3 OMP_NUM_THREADS=1 \
+    timeout 60 "$bin" record "$work/a.yaml" -o "$work/c.trace" >"$work/out" 2>&1
+  rc=$?
+  set -e
+  [[ $rc -eq 2 ]] && grep -q "rank 1 did not join within 3 s" "$work/out" || fail "absent rank: exit $rc, $(cat "$work/out")"
+  # Control: the same configs by hand rendezvous and train.
+  set +e
+  env "${common[@]}" RETRACE_STORE="$work/store3" RANK=0 timeout 60 "$bin" record "$work/a.yaml" -o "$work/ok.trace" >"$work/ok0" 2>&1 &
+  p0=$!
+  env "${common[@]}" RETRACE_STORE="$work/store3" RANK=1 timeout 60 "$bin" record "$work/a.yaml" -o "$work/ok.trace" >"$work/ok1" 2>&1 &
+  p1=$!
+  wait $p0; rc0=$?
+  wait $p1; rc1=$?
+  set -e
+  [[ $rc0 -eq 0 && $rc1 -eq 0 ]] || fail "same configs by hand: $rc0 $rc1 $(cat "$work/ok0" "$work/ok1")"
+  [[ -f "$work/ok.rank0.trace" && -f "$work/ok.rank1.trace" ]] || fail "rank traces by hand"
+  ;;
+*) fail "unknown case $case_name" ;;
+esac
+echo "ok: $case_name"

@@ -1,0 +1,292 @@
+// Data-parallel record and replay: each rank's trace replays alone, serving its collectives from
+// the trace, and what the trace says is what the replay checks (a perturbed contribution, another
+// collective, a perturbed result); attribution of the culprit rank, rule by rule, on synthetic
+// rank traces with a control for each. The 2-rank recordings run the CLI (RETRACE_BIN).
+#include <retrace/collectives.h>
+#include <retrace/dist.h>
+#include <retrace/gtest.h>
+#include <retrace/rank_attribution.h>
+#include <retrace/records.h>
+
+#include "support/recording.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <fstream>
+
+namespace retrace {
+namespace {
+
+std::string retrace_bin() {
+  const char* env = std::getenv("RETRACE_BIN");
+  return env ? env : "retrace";
+}
+
+// A clean 2-rank run, full mode (collective results stored): the traces of ranks 0 and 1.
+struct TwoRanks {
+  std::string dir, rank0, rank1;
+};
+
+const TwoRanks& two_ranks() {
+  static const TwoRanks t = [] {
+    TwoRanks r;
+    r.dir = temp_path("dist");
+    fs::create_directories(r.dir);
+    const std::string yaml = r.dir + "/dp.yaml";
+    std::ofstream(yaml) << "name: dp\nworld_size: 2\n"
+                           "model: {type: tiny_gpt, layers: 2, d_model: 32, heads: 4, vocab: 64, seq_len: 16}\n"
+                           "data: {batch: 4, seed: 1}\ntraining: {steps: 3, segments: 2}\n";
+    const std::string cmd = "RETRACE_DIST_TIMEOUT=20 timeout 120 " + retrace_bin() + " record " + yaml + " -o " +
+                            r.dir + "/dp.trace --mode full >" + r.dir + "/out 2>&1";
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    r.rank0 = r.dir + "/dp.rank0.trace";
+    r.rank1 = r.dir + "/dp.rank1.trace";
+    return r;
+  }();
+  return t;
+}
+
+// Replays in this process under the intra-op thread count the ranks recorded with (1 each on a
+// 2-core machine): what `retrace replay` does by default.
+ReplayResult replay_rank(const std::string& path) {
+  register_builtin_programs();
+  const TraceReader trace(path);
+  const std::string threads = TraceHeader::decode(trace).environment.bitwise.at("intra_op_threads");
+  const int before = at::get_num_threads();
+  at::set_num_threads(std::stoi(threads));
+  ReplayOptions options;
+  options.from = 1;
+  std::unique_ptr<Program> program = program_from_trace(trace);
+  ReplayResult r = Replayer(trace, *program).run(options);
+  at::set_num_threads(before);
+  return r;
+}
+
+bool is_collective(const Record& rec, std::int64_t step, std::int64_t seq) {
+  return rec.type == RecordType::kCollective && rec.meta["step"] == step && rec.meta["seq"] == seq;
+}
+
+TEST(DistReplay, EachRankReplaysAloneBitwise) {
+  for (const std::string& path : {two_ranks().rank0, two_ranks().rank1}) {
+    const ReplayResult r = replay_rank(path);
+    EXPECT_TRUE(r.reproduced) << path << ": " << (r.first_divergence ? r.first_divergence->message() : "");
+    EXPECT_EQ(r.from_step, 1);
+    EXPECT_EQ(r.to_step, 3);
+    const TraceReader trace(path);
+    EXPECT_EQ(TraceHeader::decode(trace).ranks->world_size, 2);
+  }
+}
+
+TEST(DistReplay, APerturbedContributionIsNamed) {
+  const std::string copy = temp_path("perturbed_contribution.trace");
+  rewrite(two_ranks().rank1, copy, [](Record& rec, std::vector<TensorToWrite>& tensors) {
+    if (!is_collective(rec, 2, 0)) return;
+    for (TensorToWrite& t : tensors) {
+      if (t.name == "input.0") t.digest->lo ^= 1;  // the recorded contribution's digest, one bit off
+    }
+  });
+  const ReplayResult r = replay_rank(copy);
+  ASSERT_TRUE(r.first_divergence) << "the perturbed contribution went unnoticed";
+  EXPECT_EQ(r.first_divergence->step, 2);
+  EXPECT_EQ(r.first_divergence->phase, "collective");
+  EXPECT_EQ(r.first_divergence->segment, "(collective #0 allreduce(sum))");
+  EXPECT_EQ(r.first_divergence->tensor, "input.0");
+  // Control: the same rewrite without the edit reproduces (the copy itself is faithful).
+  rewrite(two_ranks().rank1, copy, [](Record&, std::vector<TensorToWrite>&) {});
+  EXPECT_TRUE(replay_rank(copy).reproduced);
+  fs::remove(copy);
+}
+
+TEST(DistReplay, AnotherCollectiveIsADesync) {
+  const std::string copy = temp_path("desync.trace");
+  rewrite(two_ranks().rank0, copy, [](Record& rec, std::vector<TensorToWrite>&) {
+    if (!is_collective(rec, 2, 0)) return;
+    rec.meta["op"] = "broadcast";
+    rec.meta.erase("reduce");
+    rec.meta["root"] = 0;
+  });
+  const ReplayResult r = replay_rank(copy);
+  ASSERT_TRUE(r.first_divergence);
+  EXPECT_EQ(r.first_divergence->step, 2);
+  EXPECT_NE(r.first_divergence->detail.find("collective desync: the replay ran collective #0 allreduce(sum) of step "
+                                            "2, but the trace's collective #0 is broadcast(root 0)"),
+            std::string::npos)
+      << r.first_divergence->message();
+  fs::remove(copy);
+}
+
+// The replay hands the program the trace's result, not a recomputation: a perturbed result makes
+// the averaged gradients differ from the recorded ones.
+TEST(DistReplay, TheServedResultIsTheTraces) {
+  const std::string copy = temp_path("perturbed_result.trace");
+  rewrite(two_ranks().rank1, copy, [](Record& rec, std::vector<TensorToWrite>& tensors) {
+    if (!is_collective(rec, 2, 0)) return;
+    for (TensorToWrite& t : tensors) {
+      if (t.name == "output.0") t.tensor = t.tensor.clone().add_(1e-3);
+    }
+  });
+  const ReplayResult r = replay_rank(copy);
+  ASSERT_TRUE(r.first_divergence) << "a perturbed collective result changed nothing";
+  EXPECT_EQ(r.first_divergence->step, 2);
+  EXPECT_EQ(r.first_divergence->segment, "(parameters)") << r.first_divergence->message();
+  fs::remove(copy);
+}
+
+// --- attribution, on synthetic rank traces ---------------------------------------------------------
+
+struct Fake {
+  std::int64_t step, seq;
+  std::int64_t nonfinite = 0;
+  std::string op = "allreduce";
+  std::int64_t numel = 8;
+  float result = 1.0f;
+  double abs_max = 0.5;
+};
+
+std::string fake_rank(const std::string& name, int rank, const std::vector<Fake>& collectives,
+                      const std::string& run = "run-a", bool close = true, bool exception = false) {
+  const std::string path = temp_path(name + ".trace");
+  TraceHeader h;
+  h.program = ProgramRef{"fake", ""};
+  h.ranks = RankInfo{rank, 2, run};
+  TraceWriter w(path, h.to_meta());
+  for (const Fake& f : collectives) {
+    CollectiveRecord c;
+    c.step = f.step;
+    c.seq = f.seq;
+    c.call.op = *collective_op_from_string(f.op);
+    c.call.reduce = f.op == "allreduce" ? "sum" : "";
+    c.call.root = f.op == "broadcast" ? 0 : -1;
+    c.rank = rank;
+    c.input.nonfinite = f.nonfinite;
+    c.input.abs_max = f.abs_max;
+    const at::Tensor in = torch::ones({f.numel});
+    const at::Tensor out = torch::full({f.numel}, f.result);
+    w.append(RecordType::kCollective, c.to_meta(),
+             {TensorToWrite::digest_only("input.0", in, digest(in)),
+              TensorToWrite::digest_only("output.0", out, digest(out))});
+  }
+  if (exception) w.append(RecordType::kEvent, ExceptionEvent{3, "Gloo timed out", true}.to_meta(), {});
+  if (close) w.close();
+  return close ? path : path + ".incomplete";
+}
+
+RankAttribution attribute(const std::string& a, const std::string& b) {
+  const TraceReader ta(a), tb(b);
+  return attribute_ranks({&ta, &tb});
+}
+
+TEST(DistAttribution, AgreeingRanksHaveNoCulprit) {
+  const RankAttribution a = attribute(fake_rank("ok0", 0, {{1, 0}, {2, 0}}), fake_rank("ok1", 1, {{1, 0}, {2, 0}}));
+  EXPECT_FALSE(a.culprit) << a.culprit->message();
+  EXPECT_EQ(a.collectives, 2);
+}
+
+TEST(DistAttribution, TheFirstNonFiniteContributionNamesItsRank) {
+  // Rank 1 at step 2; rank 0 too, later (poisoned by the all-reduce): rank 1 is first.
+  const RankAttribution a =
+      attribute(fake_rank("nf0", 0, {{1, 0}, {2, 0}, {3, 0, 4}}), fake_rank("nf1", 1, {{1, 0}, {2, 0, 1}, {3, 0, 4}}));
+  ASSERT_TRUE(a.culprit);
+  EXPECT_EQ(a.culprit->kind, CulpritRank::Kind::kNonFinite);
+  EXPECT_EQ(a.culprit->step, 2);
+  EXPECT_EQ(a.culprit->seq, 0);
+  EXPECT_EQ(a.culprit->ranks, std::vector<int>{1});
+  EXPECT_NE(a.culprit->message().find("step 2 collective #0 allreduce(sum): rank 1's contribution went non-finite"),
+            std::string::npos)
+      << a.culprit->message();
+}
+
+TEST(DistAttribution, AMagnitudeOutlierIsNamed) {
+  // An exponent bit flip on rank 1: finite, 2^100 times the other rank's largest element.
+  const RankAttribution a = attribute(fake_rank("mg0", 0, {{1, 0}, {2, 0, 0, "allreduce", 8, 1.0f, 0.01}}),
+                                      fake_rank("mg1", 1, {{1, 0}, {2, 0, 0, "allreduce", 8, 1.0f, 1.3e28}}));
+  ASSERT_TRUE(a.culprit);
+  EXPECT_EQ(a.culprit->kind, CulpritRank::Kind::kMagnitude);
+  EXPECT_EQ(a.culprit->step, 2);
+  EXPECT_EQ(a.culprit->ranks, std::vector<int>{1});
+  // Control: shards 50x apart are no outlier.
+  EXPECT_FALSE(attribute(fake_rank("mg2", 0, {{1, 0, 0, "allreduce", 8, 1.0f, 0.01}}),
+                         fake_rank("mg3", 1, {{1, 0, 0, "allreduce", 8, 1.0f, 0.5}}))
+                   .culprit);
+}
+
+TEST(DistAttribution, AnotherCollectiveIsADesync) {
+  const RankAttribution a =
+      attribute(fake_rank("ds0", 0, {{1, 0}, {2, 0}}), fake_rank("ds1", 1, {{1, 0}, {2, 0, 0, "allreduce", 9}}));
+  ASSERT_TRUE(a.culprit);
+  EXPECT_EQ(a.culprit->kind, CulpritRank::Kind::kDesync);
+  EXPECT_EQ(a.culprit->step, 2);
+  EXPECT_NE(a.culprit->detail.find("Float[9]"), std::string::npos) << a.culprit->detail;
+}
+
+TEST(DistAttribution, DifferentResultsAreNamed) {
+  const RankAttribution a =
+      attribute(fake_rank("rs0", 0, {{1, 0}, {2, 0}}), fake_rank("rs1", 1, {{1, 0}, {2, 0, 0, "allreduce", 8, 2.0f}}));
+  ASSERT_TRUE(a.culprit);
+  EXPECT_EQ(a.culprit->kind, CulpritRank::Kind::kResult);
+  EXPECT_EQ(a.culprit->ranks, std::vector<int>{1});
+}
+
+TEST(DistAttribution, AKilledRankIsNamed) {
+  // Rank 1's trace ends unclosed without an exception; rank 0 timed out and says so.
+  const RankAttribution a = attribute(fake_rank("k0", 0, {{1, 0}, {2, 0}}, "run-a", true, true),
+                                      fake_rank("k1", 1, {{1, 0}, {2, 0}}, "run-a", false, false));
+  ASSERT_TRUE(a.culprit);
+  EXPECT_EQ(a.culprit->kind, CulpritRank::Kind::kStopped);
+  EXPECT_EQ(a.culprit->ranks, std::vector<int>{1});
+  // Control: both closed, neither raised: no culprit.
+  EXPECT_FALSE(attribute(fake_rank("k2", 0, {{1, 0}}), fake_rank("k3", 1, {{1, 0}})).culprit);
+}
+
+TEST(DistAttribution, TracesOfAnotherRunAreRefused) {
+  EXPECT_THROW(attribute(fake_rank("r0", 0, {{1, 0}}), fake_rank("r1", 1, {{1, 0}}, "run-b")), Error);
+  EXPECT_THROW(attribute(fake_rank("r2", 1, {{1, 0}}), fake_rank("r3", 1, {{1, 0}})), Error);  // rank 1 twice
+}
+
+TEST(Rendezvous, MalformedEnvironmentIsOneClearError) {
+  ::setenv("WORLD_SIZE", "two", 1);
+  try {
+    RendezvousOptions::from_env();
+    ADD_FAILURE() << "WORLD_SIZE=two accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("WORLD_SIZE='two' is not a world size"), std::string::npos) << e.what();
+  }
+  ::setenv("WORLD_SIZE", "2", 1);
+  ::setenv("RANK", "2", 1);
+  EXPECT_THROW(RendezvousOptions::from_env(), Error);  // rank 2 of 2
+  ::setenv("RANK", "1", 1);
+  const RendezvousOptions o = RendezvousOptions::from_env();  // control
+  EXPECT_EQ(o.rank, 1);
+  EXPECT_EQ(o.world_size, 2);
+  ::unsetenv("WORLD_SIZE");
+  ::unsetenv("RANK");
+}
+
+// Replay's group: no peers, its collectives served by the attached CollectiveReplay; averaging
+// goes through it like the real group's (a bucket per dtype), and without one it is an error.
+TEST(Rendezvous, AReplayedGroupServesFromTheReplay) {
+  struct Doubling : CollectiveReplay {
+    int calls = 0;
+    void serve(const CollectiveCall& call, const std::vector<at::Tensor>& in,
+               const std::vector<at::Tensor>& out) override {
+      ++calls;
+      EXPECT_EQ(call.describe(), "allreduce(sum)");
+      for (std::size_t i = 0; i < out.size(); ++i) out[i].copy_(in[i] * 2);  // as if the peer held the same
+    }
+  } replay;
+  ReplayedRankScope rank(RankInfo{1, 2, "r"});
+  std::unique_ptr<RankGroup> group = RankGroup::join({}, "config");
+  EXPECT_TRUE(group->replayed());
+  at::Tensor a = torch::full({3}, 4.0), b = torch::full({2}, 6.0);
+  EXPECT_THROW(group->average({a, b}), Error);  // nothing attached
+  CollectiveReplayScope scope(replay);
+  group->average({a, b});
+  EXPECT_EQ(replay.calls, 1);                   // one bucket
+  EXPECT_BITWISE_EQ(a, torch::full({3}, 4.0));  // (4 + 4) / 2
+  EXPECT_BITWISE_EQ(b, torch::full({2}, 6.0));
+}
+
+}  // namespace
+}  // namespace retrace

@@ -1,0 +1,137 @@
+#include "rank_launcher.h"
+
+#include <retrace/error.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <random>
+#include <spawn.h>
+#include <sstream>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+
+extern char** environ;
+
+namespace retrace::cli {
+
+namespace fs = std::filesystem;
+
+bool launched_as_rank() {
+  const char* w = std::getenv("WORLD_SIZE");
+  return w != nullptr && *w != '\0';
+}
+
+std::vector<std::string> without_ranks_flag(const std::vector<std::string>& args) {
+  std::vector<std::string> out;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--ranks") {
+      ++i;  // and its value
+      continue;
+    }
+    if (args[i].rfind("--ranks=", 0) == 0) continue;
+    out.push_back(args[i]);
+  }
+  return out;
+}
+
+std::string rank_trace_path(const std::string& path, int rank) {
+  const fs::path p(path);
+  const std::string tag = ".rank" + std::to_string(rank);
+  if (p.has_extension() && p.stem() != "")
+    return (p.parent_path() / (p.stem().string() + tag + p.extension().string())).string();
+  return path + tag;
+}
+
+int launch_ranks(int ranks, const std::vector<std::string>& args) {
+  char dir_template[] = "/tmp/retrace-ranks-XXXXXX";
+  if (!::mkdtemp(dir_template))
+    throw Error(std::string("cannot make the ranks' store folder: ") + std::strerror(errno));
+  const std::string dir = dir_template;
+  // File by file: libtorch.so exports its own std::filesystem::remove_all, which crashes here.
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() {
+      std::error_code ec;
+      std::vector<std::string> files;
+      for (const auto& e : fs::directory_iterator(dir, ec)) files.push_back(e.path().string());
+      for (const std::string& f : files) ::unlink(f.c_str());
+      ::rmdir(dir.c_str());
+    }
+  } cleanup{dir};
+  std::random_device rd;
+  std::ostringstream run_id;
+  run_id << std::hex << std::chrono::system_clock::now().time_since_epoch().count() << "-" << rd();
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = std::max(1, cores / ranks);
+
+  // The environment minus what each rank gets of its own.
+  std::vector<std::string> base;
+  for (char** e = environ; *e; ++e) {
+    const std::string kv = *e;
+    const std::string key = kv.substr(0, kv.find('='));
+    if (key == "RANK" || key == "WORLD_SIZE" || key == "LOCAL_RANK" || key == "RETRACE_STORE" ||
+        key == "RETRACE_RUN_ID" || key == "OMP_NUM_THREADS")
+      continue;
+    base.push_back(kv);
+  }
+  std::map<pid_t, int> running;
+  std::vector<int> status(static_cast<std::size_t>(ranks), 0);
+  for (int r = 0; r < ranks; ++r) {
+    std::vector<std::string> env = base;
+    env.push_back("RANK=" + std::to_string(r));
+    env.push_back("LOCAL_RANK=" + std::to_string(r));
+    env.push_back("WORLD_SIZE=" + std::to_string(ranks));
+    env.push_back("RETRACE_STORE=" + dir + "/store");
+    env.push_back("RETRACE_RUN_ID=" + run_id.str());
+    env.push_back("OMP_NUM_THREADS=" + std::to_string(threads));
+    std::vector<char*> envp;
+    for (std::string& s : env) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::vector<std::string> argv_s = {"retrace"};
+    argv_s.insert(argv_s.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (std::string& s : argv_s) argv.push_back(s.data());
+    argv.push_back(nullptr);
+    pid_t pid = -1;
+    const int rc = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data());
+    if (rc != 0) {
+      for (const auto& [p, rank] : running) ::kill(p, SIGTERM);
+      throw Error("cannot start rank " + std::to_string(r) + ": " + std::strerror(rc));
+    }
+    running[pid] = r;
+  }
+  // Each rank bounds its own waits (RETRACE_DIST_TIMEOUT): a rank whose peer died times out.
+  while (!running.empty()) {
+    int st = 0;
+    const pid_t pid = ::waitpid(-1, &st, 0);
+    if (pid < 0) {
+      if (errno == EINTR) continue;
+      throw Error(std::string("waiting for the ranks failed: ") + std::strerror(errno));
+    }
+    auto it = running.find(pid);
+    if (it == running.end()) continue;
+    status[static_cast<std::size_t>(it->second)] = st;
+    running.erase(it);
+  }
+  int code = 0;
+  for (int r = 0; r < ranks; ++r) {
+    const int st = status[static_cast<std::size_t>(r)];
+    if (WIFSIGNALED(st)) {
+      std::cerr << "retrace: rank " << r << " died by signal " << WTERMSIG(st) << " (" << strsignal(WTERMSIG(st))
+                << ")\n";
+      code = std::max(code, 1);
+    } else if (WEXITSTATUS(st) != 0) {
+      std::cerr << "retrace: rank " << r << " exited with code " << WEXITSTATUS(st) << "\n";
+      code = std::max(code, WEXITSTATUS(st) == 2 ? 2 : 1);
+    }
+  }
+  return code;
+}
+
+}  // namespace retrace::cli
