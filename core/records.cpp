@@ -308,6 +308,7 @@ std::string CollectiveRecord::key() const {
 nlohmann::json ExceptionEvent::to_meta() const {
   nlohmann::json meta = {{"event", "exception"}, {"what", what}, {"step", step}};
   if (raised_by_step) meta["raised_by_step"] = true;
+  if (collective >= 0) meta["collective"] = collective;
   return meta;
 }
 
@@ -329,6 +330,8 @@ EventRecord EventRecord::decode(const nlohmann::json& meta, std::uint64_t offset
     if (x.step < -1) f.fail("step", "is below -1 (" + std::to_string(x.step) + ")");
     x.what = f.text("what");
     x.raised_by_step = f.flag("raised_by_step", false);
+    x.collective = f.integer("collective", -1);
+    if (x.collective < -1) f.fail("collective", "is below -1 (" + std::to_string(x.collective) + ")");
     e.exception = std::move(x);
   } else if (e.name == "ring_dump") {
     e.kind = Kind::kRingDump;

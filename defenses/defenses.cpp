@@ -489,7 +489,12 @@ std::vector<NamedTensor> DefendedStep::batch(const std::vector<NamedTensor>& bat
   std::vector<NamedTensor> batch = batch_in;
   d.injector_->corrupt_batch(batch, d.traits_.vocab);
   if (d.options_.validate_batch) {
-    const std::string bad = invalid_batch_reason(batch, d.traits_.vocab);
+    std::string bad = invalid_batch_reason(batch, d.traits_.vocab);
+    // Data parallel: a rank that skipped alone would join none of this step's collectives.
+    if (GradientSync* sync = d.traits_.gradient_sync) {
+      const std::vector<int> ranks = sync->ranks_with(!bad.empty());
+      if (bad.empty() && !ranks.empty()) bad = "on rank " + std::to_string(ranks.front()) + "; every rank skips";
+    }
     if (!bad.empty()) {
       skip("invalid batch: " + bad);
       d.failures_in_a_row_ = 0;  // nothing ran, nothing rolled back: a run of failures ends here
@@ -580,6 +585,15 @@ StepOutcome DefendedStep::finish() {
       if (caught > 0) caught_segment = all[mismatches_before_].segment;
       d.verifier_->reset();  // per step: its list would otherwise grow for the whole run
     }
+    // Data parallel: the verifier runs on each rank; a mismatch on any one skips the step on all.
+    if (d.verifier_ && d.traits_.gradient_sync) {
+      const std::vector<int> ranks = d.traits_.gradient_sync->ranks_with(caught > 0);
+      if (caught == 0 && !ranks.empty()) {
+        caught = 1;
+        caught_segment = "a segment of rank " + std::to_string(ranks.front());
+        --d.caught_mismatches_;  // counted on the rank that caught it
+      }
+    }
     bool apply = true;
     // skip_nonfinite_ranks found a rank with non-finite gradients: every rank skips alike (with a
     // loss scaler the gradients were poisoned on every rank and take its overflow path instead).
@@ -624,7 +638,14 @@ StepOutcome DefendedStep::finish() {
     if (!bad_ranks.empty() && d.scaler_ && out_.skipped) out_.skip_reason += " (" + bad_ranks_reason(bad_ranks) + ")";
     if (d.options_.rollback && rollback(finite_grads)) out_.rolled_back = true;
     if (!out_.skipped) {
-      d.schedule_.on_applied(out_.loss, own_lrs_.empty() ? 0.0 : own_lrs_[0]);
+      double loss = out_.loss;
+      // Data parallel: the plateau rule sees the ranks' mean loss, so every rank cuts alike.
+      if (d.options_.plateau.enabled && d.traits_.gradient_sync) {
+        const at::Tensor mean = at::full({1}, loss, at::TensorOptions().dtype(at::kDouble));
+        d.traits_.gradient_sync->average({mean});
+        loss = mean.item<double>();
+      }
+      d.schedule_.on_applied(loss, own_lrs_.empty() ? 0.0 : own_lrs_[0]);
       d.clipper_.on_applied(out_.grad_norm);
     }
   }
@@ -644,7 +665,9 @@ bool DefendedStep::rollback(bool finite_grads) {
   Defenses& d = *d_;
   const bool handled = out_.skipped;
   const bool finite_params = d.parameters_finite();
-  const bool bad = handled ? !finite_params : (!std::isfinite(out_.loss) || !finite_grads || !finite_params);
+  bool bad = handled ? !finite_params : (!std::isfinite(out_.loss) || !finite_grads || !finite_params);
+  // Data parallel: every rank rolls back alike, or none does (a fault on one rank's weights).
+  if (d.traits_.gradient_sync) bad = !d.traits_.gradient_sync->ranks_with(bad).empty();
   if (!bad) {
     d.failures_in_a_row_ = 0;
     return false;

@@ -714,7 +714,8 @@ void Recorder::note_exception(const std::string& what, bool raised_by_step) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
   Impl& m = *impl_;
   if (m.closed || m.disabled) return;
-  const ExceptionEvent event{m.step, what, raised_by_step && m.step >= 0};
+  ExceptionEvent event{m.step, what, raised_by_step && m.step >= 0};
+  if (m.open_collective) event.collective = m.open_collective->seq;  // it left a collective (a peer gone)
   m.io([&] { m.writer->push(RecordType::kEvent, event.to_meta(), {}, m.stats); });
   m.dump_ring("exception: " + what);
   m.io([&] { m.writer->flush(/*sync=*/true); });

@@ -17,6 +17,7 @@ const char* to_string(CulpritRank::Kind kind) {
     case CulpritRank::Kind::kDesync: return "desync";
     case CulpritRank::Kind::kResult: return "result";
     case CulpritRank::Kind::kStopped: return "stopped";
+    case CulpritRank::Kind::kRaised: return "raised";
   }
   return "?";
 }
@@ -87,9 +88,10 @@ std::string CulpritRank::message() const {
     case Kind::kMagnitude: os << who << "'s contribution is an outlier in magnitude"; break;
     case Kind::kDesync: os << who << " called another collective than the others (desync)"; break;
     case Kind::kResult:
-      os << who << " got another result than rank 0 (a collective gives every rank the same bits)";
+      os << who << " got another result than the others (a collective gives every rank the same bits)";
       break;
     case Kind::kStopped: os << who << " stopped recording here while the others went on or raised"; break;
+    case Kind::kRaised: os << who << " raised outside any collective while the others waited in one"; break;
   }
   if (!detail.empty()) os << " (" << detail << ")";
   return os.str();
@@ -106,13 +108,75 @@ nlohmann::json RankAttribution::to_json() const {
           {"traces", traces},
           {"collectives", collectives},
           {"culprit", culprit ? culprit->to_json() : nlohmann::json()},
+          {"all_clean", all_clean},
           {"notes", notes}};
 }
+
+namespace {
+
+// What one rank's trace says beyond its collectives.
+struct RankTrace {
+  const TraceReader* trace = nullptr;
+  int rank = 0;
+  std::map<std::pair<std::int64_t, std::int64_t>, Seen> collectives;
+  std::set<std::int64_t> skipped;  // steps its step_end says were skipped (a defense handled them)
+  std::optional<ExceptionEvent> exception;
+  std::int64_t last_step = -1;  // of its step_begin records
+};
+
+RankTrace read_rank(const TraceReader& t, int rank) {
+  RankTrace r;
+  r.trace = &t;
+  r.rank = rank;
+  r.collectives = collectives_of(t);
+  for (std::size_t i = 0; i < t.records().size(); ++i) {
+    const RecordInfo& info = t.records()[i];
+    if (info.type == RecordType::kStepBegin) r.last_step = std::max(r.last_step, info.step);
+    if (info.type == RecordType::kStepEnd) {
+      if (StepEndRecord::decode(t.read(i), t.path()).skipped) r.skipped.insert(info.step);
+    }
+    if (info.type == RecordType::kEvent) {
+      const EventRecord e = EventRecord::decode(t.read(i), t.path());
+      if (e.exception && !r.exception) r.exception = e.exception;  // the first one is what stopped it
+    }
+  }
+  return r;
+}
+
+// The ranks (indices into `ranks`) outside the largest group of equal values; ties go to the group
+// of the lowest rank. Empty when all agree.
+template <class Same>
+std::vector<std::size_t> minority(const std::vector<std::size_t>& have, Same same) {
+  std::vector<std::vector<std::size_t>> groups;
+  for (std::size_t i : have) {
+    bool placed = false;
+    for (auto& g : groups) {
+      if (same(g.front(), i)) {
+        g.push_back(i);
+        placed = true;
+        break;
+      }
+    }
+    if (!placed) groups.push_back({i});
+  }
+  if (groups.size() <= 1) return {};
+  std::size_t best = 0;
+  for (std::size_t g = 1; g < groups.size(); ++g) {
+    if (groups[g].size() > groups[best].size()) best = g;
+  }
+  std::vector<std::size_t> out;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    if (g != best) out.insert(out.end(), groups[g].begin(), groups[g].end());
+  }
+  return out;
+}
+
+}  // namespace
 
 RankAttribution attribute_ranks(const std::vector<const TraceReader*>& traces) {
   if (traces.size() < 2) throw Error("naming a culprit rank needs the traces of two or more ranks of one run");
   RankAttribution out;
-  std::vector<int> rank_of;
+  std::vector<RankTrace> ranks;
   for (const TraceReader* t : traces) {
     const TraceHeader h = TraceHeader::decode(*t);
     if (!h.ranks) {
@@ -131,138 +195,157 @@ RankAttribution attribute_ranks(const std::vector<const TraceReader*>& traces) {
     if (!slot.empty())
       throw Error(t->path() + ": rank " + std::to_string(h.ranks->rank) + " is given twice (also " + slot + ")");
     slot = t->path();
-    rank_of.push_back(h.ranks->rank);
     if (t->truncated()) out.notes.push_back(t->path() + ": " + t->warning());
+    ranks.push_back(read_rank(*t, h.ranks->rank));
   }
+  // In rank order, whatever order the traces came in.
+  std::sort(ranks.begin(), ranks.end(), [](const RankTrace& a, const RankTrace& b) { return a.rank < b.rank; });
   for (int r = 0; r < out.run.world_size; ++r) {
     if (out.traces[static_cast<std::size_t>(r)].empty())
       out.notes.push_back("rank " + std::to_string(r) + "'s trace is not given: it is left out of the comparison");
   }
-  std::vector<std::map<std::pair<std::int64_t, std::int64_t>, Seen>> seen;
+  for (const RankTrace& r : ranks) {
+    if (r.exception) {
+      out.all_clean = false;
+      out.notes.push_back("rank " + std::to_string(r.rank) + " raised in step " + std::to_string(r.exception->step) +
+                          (r.exception->collective >= 0
+                               ? " inside collective #" + std::to_string(r.exception->collective)
+                               : std::string(" outside any collective")) +
+                          ": " + r.exception->what.substr(0, 200));
+    } else if (!r.trace->complete()) {
+      out.all_clean = false;
+      out.notes.push_back("rank " + std::to_string(r.rank) + "'s trace was never closed (the process died)");
+    }
+  }
+  auto rank_list_of = [&](const std::vector<std::size_t>& idx) {
+    std::vector<int> v;
+    for (std::size_t i : idx) v.push_back(ranks[i].rank);
+    std::sort(v.begin(), v.end());
+    return v;
+  };
   std::set<std::pair<std::int64_t, std::int64_t>> keys;
-  for (const TraceReader* t : traces) {
-    seen.push_back(collectives_of(*t));
-    for (const auto& [k, v] : seen.back()) keys.insert(k);
+  for (const RankTrace& r : ranks) {
+    for (const auto& [k, v] : r.collectives) keys.insert(k);
   }
   for (const auto& key : keys) {
     ++out.collectives;
     std::vector<std::size_t> have, missing;
-    for (std::size_t i = 0; i < seen.size(); ++i) (seen[i].count(key) ? have : missing).push_back(i);
-    const Seen& first = seen[have.front()].at(key);
+    for (std::size_t i = 0; i < ranks.size(); ++i) (ranks[i].collectives.count(key) ? have : missing).push_back(i);
+    auto at = [&](std::size_t i) -> const Seen& { return ranks[i].collectives.at(key); };
     CulpritRank c;
     c.step = key.first;
     c.seq = key.second;
-    c.collective = first.record.call.describe();
-    auto ranks = [&](const std::vector<std::size_t>& idx) {
-      std::vector<int> r;
-      for (std::size_t i : idx) r.push_back(rank_of[i]);
-      std::sort(r.begin(), r.end());
-      return r;
-    };
+    c.collective = at(have.front()).record.call.describe();
     if (!missing.empty()) {
       c.kind = CulpritRank::Kind::kStopped;
-      c.ranks = ranks(missing);
+      c.ranks = rank_list_of(missing);
       c.detail = "their traces hold no record of it";
       out.culprit = std::move(c);
       return out;
     }
-    // The majority key is rank 0's (or the first given); a rank with another key desynced.
-    std::vector<std::size_t> other_key;
-    for (std::size_t i : have) {
-      if (!same_key(seen[i].at(key), first)) other_key.push_back(i);
-    }
-    if (!other_key.empty()) {
+    if (const std::vector<std::size_t> other =
+            minority(have, [&](std::size_t a, std::size_t b) { return same_key(at(a), at(b)); });
+        !other.empty()) {
       c.kind = CulpritRank::Kind::kDesync;
-      c.ranks = ranks(other_key);
-      c.detail = "rank " + std::to_string(rank_of[have.front()]) + " ran " + key_text(first) + ", rank " +
-                 std::to_string(rank_of[other_key.front()]) + " " + key_text(seen[other_key.front()].at(key));
+      c.ranks = rank_list_of(other);
+      const std::size_t majority = *std::find_if(have.begin(), have.end(), [&](std::size_t i) {
+        return std::find(other.begin(), other.end(), i) == other.end();
+      });
+      c.detail = "rank " + std::to_string(ranks[majority].rank) + " ran " + key_text(at(majority)) + ", rank " +
+                 std::to_string(ranks[other.front()].rank) + " " + key_text(at(other.front()));
       out.culprit = std::move(c);
       return out;
     }
-    std::vector<std::size_t> nonfinite;
+    // What each rank put in: for a broadcast, only the root's buffer is a contribution.
+    std::vector<std::size_t> contributors;
     for (std::size_t i : have) {
-      if (seen[i].at(key).record.input.nonfinite > 0) nonfinite.push_back(i);
+      const CollectiveCall& call = at(i).record.call;
+      if (call.op != CollectiveOp::kBroadcast || call.root == ranks[i].rank) contributors.push_back(i);
     }
-    if (!nonfinite.empty()) {
-      c.kind = CulpritRank::Kind::kNonFinite;
-      c.ranks = ranks(nonfinite);
-      std::ostringstream d;
-      for (std::size_t n = 0; n < nonfinite.size(); ++n) {
-        const CollectiveRecord& r = seen[nonfinite[n]].at(key).record;
-        d << (n ? "; " : "") << "rank " << rank_of[nonfinite[n]] << ": " << r.input.nonfinite
-          << " NaN/Inf element(s), max |x| of the finite " << number_text(r.input.abs_max);
+    // A step every rank skipped was handled by a defense: noted, and the comparison goes on.
+    const bool handled =
+        std::all_of(have.begin(), have.end(), [&](std::size_t i) { return ranks[i].skipped.count(key.first) > 0; });
+    std::vector<std::size_t> nonfinite;
+    for (std::size_t i : contributors) {
+      if (at(i).record.input.nonfinite > 0) nonfinite.push_back(i);
+    }
+    std::vector<std::size_t> huge;
+    std::ostringstream why;
+    for (std::size_t i : contributors) {
+      double others = 0;
+      for (std::size_t j : contributors) {
+        if (j != i) others = std::max(others, at(j).record.input.abs_max);
       }
+      const double mine = at(i).record.input.abs_max;
+      if (others > 0 && mine >= kMagnitudeOutlier * others) {
+        huge.push_back(i);
+        why << (why.tellp() > 0 ? "; " : "") << "rank " << ranks[i].rank << ": max |x| " << number_text(mine)
+            << ", the other ranks' at most " << number_text(others);
+      }
+    }
+    if (!nonfinite.empty() || !huge.empty()) {
+      const bool non_finite = !nonfinite.empty();
+      const std::vector<std::size_t>& bad = non_finite ? nonfinite : huge;
+      std::ostringstream d;
+      if (non_finite) {
+        if (bad.size() == contributors.size() && contributors.size() > 1)
+          d << "every rank's: no single culprit, a cause they share (the parameters, an fp16 overflow); ";
+        for (std::size_t n = 0; n < bad.size(); ++n) {
+          const CollectiveRecord& r = at(bad[n]).record;
+          d << (n ? "; " : "") << "rank " << ranks[bad[n]].rank << ": " << r.input.nonfinite
+            << " NaN/Inf element(s), max |x| of the finite " << number_text(r.input.abs_max);
+        }
+      } else {
+        d << why.str();
+      }
+      if (handled) {
+        out.notes.push_back("step " + std::to_string(key.first) + " collective #" + std::to_string(key.second) + ": " +
+                            d.str() + "; every rank skipped the step (a defense handled it)");
+        continue;
+      }
+      c.kind = non_finite ? CulpritRank::Kind::kNonFinite : CulpritRank::Kind::kMagnitude;
+      c.ranks = rank_list_of(bad);
       c.detail = d.str();
       out.culprit = std::move(c);
       return out;
     }
-    // A rank whose largest |x| dwarfs every other rank's: finite, but no shard differs so.
-    std::vector<std::size_t> huge;
-    std::ostringstream why;
-    for (std::size_t i : have) {
-      double others = 0;
-      for (std::size_t j : have) {
-        if (j != i) others = std::max(others, seen[j].at(key).record.input.abs_max);
-      }
-      const double mine = seen[i].at(key).record.input.abs_max;
-      if (others > 0 && mine >= kMagnitudeOutlier * others) {
-        huge.push_back(i);
-        why << (why.tellp() > 0 ? "; " : "") << "rank " << rank_of[i] << ": max |x| " << number_text(mine)
-            << ", the other ranks' at most " << number_text(others);
-      }
-    }
-    if (!huge.empty()) {
-      c.kind = CulpritRank::Kind::kMagnitude;
-      c.ranks = ranks(huge);
-      c.detail = why.str();
-      out.culprit = std::move(c);
-      return out;
-    }
-    std::vector<std::size_t> other_result;
-    for (std::size_t i : have) {
-      if (seen[i].at(key).results != first.results) other_result.push_back(i);
-    }
-    if (!other_result.empty()) {
+    if (const std::vector<std::size_t> other =
+            minority(have, [&](std::size_t a, std::size_t b) { return at(a).results == at(b).results; });
+        !other.empty()) {
       c.kind = CulpritRank::Kind::kResult;
-      c.ranks = ranks(other_result);
-      c.detail = "result digests differ";
+      // Two groups of equal size: a disagreement, but no majority to name a culprit by.
+      const bool tie = other.size() * 2 == have.size();
+      c.ranks = rank_list_of(tie ? have : other);
+      c.detail = tie ? "the ranks' result digests differ, with no majority"
+                     : "result digests differ from the majority's";
       out.culprit = std::move(c);
       return out;
     }
   }
-  // Every collective agreed. A rank killed mid-run (SIGKILL, the OOM killer) leaves a trace that
-  // was never closed and notes no exception, while its peers time out in the next collective and
-  // note that: the killed rank is the culprit.
-  std::vector<std::size_t> vanished, raised;
-  std::int64_t step = -1;
-  std::string what;
-  for (std::size_t i = 0; i < traces.size(); ++i) {
-    std::optional<std::string> exception;
-    std::int64_t last = -1;
-    for (std::size_t r = 0; r < traces[i]->records().size(); ++r) {
-      const RecordInfo& info = traces[i]->records()[r];
-      if (info.type == RecordType::kStepBegin) last = std::max(last, info.step);
-      if (info.type == RecordType::kEvent) {
-        const EventRecord e = EventRecord::decode(traces[i]->read(r), traces[i]->path());
-        if (e.exception) exception = e.exception->what;
-      }
-    }
-    if (exception) {
-      raised.push_back(i);
-      what = *exception;
-    } else if (!traces[i]->complete()) {
-      vanished.push_back(i);
-      step = last;
-    }
+  // Every collective agreed. A rank killed mid-run (SIGKILL, the OOM killer) leaves a trace never
+  // closed that notes no exception, while its peers time out inside the next collective and note
+  // that: the killed rank is the culprit. A rank that raised outside any collective while the
+  // others raised inside one (waiting for it) is the culprit too.
+  std::vector<std::size_t> vanished, outside, inside;
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    if (ranks[i].exception) (ranks[i].exception->collective >= 0 ? inside : outside).push_back(i);
+    else if (!ranks[i].trace->complete()) vanished.push_back(i);
   }
-  if (!vanished.empty() && !raised.empty()) {
+  if (!vanished.empty() && !inside.empty()) {
     CulpritRank c;
     c.kind = CulpritRank::Kind::kStopped;
-    c.step = step;
-    std::sort(vanished.begin(), vanished.end(), [&](std::size_t a, std::size_t b) { return rank_of[a] < rank_of[b]; });
-    for (std::size_t i : vanished) c.ranks.push_back(rank_of[i]);
-    c.detail = "its trace ends in step " + std::to_string(step) +
-               " without a close or an exception (the process was killed); the others raised: " + what.substr(0, 200);
+    c.step = ranks[vanished.front()].last_step;
+    c.ranks = rank_list_of(vanished);
+    c.detail = "its trace ends in step " + std::to_string(c.step) +
+               " without a close or an exception (the process was killed); the others raised inside a collective: " +
+               ranks[inside.front()].exception->what.substr(0, 200);
+    out.culprit = std::move(c);
+  } else if (!outside.empty() && !inside.empty()) {
+    CulpritRank c;
+    c.kind = CulpritRank::Kind::kRaised;
+    c.step = ranks[outside.front()].exception->step;
+    c.ranks = rank_list_of(outside);
+    c.detail = ranks[outside.front()].exception->what.substr(0, 200);
     out.culprit = std::move(c);
   }
   return out;

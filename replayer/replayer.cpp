@@ -154,7 +154,9 @@ struct StepRecords {
   std::vector<std::size_t> segments;     // in file order
   std::vector<std::size_t> collectives;  // in file order (a ring dump's copies after the originals)
   std::optional<std::size_t> end;
-  std::optional<std::string> raised;  // what the step raised (an exception event raised_by_step)
+  std::optional<std::string> raised;       // what the step raised (an exception event raised_by_step)
+  bool exception = false;                  // an exception event names this step (raised by it or not)
+  std::int64_t exception_collective = -1;  // ... and the collective it left (a data-parallel rank)
 };
 
 // Compares a re-executed step against its records, in order. The first difference wins.
@@ -349,7 +351,12 @@ class Comparer : public SegmentObserver, public StepMonitor {
 class CollectiveTape : public CollectiveReplay {
  public:
   CollectiveTape(const TraceReader& trace, std::int64_t step, const StepRecords& records, Comparer* comparer)
-      : trace_(trace), step_(step), comparer_(comparer), ended_(records.end.has_value()) {
+      : trace_(trace),
+        step_(step),
+        comparer_(comparer),
+        ended_(records.end.has_value()),
+        exception_(records.exception),
+        exception_collective_(records.exception_collective) {
     // Per seq, the record with stored results wins (a flight-ring dump's copy of a digest one).
     std::map<std::int64_t, std::pair<std::size_t, bool>> by_seq;
     for (std::size_t i : records.collectives) {
@@ -365,9 +372,10 @@ class CollectiveTape : public CollectiveReplay {
     const std::size_t seq = next_++;
     const std::string here = "collective #" + std::to_string(seq) + " " + call.describe();
     if (seq >= order_.size()) {
-      if (!ended_) {
-        // The recorded run never finished this step: its collective #seq did not return (a peer
-        // died, a timeout). Nothing to serve; the replay stops before this step.
+      if (!ended_ && (!exception_ || exception_collective_ == static_cast<std::int64_t>(seq))) {
+        // The recorded run never finished this step: it died, or its collective #seq did not
+        // return (a peer died, a timeout). Nothing to serve; the replay stops before this step.
+        // (A step that raised elsewhere, outside this collective, is a desync below.)
         ran_out_ = true;
         throw CollectiveDesync("the recorded run stopped in step " + std::to_string(step_) + " before " + here +
                                " returned");
@@ -430,8 +438,10 @@ class CollectiveTape : public CollectiveReplay {
   const TraceReader& trace_;
   std::int64_t step_;
   Comparer* comparer_;
-  bool ended_;                      // the step has a step_end record
-  std::vector<std::size_t> order_;  // record index per seq
+  bool ended_;                         // the step has a step_end record
+  bool exception_;                     // an exception event names the step
+  std::int64_t exception_collective_;  // ... and the collective it left (-1: none)
+  std::vector<std::size_t> order_;     // record index per seq
   std::size_t next_ = 0;
   bool ran_out_ = false;
 
@@ -497,8 +507,10 @@ std::map<std::int64_t, StepRecords> index_steps(const TraceReader& trace) {
       case RecordType::kStepEnd: steps[r.step].end = i; break;
       case RecordType::kEvent:
         if (const EventRecord e = EventRecord::decode(trace.read(i), trace.path());
-            e.exception && e.exception->raised_by_step && e.exception->step == r.step) {
-          steps[r.step].raised = e.exception->what;
+            e.exception && e.exception->step == r.step) {
+          if (e.exception->raised_by_step) steps[r.step].raised = e.exception->what;
+          steps[r.step].exception = true;
+          steps[r.step].exception_collective = e.exception->collective;
         }
         break;
       default: break;
@@ -604,6 +616,8 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
     result.notes.push_back("step " + std::to_string(s) + " did not finish in the recorded run: " + *raised +
                            (recs.raised ? " (it raised: " + *recs.raised + ")" : std::string()) +
                            "; replayed up to the last complete step " + std::to_string(s - 1));
+    // What diverged before the collective that never returned still counts.
+    if (comparer.first && !result.first_divergence) result.first_divergence = comparer.first;
     stopped_before = true;
     return false;
   }
@@ -720,6 +734,12 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
     }
   }
   result.reproduced = !result.first_divergence;
+  if (result.to_step < result.from_step) {
+    // Not one step re-executed to its end: nothing was shown to reproduce.
+    result.reproduced = false;
+    result.notes.push_back("no step was replayed to its end: the first one, " + std::to_string(result.from_step) +
+                           ", did not finish in the recorded run");
+  }
   return result;
 }
 

@@ -96,7 +96,9 @@ int inspect_ranks(const std::vector<std::string>& paths, bool json) {
   if (a.culprit) {
     std::cout << "culprit: " << a.culprit->message() << "\n";
   } else {
-    std::cout << "no rank went bad: every collective agreed (same keys, finite contributions, equal results)\n";
+    std::cout << (a.all_clean ? "no rank went bad: every collective agreed (same keys, finite contributions, equal "
+                                "results)\n"
+                              : "no collective disagreed, but not every rank ended cleanly (see the notes)\n");
   }
   return 0;
 }

@@ -10,7 +10,7 @@
 #include <iostream>
 #include <map>
 #include <random>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sstream>
 #include <sys/wait.h>
 #include <thread>
@@ -98,11 +98,21 @@ int launch_ranks(int ranks, const std::vector<std::string>& args) {
     std::vector<char*> argv;
     for (std::string& s : argv_s) argv.push_back(s.data());
     argv.push_back(nullptr);
-    pid_t pid = -1;
-    const int rc = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data());
-    if (rc != 0) {
-      for (const auto& [p, rank] : running) ::kill(p, SIGTERM);
-      throw Error("cannot start rank " + std::to_string(r) + ": " + std::strerror(rc));
+    // fork + exec rather than posix_spawn: a rank must die with its launcher (PR_SET_PDEATHSIG), or
+    // a launcher killed by `retrace run`'s cleanup would leave its ranks training. Between fork and
+    // exec only async-signal-safe calls.
+    const pid_t parent = ::getpid();
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(127);  // the launcher died before the prctl
+      ::execve("/proc/self/exe", argv.data(), envp.data());
+      ::_exit(127);
+    }
+    if (pid < 0) {
+      const int err = errno;
+      for (const auto& [p, rank] : running) ::kill(p, SIGKILL);
+      throw Error("cannot start rank " + std::to_string(r) + ": " + std::strerror(err));
     }
     running[pid] = r;
   }

@@ -121,6 +121,11 @@ ScenarioResult merge_ranks(const ScenarioSpec& spec, const std::string& source,
     }
     for (const std::string& why : ranks[k]->reasons) reasons.push_back(who + ": " + why);
     all_passed = all_passed && ranks[k]->passed;
+    // What any rank saw holds for the run: a rank that broke, raised or hit a harness error.
+    r.broke = r.broke || ranks[k]->broke;
+    r.raised = r.raised || ranks[k]->raised;
+    r.harness_error = r.harness_error || ranks[k]->harness_error;
+    if (r.error.empty() && !ranks[k]->error.empty()) r.error = who + ": " + ranks[k]->error;
     if (ranks[k]->broke != ranks.front().value_or(*ranks[k]).broke) {
       reasons.push_back("the ranks disagree: rank 0 " + std::string(ranks.front()->broke ? "broke" : "held") + ", " +
                         who + " " + (ranks[k]->broke ? "broke" : "held"));
@@ -148,6 +153,19 @@ std::optional<ScenarioResult> read_result_file(const std::string& path) {
 
 int run_child(const std::string& source, const std::string& result_path, int threads, bool bench) {
   const ScenarioSpec spec = load_scenario(source);
+  if (spec.world_size > 1 && bench) {
+    ScenarioResult r;
+    r.name = spec.name.empty() ? source : spec.name;
+    r.origin = source;
+    r.fault = fault_label(spec);
+    r.defense = defense_label(spec);
+    r.harness_error = r.broke = r.raised = true;
+    r.error = "--bench does not measure data-parallel scenarios (world_size " + std::to_string(spec.world_size) +
+              "); run it without --bench";
+    r.reasons = {"harness error: " + r.error};
+    write_file(result_path, r.to_json().dump() + "\n", "the result file");
+    return 0;
+  }
   if (spec.world_size > 1 && !launched_as_rank()) {
     // This child launches the scenario's ranks and combines their results.
     std::vector<std::string> args = {"run", "--child", source, "--result", result_path};
@@ -196,7 +214,6 @@ std::vector<ScenarioResult> run_in_children(const std::vector<ScenarioJob>& jobs
   // file: libtorch.so exports its own std::filesystem::remove_all, which crashes here).
   struct Cleanup {
     std::map<pid_t, std::size_t>& running;
-    std::vector<Child>& children;
     std::string dir;
     ~Cleanup() {
       for (const auto& [pid, i] : running) {
@@ -204,17 +221,15 @@ std::vector<ScenarioResult> run_in_children(const std::vector<ScenarioJob>& jobs
         int st = 0;
         ::waitpid(pid, &st, 0);
       }
-      for (const Child& c : children) {
-        if (!c.log_path.empty()) ::unlink(c.log_path.c_str());
-        if (!c.result_path.empty()) {
-          ::unlink(c.result_path.c_str());
-          ::unlink((c.result_path + ".trace").c_str());
-          ::unlink((c.result_path + ".trace.incomplete").c_str());
-        }
-      }
+      // Every file of the folder, the ranks' results and traces of a data-parallel job included
+      // (file by file: libtorch.so exports its own std::filesystem::remove_all, which crashes here).
+      std::error_code ec;
+      std::vector<std::string> files;
+      for (const auto& e : fs::directory_iterator(dir, ec)) files.push_back(e.path().string());
+      for (const std::string& f : files) ::unlink(f.c_str());
       ::rmdir(dir.c_str());
     }
-  } cleanup{running, children, work.string()};
+  } cleanup{running, work.string()};
 
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int per_child_threads =

@@ -145,12 +145,21 @@ struct Fake {
   double abs_max = 0.5;
 };
 
-std::string fake_rank(const std::string& name, int rank, const std::vector<Fake>& collectives,
-                      const std::string& run = "run-a", bool close = true, bool exception = false) {
+// How a synthetic rank trace ends.
+struct Ending {
+  std::string run = "run-a";
+  int world = 2;
+  bool close = true;
+  std::int64_t raised_in = -1;        // an exception event in step 3 left collective #raised_in ...
+  bool raised_outside = false;        // ... or no collective
+  std::vector<std::int64_t> skipped;  // steps with a step_end that says skipped
+};
+
+std::string fake_rank(const std::string& name, int rank, const std::vector<Fake>& collectives, Ending end = {}) {
   const std::string path = temp_path(name + ".trace");
   TraceHeader h;
   h.program = ProgramRef{"fake", ""};
-  h.ranks = RankInfo{rank, 2, run};
+  h.ranks = RankInfo{rank, end.world, end.run};
   TraceWriter w(path, h.to_meta());
   for (const Fake& f : collectives) {
     CollectiveRecord c;
@@ -168,9 +177,19 @@ std::string fake_rank(const std::string& name, int rank, const std::vector<Fake>
              {TensorToWrite::digest_only("input.0", in, digest(in)),
               TensorToWrite::digest_only("output.0", out, digest(out))});
   }
-  if (exception) w.append(RecordType::kEvent, ExceptionEvent{3, "Gloo timed out", true}.to_meta(), {});
-  if (close) w.close();
-  return close ? path : path + ".incomplete";
+  for (std::int64_t s : end.skipped) {
+    StepEndRecord e;
+    e.step = s;
+    e.skipped = true;
+    w.append(RecordType::kStepEnd, e.to_meta(), {});
+  }
+  if (end.raised_in >= 0 || end.raised_outside) {
+    ExceptionEvent x{3, end.raised_outside ? "ValueError in the loss" : "Gloo timed out", true};
+    x.collective = end.raised_outside ? -1 : end.raised_in;
+    w.append(RecordType::kEvent, x.to_meta(), {});
+  }
+  if (end.close) w.close();
+  return end.close ? path : path + ".incomplete";
 }
 
 RankAttribution attribute(const std::string& a, const std::string& b) {
@@ -222,17 +241,31 @@ TEST(DistAttribution, AnotherCollectiveIsADesync) {
 }
 
 TEST(DistAttribution, DifferentResultsAreNamed) {
+  // Two ranks: a disagreement with no majority to name a culprit by.
   const RankAttribution a =
       attribute(fake_rank("rs0", 0, {{1, 0}, {2, 0}}), fake_rank("rs1", 1, {{1, 0}, {2, 0, 0, "allreduce", 8, 2.0f}}));
   ASSERT_TRUE(a.culprit);
   EXPECT_EQ(a.culprit->kind, CulpritRank::Kind::kResult);
-  EXPECT_EQ(a.culprit->ranks, std::vector<int>{1});
+  EXPECT_EQ(a.culprit->ranks, (std::vector<int>{0, 1}));
+  EXPECT_NE(a.culprit->detail.find("no majority"), std::string::npos);
+  // Three ranks: the one whose result differs from the other two is named.
+  Ending three;
+  three.world = 3;
+  const TraceReader t0(fake_rank("rs2", 0, {{1, 0}}, three)),
+      t1(fake_rank("rs3", 1, {{1, 0, 0, "allreduce", 8, 2.0f}}, three)), t2(fake_rank("rs4", 2, {{1, 0}}, three));
+  const RankAttribution b = attribute_ranks({&t0, &t1, &t2});
+  ASSERT_TRUE(b.culprit);
+  EXPECT_EQ(b.culprit->kind, CulpritRank::Kind::kResult);
+  EXPECT_EQ(b.culprit->ranks, std::vector<int>{1});
 }
 
 TEST(DistAttribution, AKilledRankIsNamed) {
   // Rank 1's trace ends unclosed without an exception; rank 0 timed out and says so.
-  const RankAttribution a = attribute(fake_rank("k0", 0, {{1, 0}, {2, 0}}, "run-a", true, true),
-                                      fake_rank("k1", 1, {{1, 0}, {2, 0}}, "run-a", false, false));
+  Ending timed_out, killed;
+  timed_out.raised_in = 0;
+  killed.close = false;
+  const RankAttribution a =
+      attribute(fake_rank("k0", 0, {{1, 0}, {2, 0}}, timed_out), fake_rank("k1", 1, {{1, 0}, {2, 0}}, killed));
   ASSERT_TRUE(a.culprit);
   EXPECT_EQ(a.culprit->kind, CulpritRank::Kind::kStopped);
   EXPECT_EQ(a.culprit->ranks, std::vector<int>{1});
@@ -240,8 +273,65 @@ TEST(DistAttribution, AKilledRankIsNamed) {
   EXPECT_FALSE(attribute(fake_rank("k2", 0, {{1, 0}}), fake_rank("k3", 1, {{1, 0}})).culprit);
 }
 
+TEST(DistAttribution, ARankThatRaisedOutsideACollectiveIsNamed) {
+  // Rank 1's program raised in step 3 before its all-reduce; rank 0 timed out waiting in it.
+  Ending inside, outside;
+  inside.raised_in = 0;
+  outside.raised_outside = true;
+  const RankAttribution a =
+      attribute(fake_rank("ro0", 0, {{1, 0}, {2, 0}}, inside), fake_rank("ro1", 1, {{1, 0}, {2, 0}}, outside));
+  ASSERT_TRUE(a.culprit);
+  EXPECT_EQ(a.culprit->kind, CulpritRank::Kind::kRaised);
+  EXPECT_EQ(a.culprit->ranks, std::vector<int>{1});
+  EXPECT_FALSE(a.all_clean);
+  // Control: both raised outside (the same program error everywhere): no culprit, and not clean.
+  const RankAttribution b = attribute(fake_rank("ro2", 0, {{1, 0}}, outside), fake_rank("ro3", 1, {{1, 0}}, outside));
+  EXPECT_FALSE(b.culprit);
+  EXPECT_FALSE(b.all_clean);
+}
+
+TEST(DistAttribution, EveryRankNonFiniteIsNoSingleCulprit) {
+  const RankAttribution a =
+      attribute(fake_rank("an0", 0, {{1, 0}, {2, 0, 3}}), fake_rank("an1", 1, {{1, 0}, {2, 0, 5}}));
+  ASSERT_TRUE(a.culprit);
+  EXPECT_EQ(a.culprit->kind, CulpritRank::Kind::kNonFinite);
+  EXPECT_EQ(a.culprit->ranks, (std::vector<int>{0, 1}));
+  EXPECT_NE(a.culprit->detail.find("no single culprit"), std::string::npos) << a.culprit->detail;
+}
+
+TEST(DistAttribution, AStepEveryRankSkippedIsHandledNotACulprit) {
+  Ending skipped;
+  skipped.skipped = {2};
+  const RankAttribution a = attribute(fake_rank("hs0", 0, {{1, 0}, {2, 0}, {3, 0}}, skipped),
+                                      fake_rank("hs1", 1, {{1, 0}, {2, 0, 1}, {3, 0}}, skipped));
+  EXPECT_FALSE(a.culprit) << a.culprit->message();
+  ASSERT_FALSE(a.notes.empty());
+  EXPECT_NE(a.notes.back().find("every rank skipped the step"), std::string::npos) << a.notes.back();
+  // Control: the same NaN in a step that was not skipped is the culprit.
+  EXPECT_TRUE(attribute(fake_rank("hs2", 0, {{1, 0}, {2, 0}, {3, 0}}), fake_rank("hs3", 1, {{1, 0}, {2, 0, 1}, {3, 0}}))
+                  .culprit);
+}
+
+TEST(DistAttribution, TheMajorityDecidesWhoDesynced) {
+  // Three ranks: rank 0 ran another shape; ranks 1 and 2 agree. Rank 0 is named, in any order given.
+  Ending three;
+  three.world = 3;
+  const std::string r0 = fake_rank("mj0", 0, {{1, 0, 0, "allreduce", 9}}, three);
+  const std::string r1 = fake_rank("mj1", 1, {{1, 0}}, three);
+  const std::string r2 = fake_rank("mj2", 2, {{1, 0}}, three);
+  const TraceReader t0(r0), t1(r1), t2(r2);
+  for (const auto& order : {std::vector<const TraceReader*>{&t0, &t1, &t2}, {&t2, &t1, &t0}}) {
+    const RankAttribution a = attribute_ranks(order);
+    ASSERT_TRUE(a.culprit);
+    EXPECT_EQ(a.culprit->kind, CulpritRank::Kind::kDesync);
+    EXPECT_EQ(a.culprit->ranks, std::vector<int>{0});
+  }
+}
+
 TEST(DistAttribution, TracesOfAnotherRunAreRefused) {
-  EXPECT_THROW(attribute(fake_rank("r0", 0, {{1, 0}}), fake_rank("r1", 1, {{1, 0}}, "run-b")), Error);
+  Ending other_run;
+  other_run.run = "run-b";
+  EXPECT_THROW(attribute(fake_rank("r0", 0, {{1, 0}}), fake_rank("r1", 1, {{1, 0}}, other_run)), Error);
   EXPECT_THROW(attribute(fake_rank("r2", 1, {{1, 0}}), fake_rank("r3", 1, {{1, 0}})), Error);  // rank 1 twice
 }
 

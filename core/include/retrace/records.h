@@ -174,6 +174,9 @@ struct ExceptionEvent {
   // same message. False for anything else (the data loader, a trace write, a signal) and in
   // traces written before the field existed; replay does not hold a step to those.
   bool raised_by_step = false;
+  // A data-parallel rank: the collective (its seq in the step) the exception left, when one was
+  // running (a peer that died: the collective timed out); -1 otherwise, and in older traces.
+  std::int64_t collective = -1;
   nlohmann::json to_meta() const;
 };
 

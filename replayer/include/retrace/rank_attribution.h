@@ -22,6 +22,7 @@ struct CulpritRank {
     kDesync,     // the ranks called different collectives here (op, dtypes or shapes)
     kResult,     // the ranks got different results (a collective gives every rank the same bits)
     kStopped,    // the ranks' traces end here: they stopped recording while the others went on
+    kRaised,     // the ranks raised outside any collective while the others waited in one
   };
   Kind kind = Kind::kNonFinite;
   std::int64_t step = -1;
@@ -32,7 +33,8 @@ struct CulpritRank {
   std::string message() const;  // "step 3 collective #0 allreduce(sum): rank 1's contribution went non-finite ..."
   nlohmann::json to_json() const;
 };
-const char* to_string(CulpritRank::Kind kind);  // "non_finite", "magnitude", "desync", "result", "stopped"
+// "non_finite", "magnitude", "desync", "result", "stopped", "raised"
+const char* to_string(CulpritRank::Kind kind);
 
 // The factor kMagnitude takes: shards of one batch give gradients within a few x of each other;
 // an exponent bit flip multiplies one element by 2^64 or more.
@@ -43,7 +45,10 @@ struct RankAttribution {
   std::vector<std::string> traces;  // the trace of rank r at index r ("" when not given)
   std::int64_t collectives = 0;     // collective keys compared
   std::optional<CulpritRank> culprit;
-  std::vector<std::string> notes;  // missing ranks, truncated traces
+  // Every trace was closed and none noted an exception: with no culprit, no rank went bad. A
+  // run that raised or died without a culprit only had no collective disagree (see notes).
+  bool all_clean = true;
+  std::vector<std::string> notes;  // missing ranks, truncated traces, exceptions, handled steps
   nlohmann::json to_json() const;
 };
 
