@@ -3,6 +3,10 @@
 // replay work; scenarios need the pipeline, as in encoder/.) Then
 //   retrace_example_custom record -o run.trace --steps 20 --ring 4
 //   retrace_example_custom replay run.trace
+// Data parallel, in its own loop: launched as ranks it joins a c10d group and averages its
+// gradients over it (retrace/dist.h); each rank replays alone from its trace.
+//   retrace_example_custom record -o run.trace --ranks 2 --mode full   # run.rank0.trace, run.rank1.trace
+//   retrace_example_custom replay run.rank1.trace
 #include <retrace/retrace.h>
 #include <retrace/cli.h>
 #include <retrace/program.h>
@@ -16,6 +20,9 @@ namespace {
 class Regression : public retrace::Program {
  public:
   explicit Regression(const std::string& config) : config_(config.empty() ? "lr=0.05" : config) {
+    // Launched as a rank (RANK, WORLD_SIZE, ...), or rebuilt by replay as one: join the group.
+    const retrace::RendezvousOptions rendezvous = retrace::RendezvousOptions::from_env();
+    if (rendezvous.world_size > 1 || retrace::replayed_rank()) group_ = retrace::RankGroup::join(rendezvous, config_);
     torch::manual_seed(0);
     for (int i = 0; i < 2; ++i) {
       blocks_.emplace_back(torch::nn::Linear(16, 16), torch::nn::Tanh(), torch::nn::Dropout(0.1));
@@ -32,6 +39,7 @@ class Regression : public retrace::Program {
   std::string config() const override { return config_; }
   std::int64_t default_steps() const override { return 10; }
   double lr() const override { return 0.05; }
+  retrace::RankInfo ranks() const override { return group_ ? group_->ranks() : retrace::RankInfo{}; }
 
   std::vector<retrace::NamedTensor> state() override {
     std::vector<retrace::NamedTensor> out = params_;
@@ -61,7 +69,8 @@ class Regression : public retrace::Program {
   }
 
   std::vector<retrace::NamedTensor> batch(std::int64_t step) override {
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
+    const std::int64_t rank = group_ ? group_->ranks().rank : 0;  // each rank its own shard
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step + 7919 * rank);
     const at::Tensor x = at::randn({32, 16}, gen);
     return {{"x", x, retrace::TensorKind::kInput}, {"y", x.sin(), retrace::TensorKind::kTarget}};
   }
@@ -76,6 +85,11 @@ class Regression : public retrace::Program {
     }
     at::Tensor loss = torch::mse_loss(h, batch[1].tensor);
     loss.backward();
+    if (group_) {  // the mean gradient over the ranks, in place
+      std::vector<at::Tensor> gs;
+      for (const auto& p : params_) gs.push_back(p.tensor.grad());
+      group_->average(gs);
+    }
     std::vector<retrace::NamedTensor> grads;
     double sq = 0;
     for (const auto& p : params_) {
@@ -93,6 +107,7 @@ class Regression : public retrace::Program {
 
  private:
   std::string config_;
+  std::unique_ptr<retrace::RankGroup> group_;  // data parallel, or null
   std::vector<torch::nn::Sequential> blocks_;
   std::vector<retrace::NamedTensor> params_;
   std::unique_ptr<torch::optim::SGD> optimizer_;

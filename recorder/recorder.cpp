@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <deque>
 #include <future>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -593,11 +594,34 @@ void Recorder::after_backward(const at::Tensor& loss, const std::vector<NamedTen
 
 namespace {
 
-// Non-finite elements and max |x| over the finite ones, across the floating tensors of `ts`.
+// Non-finite elements and max |x| over the finite ones, across the floating tensors of `ts`. One
+// pass over a contiguous CPU float or double tensor (a gradient bucket is the whole model's
+// gradients, every step); other tensors through ATen.
+template <class T>
+void scan(const T* p, std::int64_t n, CollectiveRecord::Stats& s) {
+  std::int64_t bad = 0;
+  T top = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const T a = std::abs(p[i]);
+    if (a <= std::numeric_limits<T>::max()) top = a > top ? a : top;  // false for NaN and Inf
+    else ++bad;
+  }
+  s.nonfinite += bad;
+  s.abs_max = std::max(s.abs_max, static_cast<double>(top));
+}
+
 CollectiveRecord::Stats collective_stats(const std::vector<at::Tensor>& ts) {
   CollectiveRecord::Stats s;
   for (const at::Tensor& t : ts) {
     if (!t.defined() || !t.is_floating_point() || t.numel() == 0) continue;
+    if (plain_host_bytes(t) && t.scalar_type() == at::kFloat) {
+      scan(t.const_data_ptr<float>(), t.numel(), s);
+      continue;
+    }
+    if (plain_host_bytes(t) && t.scalar_type() == at::kDouble) {
+      scan(t.const_data_ptr<double>(), t.numel(), s);
+      continue;
+    }
     const at::Tensor finite = at::isfinite(t);
     const std::int64_t bad = t.numel() - finite.sum().item<std::int64_t>();
     s.nonfinite += bad;

@@ -124,6 +124,12 @@ config_mismatch)
     [[ $rc -eq 2 ]] || fail "rank $r: exit $rc, $(cat "$work/out$r")"
     grep -q "runs another config (line .*lr: 0.00" "$work/out$r" || fail "rank $r: $(cat "$work/out$r")"
   done
+  # --ranks against the scenario's world_size: one line, exit 2, before any rank starts.
+  set +e
+  timeout 60 "$bin" record "$work/a.yaml" -o "$work/x.trace" --ranks 3 >"$work/out" 2>&1
+  rc=$?
+  set -e
+  [[ $rc -eq 2 ]] && grep -q "ranks 3 but the scenario's world_size is 2" "$work/out" || fail "--ranks 3: exit $rc, $(cat "$work/out")"
   # A rank that never comes: the other gives up within RETRACE_DIST_TIMEOUT, naming it.
   set +e
   env WORLD_SIZE=2 RANK=0 RETRACE_STORE="$work/store2" RETRACE_DIST_TIMEOUT=3 OMP_NUM_THREADS=1 \
@@ -142,6 +148,28 @@ config_mismatch)
   set -e
   [[ $rc0 -eq 0 && $rc1 -eq 0 ]] || fail "same configs by hand: $rc0 $rc1 $(cat "$work/ok0" "$work/ok1")"
   [[ -f "$work/ok.rank0.trace" && -f "$work/ok.rank1.trace" ]] || fail "rank traces by hand"
+  # torchrun's TCP rendezvous (MASTER_ADDR, MASTER_PORT; rank 0 serves the store) trains the same
+  # bits as the file store: the last step's parameter digests agree. A port taken by someone else
+  # is retried on another.
+  tcp_ok=0
+  for attempt in 1 2 3; do
+    port=$((20000 + RANDOM % 30000))
+    tcp=(WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RETRACE_DIST_TIMEOUT=10 OMP_NUM_THREADS=1)
+    set +e
+    env "${tcp[@]}" RANK=0 timeout 60 "$bin" record "$work/a.yaml" -o "$work/tcp.trace" >"$work/tcp0" 2>&1 &
+    p0=$!
+    env "${tcp[@]}" RANK=1 timeout 60 "$bin" record "$work/a.yaml" -o "$work/tcp.trace" >"$work/tcp1" 2>&1 &
+    p1=$!
+    wait $p0; rc0=$?
+    wait $p1; rc1=$?
+    set -e
+    if [[ $rc0 -eq 0 && $rc1 -eq 0 ]]; then tcp_ok=1; break; fi
+  done
+  [[ $tcp_ok -eq 1 ]] || fail "TCP rendezvous: $(cat "$work/tcp0" "$work/tcp1")"
+  for t in ok tcp; do
+    "$bin" inspect "$work/$t.rank1.trace" --tensors | awk '/step_end step 4/{on=1; next} /^#/{on=0} on && /state\.param/' >"$work/$t.params"
+  done
+  [[ -s "$work/ok.params" ]] && cmp -s "$work/ok.params" "$work/tcp.params" || fail "TCP and file-store runs differ"
   ;;
 *) fail "unknown case $case_name" ;;
 esac

@@ -98,5 +98,27 @@ TEST(Schema, KeysAndSegmentsThatCannotWorkAreErrors) {
   expect_error("expect:\n  max_skipped_steps: |\n    1\n    x\n", "must be an integer, got '1 x");
 }
 
+// Data-parallel keys: world_size, an injection's rank, skip_nonfinite_ranks; each bad value is
+// one error naming the key, and a good scenario round-trips (control).
+TEST(Schema, DataParallelKeysAreCheckedAndRoundTrip) {
+  expect_error("world_size: 0\n", "key 'world_size'");
+  expect_error("world_size: 2\ninjections: [{type: grad_nonfinite, step: 2, rank: 2}]\n",
+               "key 'injections[0].rank': is 2, but the run has world_size 2 (ranks 0..1)");
+  expect_error("defenses: {skip_nonfinite_ranks: true}\n",
+               "key 'defenses.skip_nonfinite_ranks': needs a data-parallel run (world_size 2 or more)");
+  const ScenarioSpec a = with("world_size: 3\ndefenses: {skip_nonfinite_ranks: true}\n"
+                              "injections: [{type: bit_flip, target: gradients, bit: 30, step: 2, rank: 1}]\n");
+  EXPECT_EQ(a.world_size, 3);
+  EXPECT_EQ(a.injections[0].rank, 1);
+  EXPECT_EQ(a.injections[0].target, "gradients");
+  const ScenarioSpec b = parse_scenario_text(to_yaml(a), "again");
+  EXPECT_EQ(to_yaml(a), to_yaml(b));
+  EXPECT_EQ(b.world_size, 3);
+  EXPECT_TRUE(b.defenses.skip_nonfinite_ranks);
+  EXPECT_TRUE(a.injections[0] == b.injections[0]);
+  // A single-process scenario's canonical form has no world_size (traces keep their configs).
+  EXPECT_EQ(to_yaml(with("")).find("world_size"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace retrace
