@@ -75,10 +75,9 @@ ScenarioResult crashed(const ScenarioJob& job, const Child& child, int status) {
   return r;
 }
 
-// The child's result, or nullopt when it did not exit 0 or its file is missing, truncated or garbled.
-std::optional<ScenarioResult> read_result(const Child& child, int status) {
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return std::nullopt;
-  std::ifstream in(child.result_path);
+// The result in `path`, or nullopt when the file is missing, truncated or garbled.
+std::optional<ScenarioResult> read_result_file(const std::string& path) {
+  std::ifstream in(path);
   std::stringstream text;
   text << in.rdbuf();
   if (text.str().empty()) return std::nullopt;
@@ -89,9 +88,11 @@ std::optional<ScenarioResult> read_result(const Child& child, int status) {
   }
 }
 
-}  // namespace
-
-namespace {
+// The child's result, or nullopt when it did not exit 0 or its file is missing, truncated or garbled.
+std::optional<ScenarioResult> read_result(const Child& child, int status) {
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return std::nullopt;
+  return read_result_file(child.result_path);
+}
 
 // One result of a data-parallel scenario from its ranks' results: rank 0's, failing when a rank
 // has no result, any rank failed, or the ranks disagree on held/broke.
@@ -135,18 +136,6 @@ ScenarioResult merge_ranks(const ScenarioSpec& spec, const std::string& source,
   r.passed = all_passed;
   r.reasons = reasons;
   return r;
-}
-
-std::optional<ScenarioResult> read_result_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  if (text.str().empty()) return std::nullopt;
-  try {
-    return ScenarioResult::from_json(nlohmann::json::parse(text.str()));
-  } catch (const std::exception&) {
-    return std::nullopt;
-  }
 }
 
 }  // namespace

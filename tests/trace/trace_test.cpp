@@ -42,7 +42,8 @@ at::Tensor tensor_b() { return (torch::arange(7, torch::kFloat) * 0.5 - 1).to(to
 at::Tensor tensor_c() { return torch::tensor({-3, 0, 7, 1 << 30}, torch::kLong); }
 at::Tensor tensor_d() { return torch::linspace(-2, 2, 5).to(torch::kHalf); }
 
-void write_small(const std::string& path, WriterOptions options = {}) {
+// With `collective`: a collective record (format version 3) before the step_end.
+void write_small(const std::string& path, WriterOptions options = {}, bool collective = false) {
   TraceWriter w(path, {{"program", {{"name", "test"}, {"config", "small"}}}}, options);
   w.append(RecordType::kStepBegin, {{"step", 1}, {"full", true}},
            {{"a", tensor_a(), true, std::nullopt},
@@ -51,6 +52,18 @@ void write_small(const std::string& path, WriterOptions options = {}) {
             {"d", tensor_d(), false, std::nullopt}});
   w.append(RecordType::kSegment, {{"step", 1}, {"segment", "block0"}, {"phase", "forward"}},
            {{"output.0", tensor_d(), true, std::nullopt}});
+  if (collective) {
+    CollectiveRecord c;
+    c.step = 1;
+    c.call = {CollectiveOp::kAllReduce, "sum", -1};
+    c.rank = 1;
+    c.input = {0, 11.0};
+    c.output = {0, 22.0};
+    c.values = true;
+    w.append(RecordType::kCollective, c.to_meta(),
+             {TensorToWrite::digest_only("input.0", tensor_a(), digest(tensor_a())),
+              {"output.0", tensor_a() * 2, true, std::nullopt}});
+  }
   w.append(RecordType::kStepEnd, {{"step", 1}, {"loss", 0.25}}, {});
   w.close();
 }
@@ -231,28 +244,7 @@ TEST(Trace, GoldenVersion2TraceReads) {
 }
 
 // Version 3: the small trace plus a collective record (a data-parallel rank's).
-void write_small_v3(const std::string& path) {
-  TraceWriter w(path, {{"program", {{"name", "test"}, {"config", "small"}}}});
-  w.append(RecordType::kStepBegin, {{"step", 1}, {"full", true}},
-           {{"a", tensor_a(), true, std::nullopt},
-            {"b", tensor_b(), true, std::nullopt},
-            {"c", tensor_c(), true, std::nullopt},
-            {"d", tensor_d(), false, std::nullopt}});
-  w.append(RecordType::kSegment, {{"step", 1}, {"segment", "block0"}, {"phase", "forward"}},
-           {{"output.0", tensor_d(), true, std::nullopt}});
-  CollectiveRecord c;
-  c.step = 1;
-  c.call = {CollectiveOp::kAllReduce, "sum", -1};
-  c.rank = 1;
-  c.input = {0, 11.0};
-  c.output = {0, 22.0};
-  c.values = true;
-  w.append(RecordType::kCollective, c.to_meta(),
-           {TensorToWrite::digest_only("input.0", tensor_a(), digest(tensor_a())),
-            {"output.0", tensor_a() * 2, true, std::nullopt}});
-  w.append(RecordType::kStepEnd, {{"step", 1}, {"loss", 0.25}}, {});
-  w.close();
-}
+void write_small_v3(const std::string& path) { write_small(path, {}, /*collective=*/true); }
 
 TEST(Trace, GoldenVersion3TraceReads) {
   static_assert(kTraceFormatVersion == 3, "a new format version needs its own golden file and test");
