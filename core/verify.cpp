@@ -31,11 +31,15 @@ const char* to_string(VerifyPolicy policy) {
 
 std::string describe(const at::Tensor& tensor) {
   if (!tensor.defined()) return "undefined";
-  std::string s = c10::toString(tensor.scalar_type());
+  return describe(tensor.scalar_type(), tensor.sizes());
+}
+
+std::string describe(at::ScalarType dtype, c10::IntArrayRef sizes) {
+  std::string s = c10::toString(dtype);
   s += '[';
-  for (std::int64_t i = 0; i < tensor.dim(); ++i) {
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
     if (i) s += ", ";
-    s += std::to_string(tensor.size(i));
+    s += std::to_string(sizes[i]);
   }
   return s + ']';
 }

@@ -464,9 +464,11 @@ std::vector<int> DefendedStep::sync_gradients(const std::vector<NamedTensor>& gr
     for (const NamedTensor& g : grads) finite = finite && at::isfinite(g.tensor).all().item<bool>();
     bad = sync->ranks_with(!finite);
     if (!bad.empty()) {
-      if (!d.scaler_) return bad;  // skipped on every rank: nothing to average
-      // The loss scaler owns overflow: every rank hands it the same non-finite gradients.
-      for (const NamedTensor& g : grads) g.tensor.fill_(std::numeric_limits<float>::quiet_NaN());
+      // Skipped on every rank, nothing to average; a loss scaler owns overflow, so every rank
+      // hands it the same non-finite gradients.
+      if (d.scaler_) {
+        for (const NamedTensor& g : grads) g.tensor.fill_(std::numeric_limits<float>::quiet_NaN());
+      }
       return bad;
     }
   }

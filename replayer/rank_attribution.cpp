@@ -2,6 +2,7 @@
 
 #include <retrace/number.h>
 #include <retrace/records.h>
+#include <retrace/verify.h>
 
 #include <algorithm>
 #include <map>
@@ -40,11 +41,7 @@ struct Seen {
 std::string key_text(const Seen& s) {
   std::ostringstream os;
   os << s.record.call.describe();
-  for (const auto& [dtype, shape] : s.inputs) {
-    os << " " << c10::toString(dtype) << "[";
-    for (std::size_t d = 0; d < shape.size(); ++d) os << (d ? ", " : "") << shape[d];
-    os << "]";
-  }
+  for (const auto& [dtype, shape] : s.inputs) os << " " << describe(dtype, shape);
   return os.str();
 }
 
@@ -102,12 +99,19 @@ nlohmann::json CulpritRank::to_json() const {
           {"ranks", ranks},          {"detail", detail}, {"message", message()}};
 }
 
+std::string RankAttribution::verdict() const {
+  if (culprit) return "culprit: " + culprit->message();
+  return all_clean ? "no rank went bad: every collective agreed (same keys, finite contributions, equal results)"
+                   : "no collective disagreed, but not every rank ended cleanly (see the notes)";
+}
+
 nlohmann::json RankAttribution::to_json() const {
   return {{"world_size", run.world_size},
           {"run_id", run.run_id},
           {"traces", traces},
           {"collectives", collectives},
           {"culprit", culprit ? culprit->to_json() : nlohmann::json()},
+          {"verdict", verdict()},
           {"all_clean", all_clean},
           {"notes", notes}};
 }

@@ -8,6 +8,7 @@
 #include <retrace/number.h>
 #include <retrace/observer.h>
 #include <retrace/rng.h>
+#include <retrace/verify.h>
 
 #include <ATen/ops/isfinite.h>
 
@@ -392,7 +393,7 @@ class CollectiveTape : public CollectiveReplay {
       const TensorEntry* e = rec.find(tensor_names::collective_input(i));
       if (!e || e->dtype != contribution[i].scalar_type() || e->shape != contribution[i].sizes().vec()) {
         desync(here, "its input " + std::to_string(i) + " is " + describe(contribution[i]) + ", the trace's " +
-                         (e ? describe(*e) : std::string("is missing")));
+                         (e ? describe(e->dtype, e->shape) : std::string("is missing")));
       }
       if (comparer_) comparer_->compare(rec, e->name, contribution[i], "(" + here + ")", "collective");
     }
@@ -400,7 +401,7 @@ class CollectiveTape : public CollectiveReplay {
       const TensorEntry* e = rec.find(tensor_names::collective_output(i));
       if (!e || e->dtype != result[i].scalar_type() || e->shape != result[i].sizes().vec()) {
         desync(here, "its output " + std::to_string(i) + " is " + describe(result[i]) + ", the trace's " +
-                         (e ? describe(*e) : std::string("is missing")));
+                         (e ? describe(e->dtype, e->shape) : std::string("is missing")));
       }
       if (!e->has_data()) {
         // The trace cannot serve it: bad input, not the program raising.
@@ -416,18 +417,6 @@ class CollectiveTape : public CollectiveReplay {
   }
 
  private:
-  static std::string describe(const at::Tensor& t) {
-    std::string s = c10::toString(t.scalar_type());
-    s += "[";
-    for (std::int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
-    return s + "]";
-  }
-  static std::string describe(const TensorEntry& e) {
-    std::string s = c10::toString(e.dtype);
-    s += "[";
-    for (std::size_t d = 0; d < e.shape.size(); ++d) s += (d ? ", " : "") + std::to_string(e.shape[d]);
-    return s + "]";
-  }
   [[noreturn]] void desync(const std::string& here, const std::string& why) {
     const std::string what =
         "collective desync: the replay ran " + here + " of step " + std::to_string(step_) + ", but " + why;

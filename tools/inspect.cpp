@@ -93,13 +93,7 @@ int inspect_ranks(const std::vector<std::string>& paths, bool json) {
   std::cout << "run " << a.run.run_id << ", world size " << a.run.world_size << ": " << traces.size()
             << " rank traces, " << a.collectives << " collectives compared\n";
   for (const std::string& n : a.notes) std::cout << "note: " << n << "\n";
-  if (a.culprit) {
-    std::cout << "culprit: " << a.culprit->message() << "\n";
-  } else {
-    std::cout << (a.all_clean ? "no rank went bad: every collective agreed (same keys, finite contributions, equal "
-                                "results)\n"
-                              : "no collective disagreed, but not every rank ended cleanly (see the notes)\n");
-  }
+  std::cout << a.verdict() << "\n";
   return 0;
 }
 

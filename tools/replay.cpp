@@ -57,10 +57,7 @@ int replay_ranks(const std::vector<std::string>& paths, ReplayOptions options, i
   const RankAttribution a = attribute_ranks(ptrs);
   std::ostream& out = json_path == "-" ? std::cerr : std::cout;
   for (const std::string& n : a.notes) out << "note: " << n << "\n";
-  out << (a.culprit     ? "culprit: " + a.culprit->message()
-          : a.all_clean ? std::string("no rank went bad: every collective agreed")
-                        : std::string("no collective disagreed, but not every rank ended cleanly (see the notes)"))
-      << "\n";
+  out << a.verdict() << "\n";
   std::vector<std::size_t> which;
   if (a.culprit) {
     const int rank = a.culprit->ranks.front();

@@ -96,5 +96,7 @@ class RecomputeVerifier : public SegmentObserver {
 
 // "Float[4, 8]"
 std::string describe(const at::Tensor& tensor);
+// The same of a dtype and shape (a trace's tensor entry).
+std::string describe(at::ScalarType dtype, c10::IntArrayRef sizes);
 
 }  // namespace retrace

@@ -49,6 +49,8 @@ struct RankAttribution {
   // run that raised or died without a culprit only had no collective disagree (see notes).
   bool all_clean = true;
   std::vector<std::string> notes;  // missing ranks, truncated traces, exceptions, handled steps
+  // One line: "culprit: ...", "no rank went bad: ..." (all_clean) or "no collective disagreed, ...".
+  std::string verdict() const;
   nlohmann::json to_json() const;
 };
 
