@@ -1,5 +1,6 @@
 #include <retrace/program.h>
 
+#include <retrace/diff.h>
 #include <retrace/error.h>
 
 #include <ATen/ATen.h>
@@ -51,8 +52,7 @@ std::vector<NamedTensor> of_kind(const std::vector<NamedTensor>& tensors, Tensor
 
 bool parameters_finite(const std::vector<NamedTensor>& state) {
   for (const NamedTensor& n : state) {
-    if (n.kind == TensorKind::kParameter && n.tensor.is_floating_point() &&
-        !at::isfinite(n.tensor).all().item<bool>()) {
+    if (n.kind == TensorKind::kParameter && !all_finite(n.tensor)) {
       return false;
     }
   }

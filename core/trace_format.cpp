@@ -11,9 +11,12 @@ namespace retrace {
 
 namespace format {
 
+std::uint64_t payload_checksum_seed(std::uint16_t type, std::uint16_t flags, std::uint32_t length) {
+  return std::uint64_t{type} | (std::uint64_t{flags} << 16) | (std::uint64_t{length} << 32);
+}
+
 std::uint64_t payload_checksum(std::uint16_t type, std::uint16_t flags, std::uint32_t length, const void* payload) {
-  const std::uint64_t seed = std::uint64_t{type} | (std::uint64_t{flags} << 16) | (std::uint64_t{length} << 32);
-  return XXH3_64bits_withSeed(payload, length, seed);
+  return XXH3_64bits_withSeed(payload, length, payload_checksum_seed(type, flags, length));
 }
 
 void encode_header(const RecordHeader& h, unsigned char* out) {

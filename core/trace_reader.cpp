@@ -13,6 +13,11 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <new>
+#include <vector>
+
+#include <xxhash.h>
 
 namespace retrace {
 
@@ -37,13 +42,34 @@ void read_exactly(const io::ReadableFile& file, void* out, std::size_t n, std::u
   }
 }
 
+// The deepest nesting of arrays and objects in `text`, brackets inside strings not counted (a
+// scan of the bytes; malformed JSON is the parser's to report).
+int nesting_depth(const std::string& text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') ++i;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 nlohmann::json parse_meta(const std::string& text, int max_depth, const std::string& path, std::uint64_t offset) {
   try {
-    // The callback sees each value's depth before it is built: deep nesting is refused early.
-    return nlohmann::json::parse(text, [&](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
-      if (depth > max_depth) throw std::runtime_error("nesting deeper than " + std::to_string(max_depth));
-      return true;
-    });
+    // Deep nesting is refused before anything is built, counted as the writer counts it (a
+    // container is one deeper than its deepest element). The parse then runs without a per-value
+    // callback.
+    if (nesting_depth(text) > max_depth) throw std::runtime_error("nesting deeper than " + std::to_string(max_depth));
+    return nlohmann::json::parse(text);
   } catch (const std::exception& e) {
     bad(TraceError::Kind::kMalformed, path, offset,
         std::string("record metadata is not valid JSON (") + e.what() + ")");
@@ -191,7 +217,7 @@ void TraceReader::scan_records() {
                  std::to_string(records_.size()) + " complete records are readable";
       break;
     }
-    const Record r = load(pos);
+    const Record r = load_record(pos, false);  // checked whole; its tensor bytes are not kept
     if (records_.empty() && !header_.is_object()) {
       if (r.type != RecordType::kHeader)
         bad(TraceError::Kind::kMalformed, path, pos, "the first record is not the header");
@@ -224,17 +250,67 @@ Record TraceReader::read(std::size_t i) const {
   return load(records_[i].offset);
 }
 
-Record TraceReader::load(std::uint64_t offset) const {
+Record TraceReader::read_table(std::size_t i) const {
+  if (i >= records_.size()) throw Error("record " + std::to_string(i) + " does not exist in " + path_);
+  return load_record(records_[i].offset, false);
+}
+
+Record TraceReader::load(std::uint64_t offset) const { return load_record(offset, true); }
+
+Record TraceReader::load_record(std::uint64_t offset, bool keep_blob) const {
   unsigned char raw[kRecordHeaderBytes];
   read_exactly(*file_, raw, sizeof raw, offset, path_);
   const RecordHeader h = decode_header(raw);
-  // Callers checked framing, header checksum and size before calling.
-  std::string payload(h.length, '\0');
-  read_exactly(*file_, payload.data(), h.length, offset + kRecordHeaderBytes, path_);
-  if (payload_checksum(h.type, h.flags, h.length, payload.data()) != h.payload_checksum) {
-    bad(TraceError::Kind::kChecksum, path_, offset, "record payload checksum mismatch");
-  }
+  // Callers checked framing, header checksum and size before calling. The payload is read in
+  // pieces and hashed as it comes: the metadata into its own string, the tensor bytes straight
+  // into the record's blob (kept) or through a small buffer (a scan: only the checksum counts),
+  // so that no record is copied whole and no buffer of its size is allocated for nothing.
+  const std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> hash(XXH3_createState(), &XXH3_freeState);
+  if (!hash) throw std::bad_alloc();
+  XXH3_64bits_reset_withSeed(hash.get(), payload_checksum_seed(h.type, h.flags, h.length));
+  std::uint64_t pos = offset + kRecordHeaderBytes;
+  const auto take = [&](void* out, std::size_t n) {
+    read_exactly(*file_, out, n, pos, path_);
+    XXH3_64bits_update(hash.get(), out, n);
+    pos += n;
+  };
+  const auto hash_rest = [&](std::uint64_t n) {
+    // 128 KiB pieces: each is still in the L2 cache when it is hashed.
+    std::vector<char> chunk(static_cast<std::size_t>(std::min<std::uint64_t>(n, std::uint64_t{1} << 17)));
+    while (n > 0) {
+      const auto k = static_cast<std::size_t>(std::min<std::uint64_t>(n, chunk.size()));
+      take(chunk.data(), k);
+      n -= k;
+    }
+  };
+  const auto check_sum = [&] {
+    if (XXH3_64bits_digest(hash.get()) != h.payload_checksum) {
+      bad(TraceError::Kind::kChecksum, path_, offset, "record payload checksum mismatch");
+    }
+  };
+  std::uint32_t meta_len = 0;
+  const bool has_meta_len = h.length >= 4;
+  if (has_meta_len) take(&meta_len, 4);
+  const bool meta_in_bounds = has_meta_len && meta_len <= options_.max_meta_bytes && meta_len <= h.length - 4;
+  std::string meta;
+  std::uint64_t blob_size = 0;
   Record r;
+  if (meta_in_bounds) {
+    meta.resize(meta_len);
+    take(meta.data(), meta_len);
+    blob_size = h.length - 4 - meta_len;
+    r.blob_at = pos;
+    r.has_blob = keep_blob;
+    if (keep_blob) {
+      r.blob.resize(static_cast<std::size_t>(blob_size));
+      take(r.blob.data(), r.blob.size());
+    } else {
+      hash_rest(blob_size);
+    }
+  } else {
+    hash_rest(h.length - (has_meta_len ? 4 : 0));
+  }
+  check_sum();
   r.offset = offset;
   switch (h.type) {
     case 1:
@@ -253,16 +329,14 @@ Record TraceReader::load(std::uint64_t offset) const {
       break;
     default: bad(TraceError::Kind::kMalformed, path_, offset, "unknown record type " + std::to_string(h.type));
   }
-  if (h.length < 4) bad(TraceError::Kind::kMalformed, path_, offset, "record payload shorter than its metadata length");
-  std::uint32_t meta_len;
-  std::memcpy(&meta_len, payload.data(), 4);
-  if (meta_len > options_.max_meta_bytes || meta_len > h.length - 4) {
+  if (!has_meta_len)
+    bad(TraceError::Kind::kMalformed, path_, offset, "record payload shorter than its metadata length");
+  if (!meta_in_bounds) {
     bad(TraceError::Kind::kMalformed, path_, offset,
         "metadata length " + std::to_string(meta_len) + " is out of bounds");
   }
-  r.meta = parse_meta(payload.substr(4, meta_len), options_.max_meta_depth, path_, offset);
+  r.meta = parse_meta(meta, options_.max_meta_depth, path_, offset);
   if (!r.meta.is_object()) bad(TraceError::Kind::kMalformed, path_, offset, "record metadata is not an object");
-  r.blob = payload.substr(4 + meta_len);
   if (r.meta.contains("tensors")) {
     const nlohmann::json& list = r.meta["tensors"];
     if (!list.is_array()) bad(TraceError::Kind::kMalformed, path_, offset, "'tensors' is not a list");
@@ -324,7 +398,7 @@ Record TraceReader::load(std::uint64_t offset) const {
         e.offset = f.count("offset");
         e.stored_bytes = f.count("stored_bytes");
       }
-      if (e.has_data() && (e.offset > r.blob.size() || e.stored_bytes > r.blob.size() - e.offset)) {
+      if (e.has_data() && (e.offset > blob_size || e.stored_bytes > blob_size - e.offset)) {
         bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' data lies outside its record");
       }
       r.tensors.push_back(std::move(e));
@@ -338,7 +412,17 @@ at::Tensor TraceReader::decode(const Record& record, const TensorEntry& e) const
     throw Error(path_ + ": tensor '" + e.name + "' in the record at byte offset " + std::to_string(record.offset) +
                 " holds only a digest (recorded in digest mode)");
   }
-  const char* src = record.blob.data() + e.offset;
+  // A record read without its tensor bytes (read_table): this tensor's bytes, from the file. Its
+  // bounds were checked when the record was read; the codec and the digest check the bytes.
+  std::string own;
+  if (!record.has_blob) {
+    own.resize(static_cast<std::size_t>(e.stored_bytes));
+    read_exactly(*file_, own.data(), own.size(), record.blob_at + e.offset, path_);
+  } else if (e.offset > record.blob.size() || e.stored_bytes > record.blob.size() - e.offset) {
+    throw Error(path_ + ": tensor '" + e.name + "' lies outside the bytes of the record at byte offset " +
+                std::to_string(record.offset));
+  }
+  const char* src = record.has_blob ? record.blob.data() + e.offset : own.data();
   const std::optional<std::uint64_t> declared = declared_payload_size(src, e.stored_bytes, e.codec);
   if (!declared || *declared != e.raw_bytes) {
     bad(TraceError::Kind::kMalformed, path_, record.offset,

@@ -10,9 +10,11 @@
 #include <retrace/rng.h>
 #include <retrace/verify.h>
 
-#include <ATen/ops/isfinite.h>
+#include <ATen/Parallel.h>
+#include <retrace/diff.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -165,7 +167,7 @@ class Comparer : public SegmentObserver, public StepMonitor {
  public:
   Comparer(const TraceReader& trace, std::int64_t step, const StepRecords& records)
       : trace_(trace), step_(step), records_(records) {
-    if (records.end) end_ = trace.read(*records.end);
+    if (records.end) end_ = trace.read_table(*records.end);
   }
   // True when the trace holds no outcome of the step: the run died during it, or raised.
   bool died() const { return !records_.end; }
@@ -316,7 +318,7 @@ class Comparer : public SegmentObserver, public StepMonitor {
       diverge(e.segment, phase, "", "the replay ran a segment event the trace does not hold");
       return;
     }
-    const Record rec = trace_.read(records_.segments[next_++]);
+    const Record rec = trace_.read_table(records_.segments[next_++]);
     const SegmentRecord recorded = SegmentRecord::decode(rec, trace_.path());
     if (recorded.segment != e.segment || recorded.phase != e.phase) {
       diverge(e.segment, phase, "",
@@ -361,7 +363,7 @@ class CollectiveTape : public CollectiveReplay {
     // Per seq, the record with stored results wins (a flight-ring dump's copy of a digest one).
     std::map<std::int64_t, std::pair<std::size_t, bool>> by_seq;
     for (std::size_t i : records.collectives) {
-      const CollectiveRecord c = CollectiveRecord::decode(trace.read(i), trace.path());
+      const CollectiveRecord c = CollectiveRecord::decode(trace.read_table(i), trace.path());
       auto it = by_seq.find(c.seq);
       if (it == by_seq.end() || (c.values && !it->second.second)) by_seq[c.seq] = {i, c.values};
     }
@@ -383,7 +385,7 @@ class CollectiveTape : public CollectiveReplay {
       }
       desync(here, "the trace holds " + std::to_string(order_.size()) + " collective(s) in this step");
     }
-    const Record rec = trace_.read(order_[seq]);
+    const Record rec = trace_.read_table(order_[seq]);
     const CollectiveRecord recorded = CollectiveRecord::decode(rec, trace_.path());
     if (recorded.seq != static_cast<std::int64_t>(seq) || recorded.call.op != call.op ||
         recorded.call.reduce != call.reduce || recorded.call.root != call.root) {
@@ -442,12 +444,20 @@ class CollectiveTape : public CollectiveReplay {
 };
 
 // The record's state.* (or batch.*) tensors, decoded, under the program's names.
+// Decoded on LibTorch's intra-op threads: a snapshot is hundreds of tensors.
 std::vector<NamedTensor> named_tensors(const TraceReader& trace, const Record& rec,
                                        std::optional<std::string_view> (*program_name)(std::string_view)) {
   std::vector<NamedTensor> out;
+  std::vector<const TensorEntry*> entries;
   for (const TensorEntry& e : rec.tensors) {
-    if (const auto name = program_name(e.name)) out.push_back({std::string(*name), trace.decode(rec, e)});
+    if (const auto name = program_name(e.name)) {
+      out.push_back({std::string(*name), at::Tensor()});
+      entries.push_back(&e);
+    }
   }
+  at::parallel_for(0, static_cast<std::int64_t>(out.size()), 4, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) out[i].tensor = trace.decode(rec, *entries[i]);
+  });
   return out;
 }
 
@@ -476,11 +486,15 @@ std::vector<std::uint8_t> rng_bytes(const TraceReader& trace, const Record& rec,
   return {p, p + t.numel()};
 }
 
+// Every tensor of `state` finite, checked on LibTorch's intra-op threads.
 bool all_finite(const std::vector<NamedTensor>& state) {
-  for (const NamedTensor& s : state) {
-    if (s.tensor.is_floating_point() && !at::isfinite(s.tensor).all().item<bool>()) return false;
-  }
-  return true;
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, static_cast<std::int64_t>(state.size()), 8, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end && finite.load(std::memory_order_relaxed); ++i) {
+      if (!retrace::all_finite(state[i].tensor)) finite.store(false, std::memory_order_relaxed);
+    }
+  });
+  return finite.load();
 }
 
 // Every recorded step's records, by step.
@@ -495,7 +509,7 @@ std::map<std::int64_t, StepRecords> index_steps(const TraceReader& trace) {
       case RecordType::kCollective: steps[r.step].collectives.push_back(i); break;
       case RecordType::kStepEnd: steps[r.step].end = i; break;
       case RecordType::kEvent:
-        if (const EventRecord e = EventRecord::decode(trace.read(i), trace.path());
+        if (const EventRecord e = EventRecord::decode(trace.read_table(i), trace.path());
             e.exception && e.exception->step == r.step) {
           if (e.exception->raised_by_step) steps[r.step].raised = e.exception->what;
           steps[r.step].exception = true;
@@ -537,7 +551,7 @@ Anchor find_anchor(const TraceReader& trace, const std::map<std::int64_t, StepRe
   for (auto it = steps.upper_bound(latest); it != steps.begin();) {
     --it;
     for (auto r = it->second.begins.rbegin(); r != it->second.begins.rend(); ++r) {
-      Record rec = trace.read(*r);
+      Record rec = trace.read_table(*r);
       if (!StepBeginRecord::decode(rec, trace.path()).full) continue;
       std::vector<NamedTensor> state = named_tensors(trace, rec, tensor_names::state_name);
       if (all_finite(state)) return {std::move(rec), std::move(state)};
@@ -584,7 +598,12 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
   }
   RngState::deserialize(rng.data(), rng.size()).restore();
   std::vector<NamedTensor> batch = batch_of(trace, begin, begin_record);
-  const std::vector<NamedTensor> state_before = clone_all(program.state());
+  // The state the step starts from, for provenance's second run: the anchor's snapshot is decoded
+  // again from its record when needed (load_state may have kept the decoded tensors, which the
+  // step then changed), any other step's is copied now.
+  std::vector<NamedTensor> copied;
+  if (!anchor) copied = clone_all(program.state());
+  const auto state_before = [&] { return anchor ? named_tensors(trace, begin, tensor_names::state_name) : copied; };
 
   StepOutcome outcome;
   std::optional<std::string> raised;
@@ -625,7 +644,7 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
     }
     // What went non-finite before it raised (a non-finite gradient norm that clipping refuses).
     if (options.provenance && !result.first_nonfinite)
-      find_provenance(trace, recs, program, s, state_before, rng, batch, result);
+      find_provenance(trace, recs, program, s, state_before(), rng, batch, result);
     return false;
   }
   if (const std::size_t left = tape.unconsumed(); left > 0 && !comparer.first) {
@@ -672,7 +691,7 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
     result.notes.push_back("step " + std::to_string(s) + " went non-finite and a defense skipped it (" +
                            outcome.skip_reason + "); the replay goes on");
   } else if (nonfinite && options.provenance && !result.first_nonfinite) {
-    find_provenance(trace, recs, program, s, state_before, rng, batch, result);
+    find_provenance(trace, recs, program, s, state_before(), rng, batch, result);
   }
   return !result.first_divergence && !(nonfinite && !handled);
 }
@@ -715,7 +734,7 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
     if (recs.begins.empty()) throw Error("the trace holds no step_begin record of step " + std::to_string(s));
     bool stopped_before = false;
     const bool go_on = replay_step(trace_, program_, s, recs,
-                                   s == result.from_step ? anchor.begin : trace_.read(recs.begins.front()),
+                                   s == result.from_step ? anchor.begin : trace_.read_table(recs.begins.front()),
                                    s == result.from_step, s > first_recorded, options, result, stopped_before);
     if (!go_on) {
       result.to_step = stopped_before ? s - 1 : s;

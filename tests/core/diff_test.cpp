@@ -107,6 +107,48 @@ TEST(BitwiseDiff, ReportTextNamesTheFirstDifference) {
   EXPECT_NE(text.find("1 of 4 elements differ; first at [2] expected 0 got 1.5"), std::string::npos) << text;
 }
 
+// all_finite's one-pass read of each floating dtype finds a NaN or an infinity anywhere: in the
+// first and last element, on both sides of its 4096-element blocks. Controls: the largest finite
+// value and the smallest subnormal are finite, and so is a tensor with neither.
+TEST(AllFinite, FindsNanAndInfInEachFloatingDtypeAtEveryPosition) {
+  for (const at::ScalarType dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
+    const double biggest = dtype == at::kFloat    ? std::numeric_limits<float>::max()
+                           : dtype == at::kDouble ? std::numeric_limits<double>::max()
+                           : dtype == at::kHalf   ? 65504.0
+                                                  : 3.3895313892515355e38;
+    for (const std::int64_t n : {1, 4095, 4096, 4097, 10000}) {
+      const at::Tensor clean = torch::randn({n}, at::kDouble).to(dtype);
+      EXPECT_TRUE(all_finite(clean)) << dtype << " n=" << n;
+      at::Tensor edge = clean.clone();
+      edge[0] = biggest;
+      edge[n - 1] = -biggest;
+      EXPECT_TRUE(all_finite(edge)) << "the largest finite value, " << dtype;
+      edge.fill_(1e-320);  // rounds to the smallest subnormal or zero: finite either way
+      EXPECT_TRUE(all_finite(edge));
+      for (const std::int64_t at : {std::int64_t{0}, n / 2, n - 1, std::min<std::int64_t>(n - 1, 4096)}) {
+        for (const double bad :
+             {std::nan(""), std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity()}) {
+          at::Tensor t = clean.clone();
+          t[at] = bad;
+          EXPECT_FALSE(all_finite(t)) << dtype << " n=" << n << " at " << at << " value " << bad;
+        }
+      }
+    }
+  }
+}
+
+// Tensors the one-pass read does not take go through ATen, with the same answers.
+TEST(AllFinite, OtherTensorsGoThroughAten) {
+  at::Tensor t = torch::ones({3, 4});
+  t[2][1] = std::nanf("");
+  EXPECT_FALSE(all_finite(t.t()));  // not contiguous
+  EXPECT_TRUE(all_finite(torch::ones({3, 4}).t()));
+  EXPECT_FALSE(all_finite(torch::tensor({1.0f, INFINITY}).neg()));  // a lazy negation
+  EXPECT_TRUE(all_finite(torch::tensor({1, 2, 3})));                // integers are finite
+  EXPECT_TRUE(all_finite(at::Tensor()));
+  EXPECT_TRUE(all_finite(torch::empty({0})));
+}
+
 TEST(GtestHelpers, BitwiseEqFailsWithTheReport) {
   // Negative control for EXPECT_BITWISE_EQ itself.
   const auto result = testing::AssertBitwiseEqual("a", "b", torch::zeros({2}), torch::ones({2}));

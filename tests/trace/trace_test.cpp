@@ -382,6 +382,48 @@ TEST(Trace, EveryBitFlipIsDetected) {
   fs::remove(flip_path);
 }
 
+// read_table() checks a record as read() does and keeps none of its tensor bytes; decode() then
+// reads a tensor's bytes from the file. Control: bytes changed in the file after the record was
+// read are refused by decode() from the table (the record read whole still holds the old ones),
+// and read_table() of the changed record fails its checksum.
+TEST(Trace, ReadTableDecodesEachTensorFromTheFileAndSeesBytesChangedSince) {
+  const std::string path = temp_path("table");
+  write_small(path);
+  const TraceReader r(path);
+  const Record whole = r.read(0);
+  const Record table = r.read_table(0);
+  EXPECT_TRUE(whole.has_blob);
+  EXPECT_FALSE(table.has_blob);
+  EXPECT_TRUE(table.blob.empty());
+  ASSERT_EQ(table.tensors.size(), whole.tensors.size());
+  for (const TensorEntry& e : whole.tensors) {
+    if (!e.has_data()) continue;
+    EXPECT_BITWISE_EQ(r.decode(whole, e), r.decode(table, *table.find(e.name))) << e.name;
+  }
+  const TensorEntry& a = *table.find("a");
+  std::string bytes = slurp(path);
+  const std::size_t last = static_cast<std::size_t>(table.blob_at + a.offset + a.stored_bytes - 1);
+  bytes[last] = static_cast<char>(bytes[last] ^ 0x40);
+  spit(path, bytes);  // the same file, rewritten in place: the reader's descriptor sees it
+  EXPECT_THROW(r.decode(table, a), TraceError);
+  EXPECT_BITWISE_EQ(tensor_a(), r.decode(whole, *whole.find("a")));
+  EXPECT_THROW(r.read_table(0), TraceError);
+  fs::remove(path);
+}
+
+// The reader counts nesting in the metadata's structure, not in its text: brackets inside a string
+// are text. Control: Trace.TheWriterRefusesWhatTheReaderWouldRefuse refuses 33 levels.
+TEST(Trace, BracketsInsideAStringAreNotNesting) {
+  const std::string path = temp_path("brackets");
+  const std::string text = std::string(100, '[') + "\\\"{" + std::string(100, '{');
+  {
+    TraceWriter w(path, {{"description", text}});
+    w.close();
+  }
+  EXPECT_EQ(TraceReader(path).header()["description"], text);
+  fs::remove(path);
+}
+
 // A reader with a cap below what a trace declares refuses it before allocating (the writer never
 // writes past the default caps: Trace.TheWriterRefusesWhatTheReaderWouldRefuse).
 TEST(Trace, DeclaredSizesNeverDriveAnAllocationBeyondTheCap) {

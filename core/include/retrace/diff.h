@@ -53,4 +53,9 @@ DiffReport bitwise_diff(const at::Tensor& expected, const at::Tensor& actual);
 // NaN / +Inf / -Inf counts of a floating tensor (zeros for integer tensors).
 NonFiniteCounts count_nonfinite(const at::Tensor& tensor);
 
+// Whether every element of `tensor` is finite (true for a non-floating tensor). A contiguous CPU
+// tensor of float, double, half or bfloat16 is read once, without a dispatch (NaN and Inf are the
+// values whose exponent bits are all ones); any other through ATen (isfinite, all).
+bool all_finite(const at::Tensor& tensor);
+
 }  // namespace retrace

@@ -69,7 +69,9 @@ struct Record {
   std::uint64_t offset = 0;  // byte offset of the record header in the file
   nlohmann::json meta;       // record-specific fields (docs/trace-format.md)
   std::vector<TensorEntry> tensors;
-  std::string blob;  // the stored tensor bytes
+  std::string blob;           // the stored tensor bytes; empty after TraceReader::read_table()
+  bool has_blob = true;       // false after read_table(): decode() reads each tensor's bytes itself
+  std::uint64_t blob_at = 0;  // file offset of the stored tensor bytes (where entry offsets count from)
   const TensorEntry* find(const std::string& name) const;
 };
 
@@ -208,7 +210,12 @@ class TraceReader {
 
   // Loads record i of records(): verifies its checksum, parses meta and tensor entries.
   Record read(std::size_t i) const;
-  // Decodes a stored tensor (CPU), checking sizes against the caps and its digest.
+  // Loads record i checked as read() does, without keeping its stored tensor bytes: for callers
+  // that compare digests and decode few of its tensors, if any (decode() then reads that tensor's
+  // bytes from the file, and checks them against the tensor's codec and digest).
+  Record read_table(std::size_t i) const;
+  // Decodes a stored tensor (CPU), checking sizes against the caps and its digest. Safe to call
+  // from several threads at once.
   at::Tensor decode(const Record& record, const TensorEntry& entry) const;
 
  private:
@@ -216,6 +223,9 @@ class TraceReader {
   // trailer, and says in warning_ where a truncated trace ends.
   void scan_records();
   Record load(std::uint64_t offset) const;
+  // keep_blob false: the payload is checked (checksum, metadata, tensor entries) but its tensor
+  // bytes are not kept (the scan when the trace is opened, read_table()).
+  Record load_record(std::uint64_t offset, bool keep_blob) const;
   RecordInfo index_entry(const Record& record, std::uint32_t length) const;
   std::string path_;
   ReaderOptions options_;
