@@ -22,9 +22,9 @@ namespace {
 models::GptConfig bench_config() { return bench::gpt8_config(); }
 
 struct Fixture {
-  Fixture() {
+  explicit Fixture(const models::GptConfig& config = bench_config()) {
     torch::manual_seed(0);
-    model = std::make_shared<models::TinyGpt>(bench_config());
+    model = std::make_shared<models::TinyGpt>(config);
     model->train();
     optimizer = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-4));
     batch = model->make_batch(1);
@@ -91,6 +91,61 @@ BENCHMARK(BM_CheckpointedVsPlainStep)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->MinTime(2.0);
+
+// No recompute, full recompute (every block a checkpointed segment) and selective recompute
+// (each block's attention core recomputed, every matmul output kept: RecomputePolicy::selective),
+// one step of each per iteration in rotating order. Arg 0: the 8-block tiny GPT of the other
+// benchmarks; arg 1: GPT-2 small's body at 256 tokens (bench/README.md); arg 2: the same at 1024.
+models::GptConfig recompute_config(std::int64_t which) {
+  if (which == 0) return bench_config();
+  models::GptConfig c;
+  c.layers = 12;
+  c.d_model = 768;
+  c.heads = 12;
+  c.vocab = 8192;
+  c.seq_len = which == 1 ? 256 : 1024;
+  c.batch = 1;
+  c.dropout = 0.1;
+  return c;
+}
+
+void BM_RecomputePolicies(benchmark::State& state) {
+  const models::GptConfig config = recompute_config(state.range(0));
+  Fixture f(config);
+  const models::CheckpointPlan none{0, {}};
+  const models::CheckpointPlan full{static_cast<int>(config.layers), {}};
+  const models::CheckpointPlan selective{0, {}, true};
+  const std::vector<const models::CheckpointPlan*> plans = {&none, &full, &selective};
+  const int warmup = config.d_model > 64 ? 1 : 3;
+  for (int i = 0; i < warmup; ++i) {
+    for (const auto* p : plans) f.step(*p);
+  }
+  std::vector<double> t(plans.size(), 0.0);
+  std::size_t first = 0;
+  for (auto _ : state) {
+    for (std::size_t k = 0; k < plans.size(); ++k) {
+      const std::size_t v = (first + k) % plans.size();
+      t[v] += bench::seconds([&] { f.step(*plans[v]); });
+    }
+    first = (first + 1) % plans.size();
+    state.SetIterationTime(t[2] / static_cast<double>(state.iterations()));
+  }
+  const double bytes_none = static_cast<double>(f.saved_bytes(none));
+  state.counters["plain_ms"] = 1e3 * t[0] / static_cast<double>(state.iterations());
+  state.counters["full_over_plain"] = t[1] / t[0];
+  state.counters["selective_over_plain"] = t[2] / t[0];
+  state.counters["saved_MiB_plain"] = bytes_none / (1 << 20);
+  state.counters["saved_full_over_plain"] = static_cast<double>(f.saved_bytes(full)) / bytes_none;
+  state.counters["saved_selective_over_plain"] = static_cast<double>(f.saved_bytes(selective)) / bytes_none;
+}
+BENCHMARK(BM_RecomputePolicies)->ArgName("model")->Arg(0)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(3.0);
+BENCHMARK(BM_RecomputePolicies)
+    ->ArgName("model")
+    ->Arg(1)
+    ->Arg(2)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(3);
 
 // Live recompute verification in digest mode vs the same checkpointed step without it.
 void BM_VerifyOverhead(benchmark::State& state) {

@@ -48,6 +48,18 @@ data: {batch: 8}
 training: {optimizer: adamw, lr: 0.0001, segments: 12, device: cuda, precision: bf16}
 )";
 
+// GPT-2 small's body on the CPU: 12 blocks, d_model 768, 12 heads, 256 tokens (one sequence) a
+// step, dropout 0.1, AdamW, every block a checkpointed segment. The vocabulary is 8192 (GPT-2's is
+// 50257), which keeps the untied embedding and LM head at 6.3M parameters each: 98M parameters
+// in all, 1.2 GB of state with AdamW's moments. A step takes seconds here, so these run a fixed,
+// small number of iterations (bench/README.md).
+const char* kGpt2Small = R"(
+name: gpt2-small
+model: {type: tiny_gpt, layers: 12, d_model: 768, heads: 12, seq_len: 256, vocab: 8192, dropout: 0.1}
+data: {batch: 1}
+training: {optimizer: adamw, lr: 0.0001, segments: 12}
+)";
+
 std::string bench_path(const std::string& name) {
   return (std::filesystem::temp_directory_path() / ("retrace_bench_" + std::to_string(::getpid()) + "_" + name))
       .string();
@@ -133,6 +145,18 @@ BENCHMARK_CAPTURE(BM_RecorderOverhead, Cuda_gpt12_digest, "digest", kGpuGpt12)
     ->Unit(benchmark::kMillisecond)
     ->Iterations(12);
 BENCHMARK_CAPTURE(BM_RecorderOverhead, Cuda_gpt12_full, "full", kGpuGpt12)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(3);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, gpt2_small_digest, "digest", kGpt2Small)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(4);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, gpt2_small_ring4, "ring4", kGpt2Small)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(4);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, gpt2_small_full, "full", kGpt2Small)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->Iterations(3);
@@ -283,9 +307,9 @@ BENCHMARK_CAPTURE(BM_DurableWrite, torch_save_bf16_weights, "torch_save")
     ->Unit(benchmark::kMillisecond);
 
 // Replaying a recorded step (open the trace, restore, re-execute, compare) against the step.
-void BM_ReplayVsStep(benchmark::State& state) {
+void BM_ReplayVsStep(benchmark::State& state, const char* scenario) {
   register_builtin_programs();
-  ScenarioProgram program(parse_scenario_text(kBenchScenario, "bench"));
+  ScenarioProgram program(parse_scenario_text(scenario, "bench"));
   const std::string path = bench_path("replay");
   {
     RecorderOptions full;
@@ -294,7 +318,7 @@ void BM_ReplayVsStep(benchmark::State& state) {
     record_run(program, recorder, 2);
     recorder.close();
   }
-  ScenarioProgram plain(parse_scenario_text(kBenchScenario, "bench"));
+  ScenarioProgram plain(parse_scenario_text(scenario, "bench"));
   double t_step = 0, t_replay = 0, t_open = 0, t_build = 0;
   std::int64_t s = 0;
   for (auto _ : state) {
@@ -320,9 +344,17 @@ void BM_ReplayVsStep(benchmark::State& state) {
   state.counters["open_over_step"] = t_open / t_step;
   state.counters["build_over_step"] = t_build / t_step;
   state.counters["step_ms"] = 1e3 * t_step / s;
+  state.counters["trace_MiB"] = static_cast<double>(std::filesystem::file_size(path)) / (1 << 20);
   std::filesystem::remove(path);
 }
-BENCHMARK(BM_ReplayVsStep)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(2.0);
+BENCHMARK_CAPTURE(BM_ReplayVsStep, tiny_gpt, kBenchScenario)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(2.0);
+BENCHMARK_CAPTURE(BM_ReplayVsStep, gpt2_small, kGpt2Small)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(3);
 
 // Opening a trace: every record's checksum verified, its metadata and tensor table parsed and
 // checked (a 2-step full-mode trace of the tiny GPT, 22 MiB). Replay pays this once per trace.

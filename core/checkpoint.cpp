@@ -304,4 +304,34 @@ at::Tensor checkpoint_sequential(const std::vector<Stage>& stages, int segments,
   return x;
 }
 
+const char* to_string(RegionKind kind) {
+  switch (kind) {
+    case RegionKind::kAttentionCore: return "attention_core";
+  }
+  return "?";
+}
+
+bool RecomputePolicy::recomputes(RegionKind kind) const {
+  return std::find(kinds.begin(), kinds.end(), kind) != kinds.end();
+}
+
+RecomputePolicy RecomputePolicy::selective() { return RecomputePolicy{{RegionKind::kAttentionCore}, {}}; }
+
+namespace {
+thread_local std::vector<RecomputePolicy> t_policies;
+}  // namespace
+
+RecomputePolicyScope::RecomputePolicyScope(RecomputePolicy policy) { t_policies.push_back(std::move(policy)); }
+
+RecomputePolicyScope::~RecomputePolicyScope() { t_policies.pop_back(); }
+
+std::vector<at::Tensor> recompute_region(const std::string& name, RegionKind kind, SegmentFn fn,
+                                         const std::vector<at::Tensor>& inputs) {
+  if (!fn) fail(name, "the region function is empty");
+  if (t_policies.empty() || !t_policies.back().recomputes(kind) || !t_active.empty() || !at::GradMode::is_enabled()) {
+    return fn(inputs);
+  }
+  return checkpoint(name, std::move(fn), inputs, t_policies.back().options);
+}
+
 }  // namespace retrace

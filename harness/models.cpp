@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -18,7 +19,18 @@ namespace F = torch::nn::functional;
 
 at::Tensor SegmentedModel::body(const at::Tensor& x, const CheckpointPlan& plan) {
   const std::vector<Stage> all = stages();
+  if (plan.selective && plan.segments != 0) {
+    throw Error("CheckpointPlan: selective recompute runs the stages plainly and recomputes their attention cores; "
+                "segments must be 0, got " +
+                std::to_string(plan.segments));
+  }
   if (plan.segments == 0) {
+    std::optional<RecomputePolicyScope> policy;
+    if (plan.selective) {
+      RecomputePolicy p = RecomputePolicy::selective();
+      p.options = plan.options;
+      policy.emplace(std::move(p));
+    }
     at::Tensor y = x;
     for (const Stage& s : all) y = s.fn(y);
     return y;
@@ -72,7 +84,8 @@ static at::Tensor layer_norm(torch::nn::LayerNorm& ln, const at::Tensor& x, bool
 }
 
 struct TinyGpt::Block : torch::nn::Module {
-  Block(const GptConfig& c) : heads(c.heads), dropout(c.dropout), layernorm_fp32(c.layernorm_fp32) {
+  Block(const GptConfig& c, std::string block_name)
+      : name(std::move(block_name)), heads(c.heads), dropout(c.dropout), layernorm_fp32(c.layernorm_fp32) {
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(c.layernorm_eps)));
     qkv = register_module("qkv", torch::nn::Linear(c.d_model, 3 * c.d_model));
     proj = register_module("proj", torch::nn::Linear(c.d_model, c.d_model));
@@ -87,11 +100,19 @@ struct TinyGpt::Block : torch::nn::Module {
     auto qkv_out = qkv(x).chunk(3, -1);
     auto split = [&](const at::Tensor& t) { return t.view({B, T, heads, hd}).transpose(1, 2); };
     const at::Tensor q = split(qkv_out[0]), k = split(qkv_out[1]), v = split(qkv_out[2]);
-    at::Tensor att = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
-    att = att.masked_fill(causal_mask.narrow(0, 0, T).narrow(1, 0, T), -std::numeric_limits<double>::infinity());
-    att = at::softmax(att, -1);
-    att = F::dropout(att, F::DropoutFuncOptions().p(dropout).training(is_training()));
-    const at::Tensor y = at::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
+    // The attention core: its softmax and dropout tensors are B x heads x T x T, what selective
+    // recompute (RecomputePolicy::selective) does not keep.
+    const at::Tensor core = recompute_region(
+        name + ".attention_core", RegionKind::kAttentionCore,
+        [this, T, hd](const std::vector<at::Tensor>& in) {
+          at::Tensor att = at::matmul(in[0], in[1].transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
+          att = att.masked_fill(causal_mask.narrow(0, 0, T).narrow(1, 0, T), -std::numeric_limits<double>::infinity());
+          att = at::softmax(att, -1);
+          att = F::dropout(att, F::DropoutFuncOptions().p(dropout).training(is_training()));
+          return std::vector<at::Tensor>{at::matmul(att, in[2])};
+        },
+        {q, k, v})[0];
+    const at::Tensor y = core.transpose(1, 2).contiguous().view({B, T, C});
     return F::dropout(proj(y), F::DropoutFuncOptions().p(dropout).training(is_training()));
   }
 
@@ -105,6 +126,7 @@ struct TinyGpt::Block : torch::nn::Module {
     return h + mlp(layer_norm(ln2, h, layernorm_fp32));
   }
 
+  std::string name;  // "block3": its attention core is the region "block3.attention_core"
   std::int64_t heads;
   double dropout;
   bool layernorm_fp32;
@@ -129,7 +151,8 @@ TinyGpt::TinyGpt(GptConfig config) : config_(config) {
   position_embedding_ = register_module("position_embedding", torch::nn::Embedding(config.seq_len, config.d_model));
   embedding_dropout_ = register_module("embedding_dropout", torch::nn::Dropout(config.dropout));
   for (std::int64_t i = 0; i < config.layers; ++i) {
-    blocks_.push_back(register_module("block" + std::to_string(i), std::make_shared<Block>(config)));
+    const std::string name = "block" + std::to_string(i);
+    blocks_.push_back(register_module(name, std::make_shared<Block>(config, name)));
   }
   final_norm_ = register_module(
       "final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({config.d_model}).eps(config.layernorm_eps)));

@@ -153,7 +153,7 @@ StepOutcome ScenarioProgram::step(std::int64_t step, const std::vector<NamedTens
   }
   if (!b.input.defined() || !b.target.defined()) throw Error("the batch lacks a tensor of kind input or target");
   optimizer_->zero_grad();
-  models::CheckpointPlan plan{spec_.training.segments, {}};
+  models::CheckpointPlan plan{spec_.training.segments, {}, spec_.training.recompute == "selective"};
   plan.options.preserve_rng_state = spec_.defenses.preserve_rng_state;
   at::Tensor loss;
   {

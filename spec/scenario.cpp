@@ -537,8 +537,8 @@ ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
 
   if (const YAML::Node t = root["training"]; t.IsDefined()) {
     p.keys(t, "training",
-           {"steps", "seed", "optimizer", "lr", "weight_decay", "momentum", "segments", "clip_grad_norm", "device",
-            "precision", "loss_weight"});
+           {"steps", "seed", "optimizer", "lr", "weight_decay", "momentum", "segments", "recompute", "clip_grad_norm",
+            "device", "precision", "loss_weight"});
     TrainingSpec& tr = s.training;
     tr.steps = p.integer(t, "steps", "training.steps", tr.steps, 1, 1 << 30);
     tr.seed = static_cast<std::uint64_t>(p.integer(t, "seed", "training.seed", 0, 0, kBig));
@@ -555,6 +555,18 @@ ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
       p.fail(t["segments"], "training.segments",
              "is " + std::to_string(tr.segments) + " but the model has " + std::to_string(m.layers) +
                  " layers; use 0 (off) to " + std::to_string(m.layers));
+    }
+    tr.recompute = p.choice(t, "recompute", "training.recompute", tr.recompute, {"full", "selective"});
+    if (tr.recompute == "selective" && tr.segments != 0) {
+      p.fail(t["recompute"], "training.recompute",
+             "is selective, which recomputes each block's attention core and keeps the rest; it needs "
+             "training.segments 0 (got " +
+                 std::to_string(tr.segments) + "): drop segments, or use recompute: full");
+    }
+    if (tr.recompute == "selective" && m.type != "tiny_gpt") {
+      p.fail(t["recompute"], "training.recompute",
+             "is selective, which recomputes attention cores, but a " + m.type +
+                 " model has none; use it with model.type tiny_gpt");
     }
   }
 
@@ -686,6 +698,9 @@ void emit_training(YAML::Emitter& out, const TrainingSpec& t) {
   out << YAML::Key << "weight_decay" << YAML::Value << t.weight_decay;
   out << YAML::Key << "momentum" << YAML::Value << t.momentum;
   out << YAML::Key << "segments" << YAML::Value << t.segments;
+  // Only when selective: the canonical form of every other scenario (the config its traces keep)
+  // stays as it was.
+  if (t.recompute != "full") out << YAML::Key << "recompute" << YAML::Value << t.recompute;
   out << YAML::Key << "clip_grad_norm" << YAML::Value << t.clip_grad_norm;
   out << YAML::Key << "device" << YAML::Value << t.device;
   out << YAML::Key << "precision" << YAML::Value << t.precision;

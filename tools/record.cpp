@@ -10,6 +10,7 @@
 #include <retrace/scenario.h>
 #include <retrace/trainer.h>
 
+#include <ATen/Parallel.h>
 #include <boost/program_options.hpp>
 
 #include <cmath>
@@ -93,7 +94,7 @@ bool report_unfired(const std::vector<char>& fired, const Defenses* defenses, st
 
 int run_record(const std::vector<std::string>& args) {
   std::string scenario, output, mode = "digest", compression = "fast", on_write_error = "stop", config_path;
-  int every = 0, ring = 0, ranks = 0;
+  int every = 0, ring = 0, ranks = 0, threads = 0;
   std::int64_t steps = 0;
   po::options_description opts(
       "retrace record [SCENARIO.yaml | builtin:NAME] -o TRACE [options]\n\n"
@@ -124,6 +125,9 @@ int run_record(const std::vector<std::string>& args) {
       "state(), which must end it bitwise equal; a failure exits 1)")(
       "deterministic",
       "deterministic algorithms on, cuDNN benchmark off, cuBLAS workspace configured (replay then does the same)")(
+      "threads", po::value<int>(&threads),
+      "LibTorch intra-op threads (default: LibTorch's, one per core; each rank's with --ranks: cores / ranks); the "
+      "trace records the count and replay runs under it")(
       "ranks", po::value<int>(&ranks),
       "data parallel: run N ranks as processes of this binary (default: the scenario's world_size), each writing "
       "its own trace, TRACE with .rankR before its extension (run.trace -> run.rank0.trace, run.rank1.trace)");
@@ -139,6 +143,7 @@ int run_record(const std::vector<std::string>& args) {
   if (compression != "fast" && compression != "small") {
     throw Error("--compression must be fast or small, got '" + compression + "'");
   }
+  if (vm.count("threads") && threads < 1) throw Error("--threads must be at least 1, got " + std::to_string(threads));
   if (vm.count("ranks") && (ranks < 1 || ranks > kMaxScenarioRanks)) {
     throw Error("--ranks must be 1 to " + std::to_string(kMaxScenarioRanks) + ", got " + std::to_string(ranks));
   }
@@ -163,6 +168,7 @@ int run_record(const std::vector<std::string>& args) {
     throw Error("the output folder '" + parent.string() + "' does not exist; create it first");
   }
 
+  if (vm.count("threads")) at::set_num_threads(threads);
   std::optional<DeterministicGuard> deterministic;
   if (vm.count("deterministic")) deterministic.emplace();
   std::unique_ptr<Program> program = program_to_record(scenario, config_path);

@@ -263,8 +263,15 @@ std::vector<ScenarioResult> run_in_children(const std::vector<ScenarioJob>& jobs
   };
   std::vector<ScenarioResult> results(jobs.size());
   std::size_t next = 0, done = 0;
+  // Processes at work: a data-parallel job counts its world_size (its ranks run at once); one
+  // wider than -j runs alone.
+  int busy = 0;
+  const auto width = [&](std::size_t i) { return std::max(1, jobs[i].spec.world_size); };
   while (done < jobs.size()) {
-    while (next < jobs.size() && static_cast<int>(running.size()) < options.jobs) start(next++);
+    while (next < jobs.size() && (running.empty() || busy + width(next) <= options.jobs)) {
+      busy += width(next);
+      start(next++);
+    }
     int status = 0;
     const pid_t pid = ::waitpid(-1, &status, bar.enabled() ? WNOHANG : 0);
     if (pid == 0) {
@@ -280,6 +287,7 @@ std::vector<ScenarioResult> run_in_children(const std::vector<ScenarioJob>& jobs
     if (it == running.end()) continue;
     const std::size_t i = it->second;
     running.erase(it);
+    busy -= width(i);
     std::optional<ScenarioResult> r = read_result(children[i], status);
     if (!r) {
       r = crashed(jobs[i], children[i], status);

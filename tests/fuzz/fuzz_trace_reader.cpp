@@ -82,6 +82,36 @@ void read_everything(const std::string& path) {
         // a typed refusal of this tensor; the next one is tried
       }
     }
+    // The same record read for its table only: the same entries, and decode() (which then reads
+    // each tensor's bytes from the file) gives the same bits or the same refusal.
+    retrace::Record table;
+    try {
+      table = reader.read_table(i);
+    } catch (const retrace::Error& e) {
+      retrace::fuzz::fail(std::string("record ") + std::to_string(i) +
+                          " passed read() but read_table() throws: " + e.what());
+    }
+    check(!table.has_blob && table.blob.empty() && table.tensors.size() == record.tensors.size(),
+          "read_table(i) holds read(i)'s entries and no tensor bytes");
+    for (std::size_t k = 0; k < record.tensors.size(); ++k) {
+      const retrace::TensorEntry& entry = record.tensors[k];
+      if (!entry.has_data()) continue;
+      at::Tensor whole, from_file;
+      try {
+        whole = reader.decode(record, entry);
+      } catch (const retrace::Error&) {
+      }
+      try {
+        from_file = reader.decode(table, table.tensors[k]);
+      } catch (const retrace::Error&) {
+      }
+      check(whole.defined() == from_file.defined(), "decode() of read() and of read_table() refuse alike");
+      if (whole.defined()) {
+        check(whole.nbytes() == from_file.nbytes() &&
+                  std::memcmp(whole.const_data_ptr(), from_file.const_data_ptr(), whole.nbytes()) == 0,
+              "the same bits either way");
+      }
+    }
   }
 }
 

@@ -4,6 +4,7 @@
 #include <retrace/checkpoint.h>
 #include <retrace/gtest.h>
 #include <retrace/models.h>
+#include <retrace/observer.h>
 #include <retrace/sequential.h>
 
 #include <ATen/autocast_mode.h>
@@ -88,6 +89,78 @@ TEST(Checkpoint, WithoutRngPreservationDropoutGradsDiffer) {
   const StepSnapshot ckpt = run_step(model, batch, broken);
   EXPECT_BITWISE_EQ(plain.loss, ckpt.loss);    // the forward is the same...
   EXPECT_TRUE(any_grad_differs(plain, ckpt));  // ...the gradients are not
+}
+
+// Selective recompute (CheckpointPlan::selective: each block's attention core recomputed, the
+// rest kept) trains the same bits as the plain model, dropout in the attention core included.
+// Control: without RNG preservation the attention cores' dropout draws other masks and the
+// gradients differ.
+TEST(Checkpoint, SelectiveRecomputeIsBitwiseEqualToPlainAndItsRngControlIsNot) {
+  torch::manual_seed(0);
+  models::TinyGpt model(gpt4());
+  model.train();
+  const models::Batch batch = model.make_batch(7);
+  const StepSnapshot plain = run_step(model, batch, CheckpointPlan{0, {}});
+  const StepSnapshot selective = run_step(model, batch, CheckpointPlan{0, {}, /*selective=*/true});
+  expect_same_step(plain, selective);
+  CheckpointPlan broken{0, {}, true};
+  broken.options.preserve_rng_state = false;
+  const StepSnapshot off = run_step(model, batch, broken);
+  EXPECT_BITWISE_EQ(plain.loss, off.loss);
+  EXPECT_TRUE(any_grad_differs(plain, off));
+  EXPECT_THROW(run_step(model, batch, CheckpointPlan{2, {}, true}), Error);  // segments and selective: one or the other
+}
+
+// A region recomputes only under a policy naming its kind, with grad mode on, outside any
+// checkpointed segment; every other time it runs plainly and no observer sees it.
+TEST(Checkpoint, RegionsRecomputeOnlyUnderAPolicyAndOutsideSegments) {
+  struct Names : SegmentObserver {
+    std::vector<std::string> forwards, recomputes;
+    void on_forward(SegmentEvent& e) override { forwards.push_back(e.segment); }
+    void on_recompute(SegmentEvent& e) override { recomputes.push_back(e.segment); }
+  };
+  const at::Tensor x = torch::randn({3}, torch::requires_grad());
+  const SegmentFn square = [](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{in[0] * in[0]}; };
+  const auto run = [&](Names& names) {
+    x.mutable_grad() = at::Tensor();
+    ObserverScope scope(names);
+    recompute_region("r", RegionKind::kAttentionCore, square, {x})[0].sum().backward();
+  };
+  Names none;
+  run(none);
+  EXPECT_TRUE(none.forwards.empty());
+  {
+    RecomputePolicyScope other(RecomputePolicy{{}, {}});  // a policy naming no kind
+    Names names;
+    run(names);
+    EXPECT_TRUE(names.forwards.empty());
+  }
+  {
+    RecomputePolicyScope policy(RecomputePolicy::selective());
+    Names names;
+    run(names);
+    EXPECT_EQ(names.forwards, std::vector<std::string>{"r"});
+    EXPECT_EQ(names.recomputes, std::vector<std::string>{"r"});
+    EXPECT_BITWISE_EQ(x.grad(), 2 * x);
+    Names inside;
+    x.mutable_grad() = at::Tensor();
+    {
+      ObserverScope scope(inside);
+      checkpoint(
+          "outer",
+          [&](const at::Tensor& in) { return recompute_region("r", RegionKind::kAttentionCore, square, {in})[0]; }, x)
+          .sum()
+          .backward();
+    }
+    EXPECT_EQ(inside.forwards, std::vector<std::string>{"outer"});  // the segment recomputes its region itself
+    {
+      torch::NoGradGuard no_grad;
+      Names off;
+      ObserverScope scope(off);
+      recompute_region("r", RegionKind::kAttentionCore, square, {x});
+      EXPECT_TRUE(off.forwards.empty());
+    }
+  }
 }
 
 // torch::nn::LSTM on CPU (oneDNN) computes other bits under no-grad than with grad. A forward

@@ -58,6 +58,28 @@ TEST(RecomputeVerifier, RngPreservationOffIsReportedNamingTheSegment) {
   EXPECT_NE(m.message().find("is not bitwise equal"), std::string::npos);
 }
 
+// The recompute of a selectively recomputed region is verified like any segment's. Control:
+// without RNG preservation the attention cores' dropout masks differ and each core is named.
+TEST(RecomputeVerifier, SelectiveRecomputeIsVerifiedAndItsRngControlNamesTheAttentionCore) {
+  auto model = make_gpt();
+  {
+    RecomputeVerifier verifier({VerifyPolicy::kThrow, false});
+    ObserverScope scope(verifier);
+    model.loss(model.make_batch(1), {0, {}, /*selective=*/true}).backward();
+    EXPECT_EQ(verifier.verified_outputs(), 4u);  // one attention core a block
+    EXPECT_TRUE(verifier.mismatches().empty());
+  }
+  RecomputeVerifier verifier({VerifyPolicy::kWarn, false});
+  ObserverScope scope(verifier);
+  models::CheckpointPlan plan{0, {}, true};
+  plan.options.preserve_rng_state = false;
+  model.loss(model.make_batch(1), plan).backward();
+  const auto mismatches = verifier.mismatches();
+  ASSERT_FALSE(mismatches.empty());
+  EXPECT_EQ(mismatches.front().segment.rfind(".attention_core"), mismatches.front().segment.size() - 15)
+      << mismatches.front().segment;
+}
+
 TEST(RecomputeVerifier, PerturbedRecomputeThrowsInThrowMode) {
   auto model = make_gpt();
   PerturbRecompute perturb("block2..block3");

@@ -120,5 +120,33 @@ TEST(Schema, DataParallelKeysAreCheckedAndRoundTrip) {
   EXPECT_EQ(to_yaml(with("")).find("world_size"), std::string::npos);
 }
 
+// training.recompute: selective needs segments 0 and a tiny_gpt; a bad value names the key; a
+// selective scenario round-trips, and a full one's canonical form does not mention it (control).
+TEST(Schema, RecomputeSelectiveIsCheckedAndRoundTrips) {
+  const auto error = [](const std::string& text) {
+    try {
+      parse_scenario_text(text, "r.yaml");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(parsed)");
+  };
+  const std::string gpt = "model: {type: tiny_gpt, layers: 2, d_model: 16, heads: 2}\n";
+  EXPECT_NE(error(gpt + "training: {recompute: some}\n").find("r.yaml:2: key 'training.recompute'"), std::string::npos);
+  EXPECT_NE(error(gpt + "training: {segments: 2, recompute: selective}\n")
+                .find("key 'training.recompute': is selective, which recomputes each block's attention core"),
+            std::string::npos);
+  EXPECT_NE(error("model: {type: mlp}\ntraining: {recompute: selective}\n").find("r.yaml:2: key 'training.recompute'"),
+            std::string::npos);
+  const ScenarioSpec a = parse_scenario_text(
+      "model: {type: tiny_gpt, layers: 2, d_model: 16, heads: 2}\ntraining: {recompute: selective}\n", "a.yaml");
+  EXPECT_EQ(a.training.recompute, "selective");
+  const ScenarioSpec b = parse_scenario_text(to_yaml(a), "again");
+  EXPECT_EQ(b.training.recompute, "selective");
+  EXPECT_EQ(to_yaml(a), to_yaml(b));
+  EXPECT_NE(to_yaml(a).find("\n  recompute: selective"), std::string::npos);
+  EXPECT_EQ(to_yaml(with("")).find("\n  recompute:"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace retrace

@@ -81,4 +81,45 @@ at::Tensor checkpoint_sequential(const std::vector<Stage>& stages, int segments,
 // The segment names checkpoint_sequential() would use.
 std::vector<std::string> segment_names(const std::vector<Stage>& stages, int segments);
 
+// --- Selective recompute ---------------------------------------------------------------------
+// Full recompute (checkpoint(), checkpoint_sequential()) keeps only a segment's inputs and runs
+// its whole forward again in backward. Selective recompute (Megatron-LM's; Korthikanti et al.,
+// "Reducing Activation Recomputation in Large Transformer Models", 2023) recomputes only the parts
+// that are cheap to run and expensive to keep -- above all the attention core, whose softmax and
+// dropout tensors grow with the square of the sequence -- and keeps every matmul output as
+// autograd does without checkpointing. A model marks such parts as regions of a kind
+// (recompute_region); the policy on the thread says which kinds recompute.
+
+// Kinds of forward regions. Only the attention core is worth recomputing in a GPT block: a norm
+// or an activation region keeps its input, which the next matmul keeps anyway.
+enum class RegionKind {
+  kAttentionCore,  // scores = QK^T, mask, softmax, dropout, scores x V (its inputs: Q, K, V)
+};
+const char* to_string(RegionKind kind);
+
+struct RecomputePolicy {
+  std::vector<RegionKind> kinds;  // the kinds that recompute; the others run plainly
+  CheckpointOptions options;      // how a recomputed region runs (RNG preserved by default)
+  bool recomputes(RegionKind kind) const;
+  // Megatron's selective recompute: the attention core only.
+  static RecomputePolicy selective();
+};
+
+// Makes `policy` the one recompute_region() follows on this thread for the scope's life. Scopes
+// nest; the innermost wins. Without one, every region runs plainly.
+class RecomputePolicyScope {
+ public:
+  explicit RecomputePolicyScope(RecomputePolicy policy);
+  ~RecomputePolicyScope();
+  RecomputePolicyScope(const RecomputePolicyScope&) = delete;
+  RecomputePolicyScope& operator=(const RecomputePolicyScope&) = delete;
+};
+
+// Runs fn(inputs) as the checkpointed segment `name` (its events go to observers, its recompute
+// is verified like any segment's) when the thread's policy recomputes `kind`, grad mode is on and
+// no checkpointed segment is running on the thread (a segment recomputes its regions with
+// itself); otherwise runs fn(inputs) plainly.
+std::vector<at::Tensor> recompute_region(const std::string& name, RegionKind kind, SegmentFn fn,
+                                         const std::vector<at::Tensor>& inputs);
+
 }  // namespace retrace

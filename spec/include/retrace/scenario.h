@@ -44,10 +44,13 @@ struct TrainingSpec {
   std::string optimizer = "adamw";  // adamw | adam | sgd
   double lr = 1e-3;
   double weight_decay = 0.0;
-  double momentum = 0.0;        // sgd
-  int segments = 0;             // checkpointed segments; 0 = no checkpointing
-  double clip_grad_norm = 0.0;  // 0 = off
-  std::string device = "cpu";   // cpu | cuda
+  double momentum = 0.0;  // sgd
+  int segments = 0;       // checkpointed segments; 0 = no checkpointing
+  // full: segments recompute whole (0 segments: nothing recomputes). selective: segments is 0 and
+  // each block's attention core recomputes (RecomputePolicy::selective); tiny_gpt only.
+  std::string recompute = "full";  // full | selective
+  double clip_grad_norm = 0.0;     // 0 = off
+  std::string device = "cpu";      // cpu | cuda
   // fp32, or autocast to bf16 / fp16 for the forward (parameters and optimizer stay fp32).
   std::string precision = "fp32";  // fp32 | bf16 | fp16
   double loss_weight = 1.0;        // the loss back-propagated is loss * loss_weight
