@@ -123,12 +123,15 @@ void BM_RecomputePolicies(benchmark::State& state) {
   std::vector<double> t(plans.size(), 0.0);
   std::size_t first = 0;
   for (auto _ : state) {
+    double selective_time = 0;
     for (std::size_t k = 0; k < plans.size(); ++k) {
       const std::size_t v = (first + k) % plans.size();
-      t[v] += bench::seconds([&] { f.step(*plans[v]); });
+      const double dt = bench::seconds([&] { f.step(*plans[v]); });
+      t[v] += dt;
+      if (v == 2) selective_time = dt;
     }
     first = (first + 1) % plans.size();
-    state.SetIterationTime(t[2] / static_cast<double>(state.iterations()));
+    state.SetIterationTime(selective_time);
   }
   const double bytes_none = static_cast<double>(f.saved_bytes(none));
   state.counters["plain_ms"] = 1e3 * t[0] / static_cast<double>(state.iterations());

@@ -104,7 +104,9 @@ void BM_RecorderOverhead(benchmark::State& state, const char* variant, const cha
     recorder.flush();
     done();
   };
-  for (int i = 0; i < 2; ++i) {  // warm-up, including the first step's full snapshot
+  // Warm-up: the first step's full snapshot, and (ring) until the ring is full and its buffers
+  // are reused rather than fresh pages.
+  for (int i = 0; i < std::max(2, options.ring + 1); ++i) {
     ++step;
     plain_step();
     recorded_step();
@@ -151,11 +153,11 @@ BENCHMARK_CAPTURE(BM_RecorderOverhead, Cuda_gpt12_full, "full", kGpuGpt12)
 BENCHMARK_CAPTURE(BM_RecorderOverhead, gpt2_small_digest, "digest", kGpt2Small)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
-    ->Iterations(4);
+    ->Iterations(10);
 BENCHMARK_CAPTURE(BM_RecorderOverhead, gpt2_small_ring4, "ring4", kGpt2Small)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
-    ->Iterations(4);
+    ->Iterations(8);
 BENCHMARK_CAPTURE(BM_RecorderOverhead, gpt2_small_full, "full", kGpt2Small)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
