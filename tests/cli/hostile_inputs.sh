@@ -18,6 +18,7 @@ w wordint.yaml "model: {type: tiny_gpt, layers: four}\n"
 w hugeint.yaml "$m\ntraining: {steps: 99999999999999999999}\n"
 w negbatch.yaml "$m\ndata: {batch: -4}\n"
 w segs.yaml "$m\ntraining: {segments: 3}\n"
+w selseg.yaml "$m\ntraining: {segments: 1, recompute: selective}\n"
 w heads.yaml "model: {type: tiny_gpt, layers: 2, d_model: 10, heads: 3}\n"
 w notype.yaml "model: {layers: 2}\n"
 w nomodel.yaml "training: {steps: 2}\n"
@@ -171,6 +172,8 @@ case_ "unknown built-in scenario" 2 -- run builtin:nope
 case_ "a folder without scenarios" 2 -- run "$dir/emptydir"
 case_ "-j 0" 2 -- run -j 0
 case_ "--threads 0" 2 -- run --threads 0 builtin:bf16-clean
+case_ "record --threads 0" 2 -- record builtin:bf16-clean -o "$dir/t.trace" --threads 0
+case_ "selective recompute with segments" 2 -- run "$dir/selseg.yaml"
 case_ "trace that does not exist" 2 -- replay "$dir/nope.trace"
 case_ "a folder as a trace" 2 -- inspect "$dir/emptydir"
 case_ "a YAML file as a trace" 2 -- replay "$dir/unknown.yaml"
