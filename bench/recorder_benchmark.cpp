@@ -308,18 +308,22 @@ BENCHMARK_CAPTURE(BM_DurableWrite, torch_save_bf16_weights, "torch_save")
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 
-// Replaying a recorded step (open the trace, restore, re-execute, compare) against the step.
-void BM_ReplayVsStep(benchmark::State& state, const char* scenario) {
+// A 2-step full-mode trace of `scenario`, at a benchmark path named `name`.
+std::string record_two_full_steps(const char* scenario, const std::string& name) {
   register_builtin_programs();
   ScenarioProgram program(parse_scenario_text(scenario, "bench"));
-  const std::string path = bench_path("replay");
-  {
-    RecorderOptions full;
-    full.mode = RecordMode::kFull;
-    Recorder recorder(path, program, full);
-    record_run(program, recorder, 2);
-    recorder.close();
-  }
+  const std::string path = bench_path(name);
+  RecorderOptions full;
+  full.mode = RecordMode::kFull;
+  Recorder recorder(path, program, full);
+  record_run(program, recorder, 2);
+  recorder.close();
+  return path;
+}
+
+// Replaying a recorded step (open the trace, restore, re-execute, compare) against the step.
+void BM_ReplayVsStep(benchmark::State& state, const char* scenario) {
+  const std::string path = record_two_full_steps(scenario, "replay");
   ScenarioProgram plain(parse_scenario_text(scenario, "bench"));
   double t_step = 0, t_replay = 0, t_open = 0, t_build = 0;
   std::int64_t s = 0;
@@ -359,18 +363,9 @@ BENCHMARK_CAPTURE(BM_ReplayVsStep, gpt2_small, kGpt2Small)
     ->Iterations(3);
 
 // Opening a trace: every record's checksum verified, its metadata and tensor table parsed and
-// checked (a 2-step full-mode trace of the tiny GPT, 22 MiB). Replay pays this once per trace.
+// checked (a 2-step full-mode trace of the tiny GPT, 20 MB). Replay pays this once per trace.
 void BM_TraceOpen(benchmark::State& state) {
-  register_builtin_programs();
-  ScenarioProgram program(parse_scenario_text(kBenchScenario, "bench"));
-  const std::string path = bench_path("open");
-  {
-    RecorderOptions full;
-    full.mode = RecordMode::kFull;
-    Recorder recorder(path, program, full);
-    record_run(program, recorder, 2);
-    recorder.close();
-  }
+  const std::string path = record_two_full_steps(kBenchScenario, "open");
   std::size_t records = 0;
   for (auto _ : state) {
     const TraceReader trace(path);

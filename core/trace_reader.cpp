@@ -412,10 +412,24 @@ at::Tensor TraceReader::decode(const Record& record, const TensorEntry& e) const
     throw Error(path_ + ": tensor '" + e.name + "' in the record at byte offset " + std::to_string(record.offset) +
                 " holds only a digest (recorded in digest mode)");
   }
-  // A record read without its tensor bytes (read_table): this tensor's bytes, from the file. Its
-  // bounds were checked when the record was read; the codec and the digest check the bytes.
+  // A record read without its tensor bytes (read_table): this tensor's bytes, from the file,
+  // within the record's blob as its header declares it. A host digest (XXH3-128) or a zstd
+  // frame's own checksum then checks them; anything else (a device digest, Blosc) has no check of
+  // its own, and the tensor is decoded from the whole record read again, its checksum verified.
   std::string own;
   if (!record.has_blob) {
+    unsigned char raw[kRecordHeaderBytes];
+    read_exactly(*file_, raw, sizeof raw, record.offset, path_);
+    const RecordHeader h = decode_header(raw);
+    const std::uint64_t payload_end = record.offset + kRecordHeaderBytes + h.length;
+    if (record.blob_at < record.offset + kRecordHeaderBytes || record.blob_at > payload_end ||
+        e.offset > payload_end - record.blob_at || e.stored_bytes > payload_end - record.blob_at - e.offset) {
+      throw Error(path_ + ": tensor '" + e.name + "' lies outside the bytes of the record at byte offset " +
+                  std::to_string(record.offset));
+    }
+    const bool self_checked = e.digest.algorithm == DigestAlgorithm::kXxh3_128 || e.codec == TensorCodec::kZstd ||
+                              e.codec == TensorCodec::kZstdShuffle;
+    if (!self_checked) return decode(load(record.offset), e);
     own.resize(static_cast<std::size_t>(e.stored_bytes));
     read_exactly(*file_, own.data(), own.size(), record.blob_at + e.offset, path_);
   } else if (e.offset > record.blob.size() || e.stored_bytes > record.blob.size() - e.offset) {

@@ -47,8 +47,8 @@ const TensorEntry* Record::find(const std::string& name) const {
 
 namespace {
 
-// Nesting of a JSON value as the reader's parse callback counts it: a scalar 0, a container one more
-// than its deepest element.
+// Nesting of a JSON value as the reader counts it (nesting_depth in trace_reader.cpp): a scalar 0,
+// a container one more than its deepest element.
 int json_depth(const nlohmann::json& j) {
   if (!j.is_structured()) return 0;
   int deepest = 0;

@@ -104,11 +104,14 @@ struct TinyGpt::Block : torch::nn::Module {
     // recompute (RecomputePolicy::selective) does not keep.
     const at::Tensor core = recompute_region(
         name + ".attention_core", RegionKind::kAttentionCore,
-        [this, T, hd](const std::vector<at::Tensor>& in) {
+        // The recompute runs in backward, after this call returns: the region holds the block.
+        [self = std::static_pointer_cast<Block>(shared_from_this()), T, hd](const std::vector<at::Tensor>& in) {
+          const Block& b = *self;
           at::Tensor att = at::matmul(in[0], in[1].transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
-          att = att.masked_fill(causal_mask.narrow(0, 0, T).narrow(1, 0, T), -std::numeric_limits<double>::infinity());
+          att =
+              att.masked_fill(b.causal_mask.narrow(0, 0, T).narrow(1, 0, T), -std::numeric_limits<double>::infinity());
           att = at::softmax(att, -1);
-          att = F::dropout(att, F::DropoutFuncOptions().p(dropout).training(is_training()));
+          att = F::dropout(att, F::DropoutFuncOptions().p(b.dropout).training(b.is_training()));
           return std::vector<at::Tensor>{at::matmul(att, in[2])};
         },
         {q, k, v})[0];

@@ -486,14 +486,20 @@ std::vector<std::uint8_t> rng_bytes(const TraceReader& trace, const Record& rec,
   return {p, p + t.numel()};
 }
 
-// Every tensor of `state` finite, checked on LibTorch's intra-op threads.
+// Every tensor of `state` finite: host tensors checked on LibTorch's intra-op threads, device
+// ones on this thread (its current stream is the program's).
 bool all_finite(const std::vector<NamedTensor>& state) {
   std::atomic<bool> finite{true};
   at::parallel_for(0, static_cast<std::int64_t>(state.size()), 8, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end && finite.load(std::memory_order_relaxed); ++i) {
-      if (!retrace::all_finite(state[i].tensor)) finite.store(false, std::memory_order_relaxed);
+      const at::Tensor& t = state[i].tensor;
+      if (t.defined() && t.is_cpu() && !retrace::all_finite(t)) finite.store(false, std::memory_order_relaxed);
     }
   });
+  for (const NamedTensor& s : state) {
+    if (!finite.load()) break;
+    if (s.tensor.defined() && !s.tensor.is_cpu() && !retrace::all_finite(s.tensor)) finite.store(false);
+  }
   return finite.load();
 }
 
@@ -602,7 +608,7 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
   // again from its record when needed (load_state may have kept the decoded tensors, which the
   // step then changed), any other step's is copied now.
   std::vector<NamedTensor> copied;
-  if (!anchor) copied = clone_all(program.state());
+  if (!anchor && options.provenance) copied = clone_all(program.state());
   const auto state_before = [&] { return anchor ? named_tensors(trace, begin, tensor_names::state_name) : copied; };
 
   StepOutcome outcome;

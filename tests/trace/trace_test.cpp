@@ -411,6 +411,32 @@ TEST(Trace, ReadTableDecodesEachTensorFromTheFileAndSeesBytesChangedSince) {
   fs::remove(path);
 }
 
+// A stored tensor that checks nothing itself -- a device digest (a CUDA trace's) in a Blosc
+// buffer (no checksum) -- is decoded from a table-only record through its whole record, whose
+// checksum then sees bytes changed since. Control: the same change under a host digest is caught
+// by the digest (ReadTableDecodesEachTensorFromTheFileAndSeesBytesChangedSince).
+TEST(Trace, ReadTableDecodesAnUncheckedTensorThroughItsWholeRecord) {
+  const std::string path = temp_path("table_device");
+  {
+    TraceWriter w(path, {{"program", {{"name", "test"}, {"config", "small"}}}});
+    const at::Tensor t = torch::arange(4096, torch::kFloat);
+    w.append(RecordType::kStepBegin, {{"step", 1}, {"full", true}},
+             {{"dev", t, true, Digest{1, 2, DigestAlgorithm::kDeviceLanes}}});
+    w.close();
+  }
+  const TraceReader r(path);
+  const Record table = r.read_table(0);
+  const TensorEntry& e = *table.find("dev");
+  ASSERT_EQ(e.codec, TensorCodec::kBloscBitshuffleLz4);
+  EXPECT_BITWISE_EQ(torch::arange(4096, torch::kFloat), r.decode(table, e));
+  std::string bytes = slurp(path);
+  const std::size_t last = static_cast<std::size_t>(table.blob_at + e.offset + e.stored_bytes - 1);
+  bytes[last] = static_cast<char>(bytes[last] ^ 0x40);
+  spit(path, bytes);
+  EXPECT_THROW(r.decode(table, e), TraceError);
+  fs::remove(path);
+}
+
 // The reader counts nesting in the metadata's structure, not in its text: brackets inside a string
 // are text. Control: Trace.TheWriterRefusesWhatTheReaderWouldRefuse refuses 33 levels.
 TEST(Trace, BracketsInsideAStringAreNotNesting) {

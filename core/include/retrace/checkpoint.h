@@ -86,8 +86,8 @@ std::vector<std::string> segment_names(const std::vector<Stage>& stages, int seg
 // its whole forward again in backward. Selective recompute (Megatron-LM's; Korthikanti et al.,
 // "Reducing Activation Recomputation in Large Transformer Models", 2023) recomputes only the parts
 // that are cheap to run and expensive to keep -- above all the attention core, whose softmax and
-// dropout tensors grow with the square of the sequence -- and keeps every matmul output as
-// autograd does without checkpointing. A model marks such parts as regions of a kind
+// dropout tensors grow with the square of the sequence -- and keeps every linear layer's output
+// as autograd does without checkpointing. A model marks such parts as regions of a kind
 // (recompute_region); the policy on the thread says which kinds recompute.
 
 // Kinds of forward regions. Only the attention core is worth recomputing in a GPT block: a norm
@@ -118,7 +118,8 @@ class RecomputePolicyScope {
 // Runs fn(inputs) as the checkpointed segment `name` (its events go to observers, its recompute
 // is verified like any segment's) when the thread's policy recomputes `kind`, grad mode is on and
 // no checkpointed segment is running on the thread (a segment recomputes its regions with
-// itself); otherwise runs fn(inputs) plainly.
+// itself); otherwise runs fn(inputs) plainly. fn runs again in backward, after this call has
+// returned: it must capture by value what it uses (a module by its shared_ptr).
 std::vector<at::Tensor> recompute_region(const std::string& name, RegionKind kind, SegmentFn fn,
                                          const std::vector<at::Tensor>& inputs);
 
