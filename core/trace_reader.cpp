@@ -416,25 +416,26 @@ at::Tensor TraceReader::decode(const Record& record, const TensorEntry& e) const
   // within the record's blob as its header declares it. A host digest (XXH3-128) or a zstd
   // frame's own checksum then checks them; anything else (a device digest, Blosc) has no check of
   // its own, and the tensor is decoded from the whole record read again, its checksum verified.
-  std::string own;
+  std::uint64_t blob_bytes = record.blob.size();
   if (!record.has_blob) {
     unsigned char raw[kRecordHeaderBytes];
     read_exactly(*file_, raw, sizeof raw, record.offset, path_);
-    const RecordHeader h = decode_header(raw);
-    const std::uint64_t payload_end = record.offset + kRecordHeaderBytes + h.length;
-    if (record.blob_at < record.offset + kRecordHeaderBytes || record.blob_at > payload_end ||
-        e.offset > payload_end - record.blob_at || e.stored_bytes > payload_end - record.blob_at - e.offset) {
-      throw Error(path_ + ": tensor '" + e.name + "' lies outside the bytes of the record at byte offset " +
-                  std::to_string(record.offset));
-    }
+    const std::uint64_t payload_end = record.offset + kRecordHeaderBytes + decode_header(raw).length;
+    blob_bytes = record.blob_at < record.offset + kRecordHeaderBytes || record.blob_at > payload_end
+                     ? 0
+                     : payload_end - record.blob_at;
+  }
+  if (e.offset > blob_bytes || e.stored_bytes > blob_bytes - e.offset) {
+    throw Error(path_ + ": tensor '" + e.name + "' lies outside the bytes of the record at byte offset " +
+                std::to_string(record.offset));
+  }
+  std::string own;
+  if (!record.has_blob) {
     const bool self_checked = e.digest.algorithm == DigestAlgorithm::kXxh3_128 || e.codec == TensorCodec::kZstd ||
                               e.codec == TensorCodec::kZstdShuffle;
     if (!self_checked) return decode(load(record.offset), e);
     own.resize(static_cast<std::size_t>(e.stored_bytes));
     read_exactly(*file_, own.data(), own.size(), record.blob_at + e.offset, path_);
-  } else if (e.offset > record.blob.size() || e.stored_bytes > record.blob.size() - e.offset) {
-    throw Error(path_ + ": tensor '" + e.name + "' lies outside the bytes of the record at byte offset " +
-                std::to_string(record.offset));
   }
   const char* src = record.has_blob ? record.blob.data() + e.offset : own.data();
   const std::optional<std::uint64_t> declared = declared_payload_size(src, e.stored_bytes, e.codec);
