@@ -5,8 +5,15 @@
 #include <retrace/rng.h>
 #include <retrace/verify.h>
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/ivalue.h>
+#include <ATen/ops/dropout.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
+#include <ATen/ops/linear.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
@@ -24,18 +31,102 @@ using torch::autograd::variable_list;
 
 std::atomic<std::uint64_t> g_next_invocation{1};
 
+struct SegmentCall;
+
 struct ActiveFrame {
   const std::string* name;
   SegmentPhase phase;
+  // The call whose dropout masks recompute_dropout() keeps (forward) or replays (recompute): set
+  // when the forward's random numbers are preserved for the recompute.
+  SegmentCall* tape = nullptr;
 };
 thread_local std::vector<ActiveFrame> t_active;
 
 // Marks the calling thread as running a segment's phase for the scope.
 class ActiveScope {
  public:
-  ActiveScope(const std::string& name, SegmentPhase phase) { t_active.push_back({&name, phase}); }
+  ActiveScope(const std::string& name, SegmentPhase phase, SegmentCall* tape = nullptr) {
+    t_active.push_back({&name, phase, tape});
+  }
   ~ActiveScope() { t_active.pop_back(); }
 };
+
+// A dropout mask -- 0 or 1 before its scaling by 1/(1-p) -- kept as one bit an element in the
+// noise tensor's memory order. The noise is laid out by empty_like, so it is dense and its n
+// elements are the n slots from its data pointer. The bits are a CPU tensor, so the allocator
+// (and CpuMemoryCounter) sees what is kept.
+struct PackedMask {
+  std::vector<std::int64_t> sizes, strides;
+  at::TensorOptions options;
+  at::Tensor bits;  // uint8, (n + 7) / 8
+
+  static PackedMask pack(const at::Tensor& noise) {
+    TORCH_INTERNAL_ASSERT(noise.is_non_overlapping_and_dense());
+    const std::int64_t n = noise.numel();
+    PackedMask m{noise.sizes().vec(), noise.strides().vec(), noise.options(), at::empty({(n + 7) / 8}, at::kByte)};
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, noise.scalar_type(), "retrace_pack_mask", [&] {
+      const scalar_t* data = noise.const_data_ptr<scalar_t>();
+      std::uint8_t* bits = m.bits.mutable_data_ptr<std::uint8_t>();
+      at::parallel_for(0, (n + 7) / 8, 4096, [&](std::int64_t begin, std::int64_t end) {
+        for (std::int64_t byte = begin; byte < end; ++byte) {
+          std::uint8_t b = 0;
+          const std::int64_t last = std::min<std::int64_t>(8, n - 8 * byte);
+          for (std::int64_t k = 0; k < last; ++k) {
+            b |= static_cast<std::uint8_t>(static_cast<float>(data[8 * byte + k]) != 0.0f) << k;
+          }
+          bits[byte] = b;
+        }
+      });
+    });
+    return m;
+  }
+
+  // The noise again: the bits as 0 and 1, divided by 1 - p as at::dropout divides its draw.
+  at::Tensor unpack(double p) const {
+    at::Tensor noise = at::empty_strided(sizes, strides, options);
+    const std::int64_t n = noise.numel();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, noise.scalar_type(), "retrace_unpack_mask", [&] {
+      scalar_t* data = noise.mutable_data_ptr<scalar_t>();
+      const std::uint8_t* b = bits.const_data_ptr<std::uint8_t>();
+      at::parallel_for(0, n, 32768, [&](std::int64_t begin, std::int64_t end) {
+        for (std::int64_t i = begin; i < end; ++i) {
+          data[i] = ((b[i >> 3] >> (i & 7)) & 1) ? scalar_t(1) : scalar_t(0);
+        }
+      });
+    });
+    noise.div_(1 - p);
+    return noise;
+  }
+};
+
+// at::dropout's noise for `input` on the CPU: empty_like, bernoulli_(1 - p), div_(1 - p).
+at::Tensor draw_noise(const at::Tensor& input, double p) {
+  at::Tensor noise = at::empty_like(input);
+  noise.bernoulli_(1 - p);
+  noise.div_(1 - p);
+  return noise;
+}
+
+// One recompute_dropout() call inside a segment's forward: its mask and the CPU generator's state
+// after the draw (get_state(), a CPU tensor), which the recompute moves the generator to instead
+// of drawing again, so any random op after it draws what it drew in the forward.
+struct TapedDropout {
+  PackedMask mask;
+  at::Tensor after;
+  double p = 0;
+};
+
+at::Tensor cpu_generator_state() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_cpu_generator_state(const at::Tensor& state) {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
 
 [[noreturn]] void fail(const std::string& segment, const std::string& what) {
   throw CheckpointError(segment, "retrace::checkpoint(\"" + segment + "\"): " + what);
@@ -54,6 +145,8 @@ struct SegmentCall : torch::CustomClassHolder {
   std::size_t num_inputs = 0;       // user inputs
   bool anchored = false;            // an anchor input follows the user inputs
   c10::Device device{c10::kCPU};
+  std::vector<TapedDropout> tape;  // recompute_dropout() calls of the forward, in order
+  std::size_t replayed = 0;        // of the tape, by the recompute running now
 };
 
 void check_outputs(const SegmentCall& call, const std::vector<at::Tensor>& outputs, const char* phase) {
@@ -95,21 +188,79 @@ std::vector<at::Tensor> detached_like_recompute(const SegmentCall& call, const s
   return out;
 }
 
+// The call a node saved in forward, once backward may run it (backward() without inputs).
+c10::intrusive_ptr<SegmentCall> saved_call(AutogradContext* ctx) {
+  auto call = c10::static_intrusive_pointer_cast<SegmentCall>(ctx->saved_data["call"].toCapsule());
+  if (!torch::autograd::Engine::get_default_engine().is_checkpoint_valid()) {
+    fail(call->name, "backward reached this segment through torch::autograd::grad() or backward(inputs=...), "
+                     "which reentrant checkpointing cannot serve (the recompute's gradients would be lost); "
+                     "call backward() without inputs and read .grad()");
+  }
+  return call;
+}
+
+// Runs the call's function again on `inputs` (detached_like_recompute), with grad mode on, under
+// the forward's RNG and autocast state.
+std::vector<at::Tensor> recompute(SegmentCall& call, const std::vector<at::Tensor>& inputs) {
+  std::optional<RngFork> fork;
+  if (call.options.preserve_rng_state) {
+    fork.emplace(call.cuda_devices);
+    call.rng.restore();
+  }
+  std::optional<AutocastGuard> autocast;
+  if (call.options.restore_autocast) autocast.emplace(call.autocast);
+  at::AutoGradMode grad_mode(true);
+  call.replayed = 0;
+  std::vector<at::Tensor> outputs;
+  {
+    ActiveScope active(call.name, SegmentPhase::kRecompute, call.options.preserve_rng_state ? &call : nullptr);
+    outputs = call.fn(inputs);
+  }
+  if (call.replayed != call.tape.size()) {
+    fail(call.name, "the recompute ran " + std::to_string(call.replayed) + " of the forward's " +
+                        std::to_string(call.tape.size()) +
+                        " dropouts; the segment function must be deterministic in its structure");
+  }
+  return outputs;
+}
+
+// Observers see (and injectors replace) the recompute's outputs with grad mode on, so a
+// replacement stays part of the graph that backward runs through.
+void notify_recompute(const SegmentCall& call, const std::vector<at::Tensor>& inputs,
+                      std::vector<at::Tensor>& outputs) {
+  std::vector<bool> required;
+  for (const at::Tensor& o : outputs) required.push_back(o.requires_grad());
+  at::AutoGradMode grad_mode(true);
+  notify(call, SegmentPhase::kRecompute, inputs, outputs, false);
+  for (std::size_t i = 0; i < outputs.size() && i < required.size(); ++i) {
+    if (required[i] && !(outputs[i].defined() && outputs[i].requires_grad())) {
+      fail(call.name, "an observer replaced recompute output " + std::to_string(i) +
+                          " with a tensor outside the autograd graph; the segment's inputs and parameters would get "
+                          "no gradient. Build the replacement from the output with grad mode on");
+    }
+  }
+}
+
+// The forward's outputs computed the way the recompute will compute them (ForwardMode).
+std::vector<at::Tensor> run_forward(SegmentCall& call, const std::vector<at::Tensor>& inputs, bool will_recompute) {
+  ActiveScope active(call.name, SegmentPhase::kForward,
+                     will_recompute && call.options.preserve_rng_state ? &call : nullptr);
+  if (will_recompute && call.options.forward_mode == ForwardMode::kLikeRecompute) {
+    at::AutoGradMode grad_mode(true);
+    std::vector<at::Tensor> outputs = call.fn(detached_like_recompute(call, inputs));
+    for (at::Tensor& out : outputs) {
+      if (out.defined()) out = out.detach();  // drops the segment's graph
+    }
+    return outputs;
+  }
+  return call.fn(inputs);
+}
+
 struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
   static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<SegmentCall> call, bool will_recompute,
                                at::TensorList all_inputs) {
     std::vector<at::Tensor> inputs(all_inputs.begin(), all_inputs.begin() + call->num_inputs);
-    std::vector<at::Tensor> outputs;
-    ActiveScope active(call->name, SegmentPhase::kForward);
-    if (will_recompute && call->options.forward_mode == ForwardMode::kLikeRecompute) {
-      at::AutoGradMode grad_mode(true);
-      outputs = call->fn(detached_like_recompute(*call, inputs));
-      for (at::Tensor& out : outputs) {
-        if (out.defined()) out = out.detach();  // drops the segment's graph
-      }
-    } else {
-      outputs = call->fn(inputs);
-    }
+    std::vector<at::Tensor> outputs = run_forward(*call, inputs, will_recompute);
     check_outputs(*call, outputs, "forward");
     notify(*call, SegmentPhase::kForward, inputs, outputs, will_recompute);
     check_outputs(*call, outputs, "forward (after observers)");
@@ -119,52 +270,16 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    auto call = c10::static_intrusive_pointer_cast<SegmentCall>(ctx->saved_data["call"].toCapsule());
-    if (!torch::autograd::Engine::get_default_engine().is_checkpoint_valid()) {
-      fail(call->name, "backward reached this segment through torch::autograd::grad() or backward(inputs=...), "
-                       "which reentrant checkpointing cannot serve (the recompute's gradients would be lost); "
-                       "call backward() without inputs and read .grad()");
-    }
+    auto call = saved_call(ctx);
     const std::vector<at::Tensor> inputs = detached_like_recompute(*call, ctx->get_saved_variables());
-
-    std::vector<at::Tensor> outputs;
-    {
-      std::optional<RngFork> fork;
-      if (call->options.preserve_rng_state) {
-        fork.emplace(call->cuda_devices);
-        call->rng.restore();
-      }
-      std::optional<AutocastGuard> autocast;
-      if (call->options.restore_autocast) autocast.emplace(call->autocast);
-      at::AutoGradMode grad_mode(true);
-      ActiveScope active(call->name, SegmentPhase::kRecompute);
-      outputs = call->fn(inputs);
-    }
+    std::vector<at::Tensor> outputs = recompute(*call, inputs);
     check_outputs(*call, outputs, "recompute");
     if (outputs.size() != grad_outputs.size()) {
       fail(call->name, "the recompute returned " + std::to_string(outputs.size()) +
                            " outputs but the forward returned " + std::to_string(grad_outputs.size()) +
                            "; the segment function must be deterministic in its structure");
     }
-    {
-      // Observers see (and injectors replace) the recompute's outputs with grad mode on, so a
-      // replacement stays part of the graph that backward runs through.
-      const std::vector<bool> required = [&] {
-        std::vector<bool> r;
-        for (const at::Tensor& o : outputs) r.push_back(o.requires_grad());
-        return r;
-      }();
-      at::AutoGradMode grad_mode(true);
-      notify(*call, SegmentPhase::kRecompute, inputs, outputs, false);
-      for (std::size_t i = 0; i < outputs.size() && i < required.size(); ++i) {
-        if (required[i] && !(outputs[i].defined() && outputs[i].requires_grad())) {
-          fail(call->name,
-               "an observer replaced recompute output " + std::to_string(i) +
-                   " with a tensor outside the autograd graph; the segment's inputs and parameters would get "
-                   "no gradient. Build the replacement from the output with grad mode on");
-        }
-      }
-    }
+    notify_recompute(*call, inputs, outputs);
 
     variable_list roots, root_grads;
     for (std::size_t i = 0; i < outputs.size(); ++i) {
@@ -203,17 +318,17 @@ bool current_segment(ActiveSegment* out) {
   return true;
 }
 
-std::vector<at::Tensor> checkpoint(const std::string& name, SegmentFn fn, const std::vector<at::Tensor>& inputs,
-                                   const CheckpointOptions& options) {
-  if (!fn) fail(name, "the segment function is empty");
+namespace {
+// A call of `fn` on `inputs` as the segment `name`: its invocation number, the inputs' device
+// and requires_grad flags, and (with grad mode on) the RNG state to recompute under.
+c10::intrusive_ptr<SegmentCall> new_call(const std::string& name, SegmentFn fn, const std::vector<at::Tensor>& inputs,
+                                         const CheckpointOptions& options, bool capture_rng = true) {
   auto call = c10::make_intrusive<SegmentCall>();
   call->name = name;
   call->invocation = g_next_invocation.fetch_add(1, std::memory_order_relaxed);
   call->fn = std::move(fn);
   call->options = options;
   call->num_inputs = inputs.size();
-
-  bool any_requires_grad = false;
   std::optional<c10::Device> device;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const at::Tensor& x = inputs[i];
@@ -229,14 +344,23 @@ std::vector<at::Tensor> checkpoint(const std::string& name, SegmentFn fn, const 
       call->cuda_devices.push_back(x.device());
     }
     call->requires_grad.push_back(x.requires_grad());
-    any_requires_grad |= x.requires_grad();
   }
   call->device = device.value_or(c10::Device(c10::kCPU));
-
-  const bool grad_enabled = at::GradMode::is_enabled();
-  if (options.preserve_rng_state && grad_enabled) call->rng = RngState::capture(call->cuda_devices);
+  if (capture_rng && options.preserve_rng_state && at::GradMode::is_enabled()) {
+    call->rng = RngState::capture(call->cuda_devices);
+  }
   call->autocast = AutocastState::capture();
+  return call;
+}
+}  // namespace
 
+std::vector<at::Tensor> checkpoint(const std::string& name, SegmentFn fn, const std::vector<at::Tensor>& inputs,
+                                   const CheckpointOptions& options) {
+  if (!fn) fail(name, "the segment function is empty");
+  c10::intrusive_ptr<SegmentCall> call = new_call(name, std::move(fn), inputs, options);
+  const bool grad_enabled = at::GradMode::is_enabled();
+  const bool any_requires_grad = std::find(call->requires_grad.begin(), call->requires_grad.end(), true) !=
+                                 call->requires_grad.end();
   std::vector<at::Tensor> all_inputs = inputs;
   if (grad_enabled && !any_requires_grad) {
     // The anchor makes the outputs part of the graph even when no input requires grad, so the
@@ -307,6 +431,9 @@ at::Tensor checkpoint_sequential(const std::vector<Stage>& stages, int segments,
 const char* to_string(RegionKind kind) {
   switch (kind) {
     case RegionKind::kAttentionCore: return "attention_core";
+    case RegionKind::kNorm: return "norm";
+    case RegionKind::kActivation: return "activation";
+    case RegionKind::kDropout: return "dropout";
   }
   return "?";
 }
@@ -315,10 +442,158 @@ bool RecomputePolicy::recomputes(RegionKind kind) const {
   return std::find(kinds.begin(), kinds.end(), kind) != kinds.end();
 }
 
-RecomputePolicy RecomputePolicy::selective() { return RecomputePolicy{{RegionKind::kAttentionCore}, {}}; }
+RecomputePolicy RecomputePolicy::selective() {
+  return RecomputePolicy{{RegionKind::kAttentionCore, RegionKind::kNorm, RegionKind::kActivation, RegionKind::kDropout},
+                         {}};
+}
+
+RecomputePolicy RecomputePolicy::attention_core() { return RecomputePolicy{{RegionKind::kAttentionCore}, {}}; }
 
 namespace {
 thread_local std::vector<RecomputePolicy> t_policies;
+
+// The policy a region of `kind` recomputes under on this thread, or null: it runs plainly.
+const RecomputePolicy* recompute_policy(RegionKind kind) {
+  if (t_policies.empty() || !t_policies.back().recomputes(kind) || !t_active.empty() || !at::GradMode::is_enabled()) {
+    return nullptr;
+  }
+  return &t_policies.back();
+}
+
+// recompute_linear_input's region output: what at::linear(a, W, b)'s addmm path takes whole.
+void check_linear_input(const SegmentCall& call, const std::vector<at::Tensor>& outputs, const char* phase) {
+  check_outputs(call, outputs, phase);
+  if (outputs.size() != 1 || (outputs[0].dim() != 2 && outputs[0].dim() != 3) || !outputs[0].is_contiguous()) {
+    fail(call.name, std::string("a region feeding a linear layer must return one contiguous 2-D or 3-D tensor; at ") +
+                        phase + " it returned " +
+                        (outputs.size() == 1 ? describe(outputs[0]) + (outputs[0].is_contiguous() ? "" : " (strided)")
+                                             : std::to_string(outputs.size()) + " tensors"));
+  }
+}
+
+// linear(fn(input), weight, bias) keeping input. Backward recomputes a = fn(input) and applies
+// the backward of at::linear's path for a contiguous 2-D or 3-D input with a bias -- addmm(bias,
+// a.view(M, K), weight.t()) -- as PyTorch's derivative formulas for addmm, t and view compute it
+// (mm_mat1_backward, mm_mat2_backward in torch/csrc/autograd/FunctionsManual.cpp), so the
+// gradients are the plain model's bits. The matmul's forward is not run again.
+struct LinearInputFunction : public torch::autograd::Function<LinearInputFunction> {
+  static at::Tensor forward(AutogradContext* ctx, c10::intrusive_ptr<SegmentCall> call, const at::Tensor& input,
+                            const at::Tensor& weight, const at::Tensor& bias) {
+    const std::vector<at::Tensor> inputs{input};
+    std::vector<at::Tensor> outputs = run_forward(*call, inputs, true);
+    check_linear_input(*call, outputs, "forward");
+    notify(*call, SegmentPhase::kForward, inputs, outputs, true);
+    check_linear_input(*call, outputs, "forward (after observers)");
+    ctx->save_for_backward({input, weight});
+    ctx->saved_data["call"] = c10::IValue::make_capsule(call);
+    return at::linear(outputs[0], weight, bias);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    auto call = saved_call(ctx);
+    const variable_list saved = ctx->get_saved_variables();
+    const std::vector<at::Tensor> inputs = detached_like_recompute(*call, {saved[0]});
+    const at::Tensor& weight = saved[1];
+    std::vector<at::Tensor> outputs = recompute(*call, inputs);
+    check_linear_input(*call, outputs, "recompute");
+    notify_recompute(*call, inputs, outputs);
+    check_linear_input(*call, outputs, "recompute (after observers)");
+
+    const at::Tensor& grad = grad_outputs[0];  // materialized: defined
+    const at::Tensor a = outputs[0].detach();
+    const bool flat = a.dim() == 3;
+    const at::Tensor mat1 = flat ? a.view({a.size(0) * a.size(1), a.size(2)}) : a;
+    const at::Tensor g = flat ? grad.reshape({mat1.size(0), grad.size(-1)}) : grad;  // the view's backward
+    const at::Tensor mat2 = weight.t();
+    variable_list result(4);                      // the call, input, weight, bias
+    if (ctx->needs_input_grad(2)) result[3] = g;  // addmm's self: the engine sums it to the bias's shape
+    if (ctx->needs_input_grad(1)) {
+      // mm_mat2_backward, then the transpose's backward.
+      const at::Tensor grad_mat2 = mat2.stride(0) == 1 && mat2.stride(1) == mat2.size(0) ? g.t().mm(mat1).t()
+                                                                                         : mat1.t().mm(g);
+      result[2] = grad_mat2.t();
+    }
+    at::Tensor grad_a;
+    if (outputs[0].requires_grad()) {
+      // mm_mat1_backward, then the view's backward; then through the recomputed region.
+      const at::Tensor grad_mat1 = mat1.stride(0) == 1 && mat1.stride(1) == mat1.size(0) ? mat2.mm(g.t()).t()
+                                                                                         : g.mm(mat2.t());
+      grad_a = flat ? grad_mat1.reshape(a.sizes()) : grad_mat1;
+      ActiveScope active(call->name, SegmentPhase::kBackward);
+      torch::autograd::backward({outputs[0]}, {grad_a});
+    }
+    std::vector<at::Tensor> output_grads{grad_a};
+    std::vector<at::Tensor> input_grads{inputs[0].requires_grad() ? inputs[0].grad() : at::Tensor()};
+    notify(*call, SegmentPhase::kBackward, output_grads, input_grads, false);
+    result[1] = input_grads[0];
+    return result;
+  }
+};
+
+// The mask a dropout region keeps between forward and backward: its bits, or the tensor itself
+// when an observer replaced it (its values need not be 0 and 1/(1-p)).
+struct KeptMask : torch::CustomClassHolder {
+  std::optional<PackedMask> bits;
+  at::Tensor whole;
+  double p = 0;
+};
+
+// dropout(input) keeping its mask as bits: the region is the mask (no inputs, one output), drawn
+// in forward and rebuilt from its bits in backward -- or, without RNG preservation, drawn again
+// from the generator as it then stands (the negative control).
+struct DropoutFunction : public torch::autograd::Function<DropoutFunction> {
+  static at::Tensor forward(AutogradContext* ctx, c10::intrusive_ptr<SegmentCall> call, const at::Tensor& input,
+                            double p) {
+    const std::vector<at::Tensor> none;
+    std::vector<at::Tensor> mask = run_forward(*call, none, true);
+    check_mask(*call, mask, input.sizes(), "forward");
+    const at::Tensor drawn = mask[0];
+    notify(*call, SegmentPhase::kForward, none, mask, true);
+    check_mask(*call, mask, input.sizes(), "forward (after observers)");
+    if (call->options.preserve_rng_state) {
+      auto kept = c10::make_intrusive<KeptMask>();
+      kept->p = p;
+      if (mask[0].is_same(drawn)) {
+        kept->bits = PackedMask::pack(drawn);
+      } else {
+        kept->whole = mask[0];
+      }
+      ctx->saved_data["mask"] = c10::IValue::make_capsule(kept);
+    }
+    ctx->saved_data["call"] = c10::IValue::make_capsule(call);
+    return input * mask[0];  // at::dropout's CPU path: input * noise
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    auto call = c10::static_intrusive_pointer_cast<SegmentCall>(ctx->saved_data["call"].toCapsule());
+    const std::vector<at::Tensor> none;
+    std::vector<at::Tensor> mask;
+    if (call->options.preserve_rng_state) {
+      auto kept = c10::static_intrusive_pointer_cast<KeptMask>(ctx->saved_data["mask"].toCapsule());
+      ActiveScope active(call->name, SegmentPhase::kRecompute);
+      mask.push_back(kept->bits ? kept->bits->unpack(kept->p) : kept->whole);
+    } else {
+      mask = recompute(*call, none);
+    }
+    const at::Tensor& grad = grad_outputs[0];
+    check_mask(*call, mask, grad.sizes(), "recompute");
+    notify_recompute(*call, none, mask);
+    check_mask(*call, mask, grad.sizes(), "recompute (after observers)");
+    std::vector<at::Tensor> output_grads{at::Tensor()}, input_grads;
+    notify(*call, SegmentPhase::kBackward, output_grads, input_grads, false);
+    return {at::Tensor(), grad * mask[0], at::Tensor()};  // MulBackward0: grad * other
+  }
+
+  static void check_mask(const SegmentCall& call, const std::vector<at::Tensor>& mask, c10::IntArrayRef sizes,
+                         const char* phase) {
+    check_outputs(call, mask, phase);
+    if (mask.size() != 1 || mask[0].sizes() != sizes) {
+      fail(call.name, std::string("a dropout region's one output is its mask, of its input's size; at ") + phase +
+                          " an observer left " +
+                          (mask.size() == 1 ? describe(mask[0]) : std::to_string(mask.size()) + " tensors"));
+    }
+  }
+};
 }  // namespace
 
 RecomputePolicyScope::RecomputePolicyScope(RecomputePolicy policy) { t_policies.push_back(std::move(policy)); }
@@ -328,10 +603,73 @@ RecomputePolicyScope::~RecomputePolicyScope() { t_policies.pop_back(); }
 std::vector<at::Tensor> recompute_region(const std::string& name, RegionKind kind, SegmentFn fn,
                                          const std::vector<at::Tensor>& inputs) {
   if (!fn) fail(name, "the region function is empty");
-  if (t_policies.empty() || !t_policies.back().recomputes(kind) || !t_active.empty() || !at::GradMode::is_enabled()) {
-    return fn(inputs);
+  const RecomputePolicy* policy = recompute_policy(kind);
+  if (policy == nullptr) return fn(inputs);
+  return checkpoint(name, std::move(fn), inputs, policy->options);
+}
+
+at::Tensor recompute_linear_input(const std::string& name, RegionKind kind, TensorFn fn, const at::Tensor& input,
+                                  const at::Tensor& weight, const at::Tensor& bias) {
+  if (!fn) fail(name, "the region function is empty");
+  if (kind != RegionKind::kNorm && kind != RegionKind::kActivation) {
+    fail(name, std::string("recompute_linear_input takes a norm or activation region, not ") + to_string(kind));
   }
-  return checkpoint(name, std::move(fn), inputs, t_policies.back().options);
+  const RecomputePolicy* policy = recompute_policy(kind);
+  if (policy == nullptr || !bias.defined() || at::autocast::is_autocast_enabled(input.device().type()) ||
+      !(input.requires_grad() || weight.requires_grad() || bias.requires_grad())) {
+    return at::linear(fn(input), weight, bias);
+  }
+  SegmentFn region = [fn = std::move(fn)](const std::vector<at::Tensor>& xs) {
+    return std::vector<at::Tensor>{fn(xs[0])};
+  };
+  return LinearInputFunction::apply(new_call(name, std::move(region), {input}, policy->options), input, weight, bias);
+}
+
+at::Tensor recompute_dropout(const std::string& name, const at::Tensor& input, double p, bool train) {
+  if (!train || !(p > 0 && p < 1) || !input.defined() || !input.device().is_cpu() || !input.is_floating_point() ||
+      input.numel() == 0) {
+    return at::dropout(input, p, train);
+  }
+  if (!t_active.empty()) {
+    // Inside a segment preserving its random numbers: the forward keeps the mask's bits, the
+    // recompute replays them instead of drawing again.
+    const ActiveFrame& frame = t_active.back();
+    if (frame.tape != nullptr && frame.phase == SegmentPhase::kForward) {
+      at::Tensor noise = draw_noise(input, p);
+      frame.tape->tape.push_back({PackedMask::pack(noise), cpu_generator_state(), p});
+      return input * noise;
+    }
+    if (frame.tape != nullptr && frame.phase == SegmentPhase::kRecompute) {
+      SegmentCall& call = *frame.tape;
+      if (call.replayed >= call.tape.size()) {
+        fail(call.name, "the recompute ran more dropouts than the forward's " + std::to_string(call.tape.size()) +
+                            "; the segment function must be deterministic in its structure");
+      }
+      const TapedDropout& taped = call.tape[call.replayed];
+      if (taped.mask.sizes != input.sizes().vec() || taped.mask.options.dtype() != input.dtype() || taped.p != p) {
+        fail(call.name, "dropout " + std::to_string(call.replayed) + " of the recompute is p=" + std::to_string(p) +
+                            " on " + describe(input) + " but the forward's was p=" + std::to_string(taped.p) + " on " +
+                            describe(c10::typeMetaToScalarType(taped.mask.options.dtype()), taped.mask.sizes) +
+                            "; the segment function must be deterministic in its structure");
+      }
+      ++call.replayed;
+      set_cpu_generator_state(taped.after);
+      return input * taped.mask.unpack(p);
+    }
+    return at::dropout(input, p, train);
+  }
+  const RecomputePolicy* policy = recompute_policy(RegionKind::kDropout);
+  if (policy == nullptr || !input.requires_grad()) return at::dropout(input, p, train);
+  // The mask is laid out as at::dropout lays out its noise (empty_like).
+  const at::Tensor like = at::empty_like(input);
+  SegmentFn draw = [sizes = like.sizes().vec(), strides = like.strides().vec(), options = like.options(),
+                    p](const std::vector<at::Tensor>&) {
+    at::Tensor noise = at::empty_strided(sizes, strides, options);
+    noise.bernoulli_(1 - p);
+    noise.div_(1 - p);
+    return std::vector<at::Tensor>{noise};
+  };
+  return DropoutFunction::apply(new_call(name, std::move(draw), {}, policy->options, /*capture_rng=*/false), input, p);
 }
 
 }  // namespace retrace

@@ -20,7 +20,7 @@ namespace F = torch::nn::functional;
 at::Tensor SegmentedModel::body(const at::Tensor& x, const CheckpointPlan& plan) {
   const std::vector<Stage> all = stages();
   if (plan.selective && plan.segments != 0) {
-    throw Error("CheckpointPlan: selective recompute runs the stages plainly and recomputes their attention cores; "
+    throw Error("CheckpointPlan: selective recompute runs the stages plainly and recomputes the regions they mark; "
                 "segments must be 0, got " +
                 std::to_string(plan.segments));
   }
@@ -95,9 +95,17 @@ struct TinyGpt::Block : torch::nn::Module {
     causal_mask = register_buffer("causal_mask", at::ones({c.seq_len, c.seq_len}, at::kBool).triu(1));
   }
 
+  // The region that norms the residual stream x for a linear layer: kept as x, not as its output,
+  // under a policy recomputing norms (recompute_linear_input).
+  TensorFn norm(torch::nn::LayerNorm ln) const {
+    return [ln, fp32 = layernorm_fp32](const at::Tensor& x) mutable { return layer_norm(ln, x, fp32); };
+  }
+
+  // qkv(ln1(x)) through the attention core and the output projection.
   at::Tensor attention(const at::Tensor& x) {
     const auto B = x.size(0), T = x.size(1), C = x.size(2), hd = C / heads;
-    auto qkv_out = qkv(x).chunk(3, -1);
+    auto qkv_out =
+        recompute_linear_input(name + ".ln1", RegionKind::kNorm, norm(ln1), x, qkv->weight, qkv->bias).chunk(3, -1);
     auto split = [&](const at::Tensor& t) { return t.view({B, T, heads, hd}).transpose(1, 2); };
     const at::Tensor q = split(qkv_out[0]), k = split(qkv_out[1]), v = split(qkv_out[2]);
     // The attention core: its softmax and dropout tensors are B x heads x T x T, what selective
@@ -111,22 +119,27 @@ struct TinyGpt::Block : torch::nn::Module {
           att =
               att.masked_fill(b.causal_mask.narrow(0, 0, T).narrow(1, 0, T), -std::numeric_limits<double>::infinity());
           att = at::softmax(att, -1);
-          att = F::dropout(att, F::DropoutFuncOptions().p(b.dropout).training(b.is_training()));
+          att = recompute_dropout(b.name + ".attention_core.dropout", att, b.dropout, b.is_training());
           return std::vector<at::Tensor>{at::matmul(att, in[2])};
         },
         {q, k, v})[0];
     const at::Tensor y = core.transpose(1, 2).contiguous().view({B, T, C});
-    return F::dropout(proj(y), F::DropoutFuncOptions().p(dropout).training(is_training()));
+    return recompute_dropout(name + ".attention_dropout", proj(y), dropout, is_training());
   }
 
+  // fc_out(gelu(fc(ln2(x)))): under a policy recomputing norms and activations, x and fc's output
+  // are kept, not ln2's and gelu's outputs.
   at::Tensor mlp(const at::Tensor& x) {
-    const at::Tensor h = at::gelu(fc(x));
-    return F::dropout(fc_out(h), F::DropoutFuncOptions().p(dropout).training(is_training()));
+    const at::Tensor h = recompute_linear_input(name + ".ln2", RegionKind::kNorm, norm(ln2), x, fc->weight, fc->bias);
+    const at::Tensor out = recompute_linear_input(
+        name + ".gelu", RegionKind::kActivation, [](const at::Tensor& u) { return at::gelu(u); }, h, fc_out->weight,
+        fc_out->bias);
+    return recompute_dropout(name + ".mlp_dropout", out, dropout, is_training());
   }
 
   at::Tensor forward(const at::Tensor& x) {
-    const at::Tensor h = x + attention(layer_norm(ln1, x, layernorm_fp32));
-    return h + mlp(layer_norm(ln2, h, layernorm_fp32));
+    const at::Tensor h = x + attention(x);
+    return h + mlp(h);
   }
 
   std::string name;  // "block3": its attention core is the region "block3.attention_core"

@@ -559,14 +559,14 @@ ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
     tr.recompute = p.choice(t, "recompute", "training.recompute", tr.recompute, {"full", "selective"});
     if (tr.recompute == "selective" && tr.segments != 0) {
       p.fail(t["recompute"], "training.recompute",
-             "is selective, which recomputes each block's attention core and keeps the rest; it needs "
+             "is selective, which recomputes parts of each block and keeps its matmul outputs; it needs "
              "training.segments 0 (got " +
                  std::to_string(tr.segments) + "): drop segments, or use recompute: full");
     }
     if (tr.recompute == "selective" && m.type != "tiny_gpt") {
       p.fail(t["recompute"], "training.recompute",
-             "is selective, which recomputes attention cores, but a " + m.type +
-                 " model has none; use it with model.type tiny_gpt");
+             "is selective, which recomputes the regions a transformer block marks, but a " + m.type +
+                 " model marks none; use it with model.type tiny_gpt");
     }
   }
 

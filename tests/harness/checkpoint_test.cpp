@@ -3,12 +3,16 @@
 
 #include <retrace/checkpoint.h>
 #include <retrace/gtest.h>
+#include <retrace/memory.h>
 #include <retrace/models.h>
 #include <retrace/observer.h>
 #include <retrace/sequential.h>
 
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
+
+#include <functional>
+#include <optional>
 
 namespace retrace {
 namespace {
@@ -161,6 +165,222 @@ TEST(Checkpoint, RegionsRecomputeOnlyUnderAPolicyAndOutsideSegments) {
       EXPECT_TRUE(off.forwards.empty());
     }
   }
+}
+
+// The parameters' and input's gradients of one forward + backward of f(x).sum().
+struct Grads {
+  at::Tensor out, x;
+  std::vector<at::Tensor> params;
+};
+Grads grads_of(const std::function<at::Tensor(const at::Tensor&)>& f, const at::Tensor& x0,
+               const std::vector<at::Tensor>& params, std::int64_t* held = nullptr) {
+  for (const at::Tensor& p : params) p.mutable_grad() = at::Tensor();
+  const at::Tensor x = x0.detach().requires_grad_(true);
+  Grads g;
+  {
+    std::optional<CpuMemoryCounter> counter;
+    if (held != nullptr) counter.emplace();
+    g.out = f(x);
+    if (held != nullptr) *held = counter->live_bytes() - g.out.nbytes();
+  }
+  (g.out * g.out).sum().backward();  // a non-uniform output gradient
+  g.x = x.grad();
+  for (const at::Tensor& p : params) g.params.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+  return g;
+}
+
+void expect_same(const Grads& a, const Grads& b) {
+  EXPECT_BITWISE_EQ(a.out, b.out);
+  EXPECT_BITWISE_EQ(a.x, b.x);
+  ASSERT_EQ(a.params.size(), b.params.size());
+  for (std::size_t i = 0; i < a.params.size(); ++i) {
+    SCOPED_TRACE(i);
+    ASSERT_EQ(a.params[i].defined(), b.params[i].defined());
+    if (a.params[i].defined()) {
+      EXPECT_BITWISE_EQ(a.params[i], b.params[i]);
+    }
+  }
+}
+
+bool any_differs(const Grads& a, const Grads& b) {
+  if (!bitwise_diff(a.x, b.x).bitwise_equal()) return true;
+  for (std::size_t i = 0; i < a.params.size(); ++i) {
+    if (a.params[i].defined() && !bitwise_diff(a.params[i], b.params[i]).bitwise_equal()) return true;
+  }
+  return false;
+}
+
+// recompute_linear_input(): linear(fn(x)) with fn's output recomputed in backward, not kept. The
+// output and every gradient are the plain model's bits for 3-D and 2-D inputs, a norm with
+// parameters and an activation, and a weight laid out transposed (the other branch of addmm's
+// weight gradient); fn's output is not held between forward and backward. Control: a region
+// drawing dropout recomputed without RNG preservation gets other gradients, so the comparison
+// sees the recompute.
+TEST(Checkpoint, RecomputeLinearInputIsBitwisePlainAndKeepsOnlyItsInput) {
+  torch::manual_seed(3);
+  torch::nn::LayerNorm ln(torch::nn::LayerNormOptions({16}));
+  torch::nn::Linear fc(16, 24);
+  const at::Tensor transposed = torch::randn({16, 24}).t().detach().requires_grad_(true);  // strides (1, 24)
+  const std::vector<at::Tensor> params = {ln->weight, ln->bias, fc->weight, fc->bias, transposed};
+  const TensorFn norm = [ln](const at::Tensor& x) mutable { return ln(x); };
+  const TensorFn act = [](const at::Tensor& x) { return at::gelu(x); };
+  const auto run = [&](RegionKind kind, const TensorFn& fn, const at::Tensor& weight, const at::Tensor& x,
+                       std::optional<RecomputePolicy> policy, std::int64_t* held = nullptr) {
+    std::optional<RecomputePolicyScope> scope;
+    if (policy) scope.emplace(*policy);
+    return grads_of([&](const at::Tensor& in) { return recompute_linear_input("r", kind, fn, in, weight, fc->bias); },
+                    x, params, held);
+  };
+  const at::Tensor x3 = torch::randn({4, 32, 16}), x2 = torch::randn({128, 16});
+  for (const at::Tensor& x : {x3, x2}) {
+    for (const at::Tensor& w : {fc->weight, transposed}) {
+      SCOPED_TRACE(std::to_string(x.dim()) + "-D, weight strides " + std::to_string(w.stride(0)));
+      std::int64_t held_plain = 0, held_recomputed = 0;
+      expect_same(run(RegionKind::kNorm, norm, w, x, std::nullopt, &held_plain),
+                  run(RegionKind::kNorm, norm, w, x, RecomputePolicy::selective(), &held_recomputed));
+      // Plain keeps ln's output and statistics; recomputed, the RNG state (5056 bytes) and no tensor.
+      EXPECT_GE(held_plain, x.nbytes());
+      EXPECT_LT(held_recomputed, 6 * 1024);
+      expect_same(run(RegionKind::kActivation, act, w, x, std::nullopt),
+                  run(RegionKind::kActivation, act, w, x, RecomputePolicy::selective()));
+    }
+  }
+  const TensorFn noisy = [](const at::Tensor& x) { return at::dropout(x, 0.5, true); };
+  torch::manual_seed(5);
+  const Grads plain = run(RegionKind::kActivation, noisy, fc->weight, x3, std::nullopt);
+  torch::manual_seed(5);
+  const Grads kept = run(RegionKind::kActivation, noisy, fc->weight, x3, RecomputePolicy::selective());
+  expect_same(plain, kept);
+  RecomputePolicy broken = RecomputePolicy::selective();
+  broken.options.preserve_rng_state = false;
+  torch::manual_seed(5);
+  const Grads off = run(RegionKind::kActivation, noisy, fc->weight, x3, broken);
+  EXPECT_BITWISE_EQ(plain.out, off.out);  // the forward is the same...
+  EXPECT_TRUE(any_differs(plain, off));   // ...the gradients are not
+}
+
+// recompute_dropout(): at::dropout's output and gradient bit for bit, holding the mask's bits
+// between forward and backward instead of the float mask. Control: without RNG preservation the
+// mask is drawn again in backward, and it is another one.
+TEST(Checkpoint, RecomputeDropoutIsBitwisePlainAndKeepsNoMask) {
+  const at::Tensor x = torch::randn({8, 32, 16});
+  const auto run = [&](std::optional<RecomputePolicy> policy, std::int64_t* held = nullptr) {
+    std::optional<RecomputePolicyScope> scope;
+    if (policy) scope.emplace(*policy);
+    torch::manual_seed(9);
+    return grads_of([](const at::Tensor& in) { return recompute_dropout("d", in * 1.0, 0.3, true); }, x, {}, held);
+  };
+  std::int64_t held_plain = 0, held_recomputed = 0;
+  const Grads plain = run(std::nullopt, &held_plain);
+  expect_same(plain, run(RecomputePolicy::selective(), &held_recomputed));
+  EXPECT_GE(held_plain, x.nbytes());                 // the float mask
+  EXPECT_LE(held_recomputed, x.numel() / 8 + 1024);  // its bits
+  RecomputePolicy broken = RecomputePolicy::selective();
+  broken.options.preserve_rng_state = false;
+  const Grads off = run(broken);
+  EXPECT_BITWISE_EQ(plain.out, off.out);
+  EXPECT_FALSE(bitwise_diff(plain.x, off.x).bitwise_equal());
+  // Plain where recomputing buys nothing: eval mode, p = 0, no grad required.
+  struct Count : SegmentObserver {
+    int forwards = 0;
+    void on_forward(SegmentEvent&) override { ++forwards; }
+  } count;
+  ObserverScope observe(count);
+  RecomputePolicyScope policy(RecomputePolicy::selective());
+  EXPECT_BITWISE_EQ(recompute_dropout("d", x, 0.3, false), x);
+  EXPECT_BITWISE_EQ(recompute_dropout("d", x.requires_grad_(true), 0.0, true), x);
+  recompute_dropout("d", x.detach(), 0.3, true);
+  EXPECT_EQ(count.forwards, 0);
+}
+
+// recompute_dropout() inside a checkpointed segment: the recompute rebuilds the forward's mask
+// from its bits instead of drawing again, and moves the generator to where the forward's draw
+// left it, so a plain dropout after it in the same segment draws the same mask too: the gradients
+// are the plain model's bits (they would not be if the generator were left at the segment's
+// start). Controls: without RNG preservation they differ; a recompute that runs its dropout on
+// another shape is named as not deterministic (the mask came from the forward's record).
+TEST(Checkpoint, DropoutInsideASegmentReplaysItsMaskAndLeavesTheGeneratorAsTheForwardDid) {
+  torch::nn::Linear fc(16, 16);
+  const std::vector<at::Tensor> params = {fc->weight, fc->bias};
+  const TensorFn body = [fc](const at::Tensor& x) mutable {
+    const at::Tensor h = recompute_dropout("d", fc(x), 0.3, true);
+    return at::dropout(at::tanh(h), 0.2, true);  // draws after the replayed mask
+  };
+  const at::Tensor x = torch::randn({8, 16, 16});
+  const auto run = [&](std::optional<CheckpointOptions> options) {
+    torch::manual_seed(11);
+    return grads_of([&](const at::Tensor& in) { return options ? checkpoint("seg", body, in, *options) : body(in); }, x,
+                    params);
+  };
+  const Grads plain = run(std::nullopt);
+  expect_same(plain, run(CheckpointOptions{}));
+  CheckpointOptions off;
+  off.preserve_rng_state = false;
+  const Grads broken = run(off);
+  EXPECT_BITWISE_EQ(plain.out, broken.out);
+  EXPECT_TRUE(any_differs(plain, broken));
+  int calls = 0;
+  const TensorFn shifting = [&calls](const at::Tensor& in) {
+    return recompute_dropout("d", ++calls == 1 ? in : in.narrow(0, 0, 4), 0.5, true).sum(0);
+  };
+  const at::Tensor leaf = torch::randn({8, 4}, torch::requires_grad());
+  try {
+    checkpoint("shifting", shifting, leaf).sum().backward();
+    ADD_FAILURE() << "no error";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("retrace::checkpoint(\"shifting\"): dropout 0 of the recompute is "
+                                         "p=0.500000 on Float[4, 4] but the forward's was p=0.500000 on Float[8, 4]"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// The regions feeding a linear layer, and dropout, are segments to observers (their recompute
+// is what the verifier compares); misuse is a CheckpointError naming the region.
+TEST(Checkpoint, LinearInputRegionsReportEventsAndNameTheirMisuse) {
+  struct Names : SegmentObserver {
+    std::vector<std::string> seen;
+    void on_forward(SegmentEvent& e) override { seen.push_back("forward " + e.segment); }
+    void on_recompute(SegmentEvent& e) override { seen.push_back("recompute " + e.segment); }
+    void on_backward(SegmentEvent& e) override { seen.push_back("backward " + e.segment); }
+  } names;
+  torch::nn::Linear fc(6, 5);
+  const at::Tensor x = torch::randn({3, 6}, torch::requires_grad());
+  {
+    ObserverScope scope(names);
+    RecomputePolicyScope policy(RecomputePolicy::selective());
+    const at::Tensor h = recompute_linear_input(
+        "act", RegionKind::kActivation, [](const at::Tensor& t) { return at::relu(t); }, x, fc->weight, fc->bias);
+    recompute_dropout("drop", h, 0.5, true).sum().backward();
+  }
+  EXPECT_EQ(names.seen, (std::vector<std::string>{"forward act", "forward drop", "recompute drop", "backward drop",
+                                                  "recompute act", "backward act"}));
+  RecomputePolicyScope policy(RecomputePolicy::selective());
+  const auto message = [&](RegionKind kind, TensorFn fn) {
+    try {
+      recompute_linear_input("block1.ln2", kind, std::move(fn), x, fc->weight, fc->bias).sum().backward();
+    } catch (const CheckpointError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(message(RegionKind::kNorm, [](const at::Tensor& t) { return t.t().t().t(); })
+                .find("retrace::checkpoint(\"block1.ln2\"): a region feeding a linear layer must return one contiguous "
+                      "2-D or 3-D tensor; at forward it returned Float[6, 3] (strided)"),
+            std::string::npos);
+  EXPECT_NE(message(RegionKind::kAttentionCore, [](const at::Tensor& t) { return t; })
+                .find("takes a norm or activation region, not attention_core"),
+            std::string::npos);
+  // Under autocast the linear layer casts its input: the region runs plainly.
+  at::autocast::set_autocast_enabled(at::kCPU, true);
+  Names none;
+  {
+    ObserverScope scope(none);
+    recompute_linear_input(
+        "act", RegionKind::kActivation, [](const at::Tensor& t) { return at::relu(t); }, x, fc->weight, fc->bias);
+  }
+  at::autocast::set_autocast_enabled(at::kCPU, false);
+  EXPECT_TRUE(none.seen.empty());
 }
 
 // torch::nn::LSTM on CPU (oneDNN) computes other bits under no-grad than with grad. A forward

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <set>
 
 namespace retrace {
 namespace {
@@ -58,15 +59,17 @@ TEST(RecomputeVerifier, RngPreservationOffIsReportedNamingTheSegment) {
   EXPECT_NE(m.message().find("is not bitwise equal"), std::string::npos);
 }
 
-// The recompute of a selectively recomputed region is verified like any segment's. Control:
-// without RNG preservation the attention cores' dropout masks differ and each core is named.
-TEST(RecomputeVerifier, SelectiveRecomputeIsVerifiedAndItsRngControlNamesTheAttentionCore) {
+// The recompute of every selectively recomputed region -- attention cores, the norms and gelu
+// feeding linear layers, dropout masks -- is verified like any segment's. Control: without RNG
+// preservation exactly the regions that draw random numbers mismatch (the attention cores and the
+// dropout masks), and the norms and gelus, which draw none, still verify.
+TEST(RecomputeVerifier, SelectiveRecomputeIsVerifiedAndItsRngControlNamesTheRandomRegions) {
   auto model = make_gpt();
   {
     RecomputeVerifier verifier({VerifyPolicy::kThrow, false});
     ObserverScope scope(verifier);
     model.loss(model.make_batch(1), {0, {}, /*selective=*/true}).backward();
-    EXPECT_EQ(verifier.verified_outputs(), 4u);  // one attention core a block
+    EXPECT_EQ(verifier.verified_outputs(), 4u * 6);  // ln1, attention core and dropout, ln2, gelu, dropout
     EXPECT_TRUE(verifier.mismatches().empty());
   }
   RecomputeVerifier verifier({VerifyPolicy::kWarn, false});
@@ -74,10 +77,32 @@ TEST(RecomputeVerifier, SelectiveRecomputeIsVerifiedAndItsRngControlNamesTheAtte
   models::CheckpointPlan plan{0, {}, true};
   plan.options.preserve_rng_state = false;
   model.loss(model.make_batch(1), plan).backward();
+  std::set<std::string> mismatching;
+  for (const auto& m : verifier.mismatches()) mismatching.insert(m.segment);
+  std::set<std::string> random;
+  for (int b = 0; b < 4; ++b) {
+    for (const char* region : {".attention_core", ".attention_dropout", ".mlp_dropout"}) {
+      random.insert("block" + std::to_string(b) + region);
+    }
+  }
+  EXPECT_EQ(mismatching, random);
+}
+
+// A norm region feeding a linear layer whose recompute is perturbed is named, with the element
+// count; the same perturbation on a plain run touches nothing (no such region recomputes).
+TEST(RecomputeVerifier, PerturbedNormRegionIsNamed) {
+  auto model = make_gpt();
+  PerturbRecompute perturb("block1.ln2");
+  RecomputeVerifier verifier({VerifyPolicy::kRecord, false});
+  ObserverScope first(perturb);
+  ObserverScope second(verifier);
+  model.loss(model.make_batch(1), {0, {}}).backward();
+  EXPECT_TRUE(verifier.mismatches().empty());
+  model.loss(model.make_batch(1), {0, {}, true}).backward();
   const auto mismatches = verifier.mismatches();
-  ASSERT_FALSE(mismatches.empty());
-  EXPECT_EQ(mismatches.front().segment.rfind(".attention_core"), mismatches.front().segment.size() - 15)
-      << mismatches.front().segment;
+  ASSERT_EQ(mismatches.size(), 1u);
+  EXPECT_EQ(mismatches[0].segment, "block1.ln2");
+  EXPECT_NE(mismatches[0].message().find("block1.ln2"), std::string::npos) << mismatches[0].message();
 }
 
 TEST(RecomputeVerifier, PerturbedRecomputeThrowsInThrowMode) {

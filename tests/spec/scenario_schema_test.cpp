@@ -134,7 +134,8 @@ TEST(Schema, RecomputeSelectiveIsCheckedAndRoundTrips) {
   const std::string gpt = "model: {type: tiny_gpt, layers: 2, d_model: 16, heads: 2}\n";
   EXPECT_NE(error(gpt + "training: {recompute: some}\n").find("r.yaml:2: key 'training.recompute'"), std::string::npos);
   EXPECT_NE(error(gpt + "training: {segments: 2, recompute: selective}\n")
-                .find("key 'training.recompute': is selective, which recomputes each block's attention core"),
+                .find("key 'training.recompute': is selective, which recomputes parts of each block and keeps its "
+                      "matmul outputs"),
             std::string::npos);
   EXPECT_NE(error("model: {type: mlp}\ntraining: {recompute: selective}\n").find("r.yaml:2: key 'training.recompute'"),
             std::string::npos);

@@ -84,16 +84,25 @@ std::vector<std::string> segment_names(const std::vector<Stage>& stages, int seg
 // --- Selective recompute ---------------------------------------------------------------------
 // Full recompute (checkpoint(), checkpoint_sequential()) keeps only a segment's inputs and runs
 // its whole forward again in backward. Selective recompute (Megatron-LM's; Korthikanti et al.,
-// "Reducing Activation Recomputation in Large Transformer Models", 2023) recomputes only the parts
-// that are cheap to run and expensive to keep -- above all the attention core, whose softmax and
-// dropout tensors grow with the square of the sequence -- and keeps every linear layer's output
-// as autograd does without checkpointing. A model marks such parts as regions of a kind
-// (recompute_region); the policy on the thread says which kinds recompute.
+// "Reducing Activation Recomputation in Large Transformer Models", 2023) recomputes only what is
+// cheap to run and expensive to keep, and keeps every matmul's output as autograd does without
+// checkpointing. A model marks such parts as regions of a kind; the policy on the thread says
+// which kinds recompute:
+//   - recompute_region(): the attention core, whose softmax and dropout tensors grow with the
+//     square of the sequence (Megatron's selective recompute);
+//   - recompute_linear_input(): a norm or an activation whose output only feeds a linear layer.
+//     The linear layer keeps that output for its weight gradient; here the region's input is kept
+//     instead and the region alone runs again in backward, not the matmul;
+//   - recompute_dropout(): a dropout, whose float mask is kept as one bit an element.
+// Every recomputed region is a checkpointed segment to observers (its recompute is verified and
+// replay-compared like any segment's), and the gradients are bitwise those of the plain model.
 
-// Kinds of forward regions. Only the attention core is worth recomputing in a GPT block: a norm
-// or an activation region keeps its input, which the next matmul keeps anyway.
+// Kinds of forward regions.
 enum class RegionKind {
   kAttentionCore,  // scores = QK^T, mask, softmax, dropout, scores x V (its inputs: Q, K, V)
+  kNorm,           // a normalization feeding a linear layer (recompute_linear_input)
+  kActivation,     // an elementwise activation feeding a linear layer (recompute_linear_input)
+  kDropout,        // a dropout mask, kept as bits and rebuilt in backward (recompute_dropout)
 };
 const char* to_string(RegionKind kind);
 
@@ -101,11 +110,13 @@ struct RecomputePolicy {
   std::vector<RegionKind> kinds;  // the kinds that recompute; the others run plainly
   CheckpointOptions options;      // how a recomputed region runs (RNG preserved by default)
   bool recomputes(RegionKind kind) const;
-  // Megatron's selective recompute: the attention core only.
+  // Every kind: attention cores, norms and activations feeding linear layers, dropout masks.
   static RecomputePolicy selective();
+  // Megatron's selective recompute: the attention core only.
+  static RecomputePolicy attention_core();
 };
 
-// Makes `policy` the one recompute_region() follows on this thread for the scope's life. Scopes
+// Makes `policy` the one the regions below follow on this thread for the scope's life. Scopes
 // nest; the innermost wins. Without one, every region runs plainly.
 class RecomputePolicyScope {
  public:
@@ -122,5 +133,31 @@ class RecomputePolicyScope {
 // returned: it must capture by value what it uses (a module by its shared_ptr).
 std::vector<at::Tensor> recompute_region(const std::string& name, RegionKind kind, SegmentFn fn,
                                          const std::vector<at::Tensor>& inputs);
+
+// Returns at::linear(fn(input), weight, bias), bit for bit, gradients included. When it recomputes
+// -- the policy names `kind` (kNorm or kActivation), grad mode is on, no segment is running, no
+// autocast is on, bias is defined and something requires grad -- it keeps `input` where the plain
+// model keeps fn's output, and in backward runs fn again (under the forward's RNG and autocast
+// state, as the segment `name` to observers) and computes the linear layer's gradients from that
+// output as autograd does, without running the matmul again. Otherwise it runs plainly.
+// fn must return a contiguous 2-D or 3-D floating-point tensor on input's device (a
+// CheckpointError naming the region otherwise) and capture by value what it uses, as above.
+at::Tensor recompute_linear_input(const std::string& name, RegionKind kind, TensorFn fn, const at::Tensor& input,
+                                  const at::Tensor& weight, const at::Tensor& bias);
+
+// Returns at::dropout(input, p, train) -- what torch::nn::Dropout computes -- bit for bit, and
+// keeps its mask as one bit an element instead of the float tensor of input's size that dropout
+// keeps on the CPU:
+//   - outside any segment, when the policy names kDropout, grad mode is on and input requires
+//     grad: the segment `name` to observers, with no inputs and one output, the mask as dropout
+//     multiplies by it (0 or 1/(1-p)), rebuilt from its bits in backward;
+//   - inside a checkpointed segment (full recompute, or a region) preserving RNG state, whatever
+//     the policy: the forward keeps the bits and the generator's state after the draw, and the
+//     recompute rebuilds the mask from them instead of drawing again (a draw costs more than
+//     the rest of a small model's recompute) and moves the generator to where the forward left it.
+// Without RNG preservation the mask is drawn again from the generator as it then stands (the
+// negative control). Otherwise -- eval mode, p 0 or 1, no grad, a CUDA tensor, where dropout keeps
+// a one-byte mask -- it is at::dropout.
+at::Tensor recompute_dropout(const std::string& name, const at::Tensor& input, double p, bool train);
 
 }  // namespace retrace

@@ -21,7 +21,8 @@ namespace retrace::models {
 // How the checkpointable body runs: segments == 0 runs it plainly; segments == N splits the
 // stages into N checkpointed segments (checkpoint_sequential: full recompute). selective (with
 // segments == 0): the stages run plainly under RecomputePolicy::selective(), so a model's
-// attention cores (recompute_region) recompute and everything else is kept.
+// selective regions (attention cores, the norms and activations feeding linear layers, dropout
+// masks: checkpoint.h) recompute and every matmul output is kept.
 struct CheckpointPlan {
   int segments = 0;
   CheckpointOptions options;
