@@ -145,8 +145,9 @@ struct SegmentCall : torch::CustomClassHolder {
   std::size_t num_inputs = 0;       // user inputs
   bool anchored = false;            // an anchor input follows the user inputs
   c10::Device device{c10::kCPU};
-  std::vector<TapedDropout> tape;  // recompute_dropout() calls of the forward, in order
-  std::size_t replayed = 0;        // of the tape, by the recompute running now
+  std::vector<TapedDropout> tape;          // recompute_dropout() calls of the forward, in order
+  std::size_t replayed = 0;                // of the tape, by the recompute running now
+  std::vector<std::int64_t> region_sizes;  // recompute_linear_input: the forward's region output
 };
 
 void check_outputs(const SegmentCall& call, const std::vector<at::Tensor>& outputs, const char* phase) {
@@ -188,6 +189,25 @@ std::vector<at::Tensor> detached_like_recompute(const SegmentCall& call, const s
   return out;
 }
 
+// The tape's tensors (each mask's bits, then the generator state after it), moved out of the call
+// to be saved with save_for_backward: autograd frees them with the graph's other saved tensors.
+std::vector<at::Tensor> take_tape(SegmentCall& call) {
+  std::vector<at::Tensor> out;
+  for (TapedDropout& t : call.tape) {
+    out.push_back(std::move(t.mask.bits));
+    out.push_back(std::move(t.after));
+  }
+  return out;
+}
+
+// Puts take_tape()'s tensors back, from saved[from...].
+void restore_tape(SegmentCall& call, const std::vector<at::Tensor>& saved, std::size_t from) {
+  for (std::size_t i = 0; i < call.tape.size(); ++i) {
+    call.tape[i].mask.bits = saved.at(from + 2 * i);
+    call.tape[i].after = saved.at(from + 2 * i + 1);
+  }
+}
+
 // The call a node saved in forward, once backward may run it (backward() without inputs).
 c10::intrusive_ptr<SegmentCall> saved_call(AutogradContext* ctx) {
   auto call = c10::static_intrusive_pointer_cast<SegmentCall>(ctx->saved_data["call"].toCapsule());
@@ -195,6 +215,11 @@ c10::intrusive_ptr<SegmentCall> saved_call(AutogradContext* ctx) {
     fail(call->name, "backward reached this segment through torch::autograd::grad() or backward(inputs=...), "
                      "which reentrant checkpointing cannot serve (the recompute's gradients would be lost); "
                      "call backward() without inputs and read .grad()");
+  }
+  if (at::GradMode::is_enabled()) {
+    fail(call->name, "backward runs with create_graph=true (double backward), which reentrant checkpointing "
+                     "cannot serve (the gradients through the recompute would have no graph); run this "
+                     "forward without checkpointing or selective recompute");
   }
   return call;
 }
@@ -221,6 +246,7 @@ std::vector<at::Tensor> recompute(SegmentCall& call, const std::vector<at::Tenso
                         std::to_string(call.tape.size()) +
                         " dropouts; the segment function must be deterministic in its structure");
   }
+  take_tape(call);  // the saved variables keep them (for a retain_graph backward), not the call
   return outputs;
 }
 
@@ -264,14 +290,19 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     check_outputs(*call, outputs, "forward");
     notify(*call, SegmentPhase::kForward, inputs, outputs, will_recompute);
     check_outputs(*call, outputs, "forward (after observers)");
-    ctx->save_for_backward(inputs);
+    std::vector<at::Tensor> saved = inputs;
+    for (at::Tensor& t : take_tape(*call)) saved.push_back(std::move(t));
+    ctx->save_for_backward(saved);
     ctx->saved_data["call"] = c10::IValue::make_capsule(call);
     return outputs;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     auto call = saved_call(ctx);
-    const std::vector<at::Tensor> inputs = detached_like_recompute(*call, ctx->get_saved_variables());
+    const variable_list saved = ctx->get_saved_variables();
+    restore_tape(*call, saved, call->num_inputs);
+    const std::vector<at::Tensor> inputs =
+        detached_like_recompute(*call, std::vector<at::Tensor>(saved.begin(), saved.begin() + call->num_inputs));
     std::vector<at::Tensor> outputs = recompute(*call, inputs);
     check_outputs(*call, outputs, "recompute");
     if (outputs.size() != grad_outputs.size()) {
@@ -484,14 +515,26 @@ struct LinearInputFunction : public torch::autograd::Function<LinearInputFunctio
     check_linear_input(*call, outputs, "forward");
     notify(*call, SegmentPhase::kForward, inputs, outputs, true);
     check_linear_input(*call, outputs, "forward (after observers)");
-    ctx->save_for_backward({input, weight});
+    std::vector<at::Tensor> saved{input, weight};
+    for (at::Tensor& t : take_tape(*call)) saved.push_back(std::move(t));
+    ctx->save_for_backward(saved);
     ctx->saved_data["call"] = c10::IValue::make_capsule(call);
-    return at::linear(outputs[0], weight, bias);
+    ctx->set_materialize_grads(false);
+    // at::linear's path for a contiguous 3-D input with a bias: addmm on the 2-D view, then a view
+    // back, which recompute_linear_input takes outside this function (so the output is a plain
+    // view, modifiable in place, as at::linear's is).
+    const at::Tensor& a = outputs[0];
+    call->region_sizes = a.sizes().vec();
+    return at::linear(a.dim() == 3 ? a.view({a.size(0) * a.size(1), a.size(2)}) : a, weight, bias);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     auto call = saved_call(ctx);
+    variable_list result(4);                // the call, input, weight, bias
+    const at::Tensor& g = grad_outputs[0];  // 2-D, as addmm's output
+    if (!g.defined()) return result;        // no gradient reached the layer: as plain, none leaves it
     const variable_list saved = ctx->get_saved_variables();
+    restore_tape(*call, saved, 2);
     const std::vector<at::Tensor> inputs = detached_like_recompute(*call, {saved[0]});
     const at::Tensor& weight = saved[1];
     std::vector<at::Tensor> outputs = recompute(*call, inputs);
@@ -499,13 +542,10 @@ struct LinearInputFunction : public torch::autograd::Function<LinearInputFunctio
     notify_recompute(*call, inputs, outputs);
     check_linear_input(*call, outputs, "recompute (after observers)");
 
-    const at::Tensor& grad = grad_outputs[0];  // materialized: defined
     const at::Tensor a = outputs[0].detach();
     const bool flat = a.dim() == 3;
     const at::Tensor mat1 = flat ? a.view({a.size(0) * a.size(1), a.size(2)}) : a;
-    const at::Tensor g = flat ? grad.reshape({mat1.size(0), grad.size(-1)}) : grad;  // the view's backward
     const at::Tensor mat2 = weight.t();
-    variable_list result(4);                      // the call, input, weight, bias
     if (ctx->needs_input_grad(2)) result[3] = g;  // addmm's self: the engine sums it to the bias's shape
     if (ctx->needs_input_grad(1)) {
       // mm_mat2_backward, then the transpose's backward.
@@ -531,10 +571,9 @@ struct LinearInputFunction : public torch::autograd::Function<LinearInputFunctio
 };
 
 // The mask a dropout region keeps between forward and backward: its bits, or the tensor itself
-// when an observer replaced it (its values need not be 0 and 1/(1-p)).
+// (a saved variable) when an observer replaced it (its values need not be 0 and 1/(1-p)).
 struct KeptMask : torch::CustomClassHolder {
-  std::optional<PackedMask> bits;
-  at::Tensor whole;
+  std::optional<PackedMask> bits;  // its layout; the bits tensor itself is a saved variable
   double p = 0;
 };
 
@@ -551,27 +590,40 @@ struct DropoutFunction : public torch::autograd::Function<DropoutFunction> {
     notify(*call, SegmentPhase::kForward, none, mask, true);
     check_mask(*call, mask, input.sizes(), "forward (after observers)");
     if (call->options.preserve_rng_state) {
+      // The tensor kept (bits, or an observer's replacement whole) is a saved variable, freed by
+      // autograd with the others after backward.
       auto kept = c10::make_intrusive<KeptMask>();
       kept->p = p;
       if (mask[0].is_same(drawn)) {
         kept->bits = PackedMask::pack(drawn);
+        ctx->save_for_backward({kept->bits->bits});
+        kept->bits->bits = at::Tensor();
       } else {
-        kept->whole = mask[0];
+        ctx->save_for_backward({mask[0]});
       }
       ctx->saved_data["mask"] = c10::IValue::make_capsule(kept);
     }
     ctx->saved_data["call"] = c10::IValue::make_capsule(call);
+    ctx->set_materialize_grads(false);
     return input * mask[0];  // at::dropout's CPU path: input * noise
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     auto call = c10::static_intrusive_pointer_cast<SegmentCall>(ctx->saved_data["call"].toCapsule());
+    if (!grad_outputs[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
     const std::vector<at::Tensor> none;
     std::vector<at::Tensor> mask;
     if (call->options.preserve_rng_state) {
       auto kept = c10::static_intrusive_pointer_cast<KeptMask>(ctx->saved_data["mask"].toCapsule());
+      const at::Tensor saved = ctx->get_saved_variables()[0];
       ActiveScope active(call->name, SegmentPhase::kRecompute);
-      mask.push_back(kept->bits ? kept->bits->unpack(kept->p) : kept->whole);
+      if (kept->bits) {
+        PackedMask bits = *kept->bits;
+        bits.bits = saved;
+        mask.push_back(bits.unpack(kept->p));
+      } else {
+        mask.push_back(saved);
+      }
     } else {
       mask = recompute(*call, none);
     }
@@ -622,7 +674,10 @@ at::Tensor recompute_linear_input(const std::string& name, RegionKind kind, Tens
   SegmentFn region = [fn = std::move(fn)](const std::vector<at::Tensor>& xs) {
     return std::vector<at::Tensor>{fn(xs[0])};
   };
-  return LinearInputFunction::apply(new_call(name, std::move(region), {input}, policy->options), input, weight, bias);
+  c10::intrusive_ptr<SegmentCall> call = new_call(name, std::move(region), {input}, policy->options);
+  const at::Tensor out = LinearInputFunction::apply(call, input, weight, bias);
+  const std::vector<std::int64_t>& a = call->region_sizes;
+  return a.size() == 3 ? out.view({a[0], a[1], out.size(1)}) : out;
 }
 
 at::Tensor recompute_dropout(const std::string& name, const at::Tensor& input, double p, bool train) {

@@ -212,49 +212,76 @@ bool any_differs(const Grads& a, const Grads& b) {
 
 // recompute_linear_input(): linear(fn(x)) with fn's output recomputed in backward, not kept. The
 // output and every gradient are the plain model's bits for 3-D and 2-D inputs, a norm with
-// parameters and an activation, and a weight laid out transposed (the other branch of addmm's
-// weight gradient); fn's output is not held between forward and backward. Control: a region
-// drawing dropout recomputed without RNG preservation gets other gradients, so the comparison
-// sees the recompute.
+// parameters and an activation, in float and double, with the weight contiguous and laid out
+// transposed (the two branches of addmm's weight gradient); fn's output is not held between
+// forward and backward; the 3-D output is a view that can be modified in place, as at::linear's.
+// Controls: in double the two branches of the weight gradient give other bits, so the comparison
+// would see the wrong one taken; a region drawing dropout recomputed without RNG preservation
+// gets other gradients, so it sees the recompute.
 TEST(Checkpoint, RecomputeLinearInputIsBitwisePlainAndKeepsOnlyItsInput) {
-  torch::manual_seed(3);
-  torch::nn::LayerNorm ln(torch::nn::LayerNormOptions({16}));
+  for (const at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    torch::manual_seed(3);
+    torch::nn::LayerNorm ln(torch::nn::LayerNormOptions({16}));
+    torch::nn::Linear fc(16, 24);
+    ln->to(dtype);
+    fc->to(dtype);
+    const at::Tensor transposed = torch::randn({16, 24}, dtype).t().detach().requires_grad_(true);  // strides (1, 24)
+    const std::vector<at::Tensor> params = {ln->weight, ln->bias, fc->weight, fc->bias, transposed};
+    const TensorFn norm = [ln](const at::Tensor& x) mutable { return ln(x); };
+    const TensorFn act = [](const at::Tensor& x) { return at::gelu(x); };
+    const auto run = [&](RegionKind kind, const TensorFn& fn, const at::Tensor& weight, const at::Tensor& x,
+                         std::optional<RecomputePolicy> policy, std::int64_t* held = nullptr) {
+      std::optional<RecomputePolicyScope> scope;
+      if (policy) scope.emplace(*policy);
+      return grads_of([&](const at::Tensor& in) { return recompute_linear_input("r", kind, fn, in, weight, fc->bias); },
+                      x, params, held);
+    };
+    const at::Tensor x3 = torch::randn({4, 32, 16}, dtype), x2 = torch::randn({128, 16}, dtype);
+    for (const at::Tensor& x : {x3, x2}) {
+      for (const at::Tensor& w : {fc->weight, transposed}) {
+        SCOPED_TRACE(std::to_string(x.dim()) + "-D, weight strides " + std::to_string(w.stride(0)));
+        std::int64_t held_plain = 0, held_recomputed = 0;
+        expect_same(run(RegionKind::kNorm, norm, w, x, std::nullopt, &held_plain),
+                    run(RegionKind::kNorm, norm, w, x, RecomputePolicy::selective(), &held_recomputed));
+        // Plain keeps ln's output and statistics; recomputed, the RNG state (5056 bytes, not a
+        // tensor) and no tensor.
+        EXPECT_GE(held_plain, x.nbytes());
+        EXPECT_LT(held_recomputed, 6 * 1024);
+        expect_same(run(RegionKind::kActivation, act, w, x, std::nullopt),
+                    run(RegionKind::kActivation, act, w, x, RecomputePolicy::selective()));
+      }
+    }
+    // The control of the branches: mm_mat2_backward's two ways of computing the same product.
+    const at::Tensor g = torch::randn({128, 24}, dtype), a = torch::randn({128, 16}, dtype);
+    const bool branches_differ = !bitwise_diff(g.t().mm(a), a.t().mm(g).t()).bitwise_equal();
+    if (dtype == at::kDouble) {
+      EXPECT_TRUE(branches_differ);
+    }
+    RecomputePolicyScope policy(RecomputePolicy::selective());
+    at::Tensor y = recompute_linear_input("r", RegionKind::kNorm, norm, x3.requires_grad_(true), fc->weight, fc->bias);
+    EXPECT_NO_THROW(y.add_(1));
+  }
   torch::nn::Linear fc(16, 24);
-  const at::Tensor transposed = torch::randn({16, 24}).t().detach().requires_grad_(true);  // strides (1, 24)
-  const std::vector<at::Tensor> params = {ln->weight, ln->bias, fc->weight, fc->bias, transposed};
-  const TensorFn norm = [ln](const at::Tensor& x) mutable { return ln(x); };
-  const TensorFn act = [](const at::Tensor& x) { return at::gelu(x); };
-  const auto run = [&](RegionKind kind, const TensorFn& fn, const at::Tensor& weight, const at::Tensor& x,
-                       std::optional<RecomputePolicy> policy, std::int64_t* held = nullptr) {
+  const std::vector<at::Tensor> params = {fc->weight, fc->bias};
+  const at::Tensor x3 = torch::randn({4, 32, 16});
+  const auto run = [&](std::optional<RecomputePolicy> policy) {
     std::optional<RecomputePolicyScope> scope;
     if (policy) scope.emplace(*policy);
-    return grads_of([&](const at::Tensor& in) { return recompute_linear_input("r", kind, fn, in, weight, fc->bias); },
-                    x, params, held);
+    torch::manual_seed(5);
+    return grads_of(
+        [&](const at::Tensor& in) {
+          return recompute_linear_input(
+              "r", RegionKind::kActivation, [](const at::Tensor& t) { return at::dropout(t, 0.5, true); }, in,
+              fc->weight, fc->bias);
+        },
+        x3, params);
   };
-  const at::Tensor x3 = torch::randn({4, 32, 16}), x2 = torch::randn({128, 16});
-  for (const at::Tensor& x : {x3, x2}) {
-    for (const at::Tensor& w : {fc->weight, transposed}) {
-      SCOPED_TRACE(std::to_string(x.dim()) + "-D, weight strides " + std::to_string(w.stride(0)));
-      std::int64_t held_plain = 0, held_recomputed = 0;
-      expect_same(run(RegionKind::kNorm, norm, w, x, std::nullopt, &held_plain),
-                  run(RegionKind::kNorm, norm, w, x, RecomputePolicy::selective(), &held_recomputed));
-      // Plain keeps ln's output and statistics; recomputed, the RNG state (5056 bytes) and no tensor.
-      EXPECT_GE(held_plain, x.nbytes());
-      EXPECT_LT(held_recomputed, 6 * 1024);
-      expect_same(run(RegionKind::kActivation, act, w, x, std::nullopt),
-                  run(RegionKind::kActivation, act, w, x, RecomputePolicy::selective()));
-    }
-  }
-  const TensorFn noisy = [](const at::Tensor& x) { return at::dropout(x, 0.5, true); };
-  torch::manual_seed(5);
-  const Grads plain = run(RegionKind::kActivation, noisy, fc->weight, x3, std::nullopt);
-  torch::manual_seed(5);
-  const Grads kept = run(RegionKind::kActivation, noisy, fc->weight, x3, RecomputePolicy::selective());
-  expect_same(plain, kept);
+  const Grads plain = run(std::nullopt);
+  expect_same(plain, run(RecomputePolicy::selective()));
   RecomputePolicy broken = RecomputePolicy::selective();
   broken.options.preserve_rng_state = false;
-  torch::manual_seed(5);
-  const Grads off = run(RegionKind::kActivation, noisy, fc->weight, x3, broken);
+  const Grads off = run(broken);
   EXPECT_BITWISE_EQ(plain.out, off.out);  // the forward is the same...
   EXPECT_TRUE(any_differs(plain, off));   // ...the gradients are not
 }
@@ -371,6 +398,21 @@ TEST(Checkpoint, LinearInputRegionsReportEventsAndNameTheirMisuse) {
   EXPECT_NE(message(RegionKind::kAttentionCore, [](const at::Tensor& t) { return t; })
                 .find("takes a norm or activation region, not attention_core"),
             std::string::npos);
+  // Double backward has no graph through the recompute: refused, never silently first-order.
+  {
+    const at::Tensor h = recompute_linear_input(
+        "block1.gelu", RegionKind::kActivation, [](const at::Tensor& t) { return at::gelu(t); }, x, fc->weight,
+        fc->bias);
+    try {
+      torch::autograd::backward({h.sum()}, {}, /*retain_graph=*/true, /*create_graph=*/true);
+      ADD_FAILURE() << "no error";
+    } catch (const CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find("retrace::checkpoint(\"block1.gelu\"): backward runs with "
+                                           "create_graph=true (double backward)"),
+                std::string::npos)
+          << e.what();
+    }
+  }
   // Under autocast the linear layer casts its input: the region runs plainly.
   at::autocast::set_autocast_enabled(at::kCPU, true);
   Names none;

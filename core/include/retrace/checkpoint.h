@@ -55,8 +55,8 @@ struct CheckpointOptions {
 // backward is the inputs only (and, with kLikeRecompute, the forward briefly builds the
 // segment's graph). Backward costs a second fn plus its backward.
 // Not supported (throws CheckpointError naming the segment): backward through
-// torch::autograd::grad(...) or backward(inputs=...), outputs of mixed devices, no output,
-// non-floating outputs.
+// torch::autograd::grad(...) or backward(inputs=...), backward with create_graph=true (double
+// backward), outputs of mixed devices, no output, non-floating outputs.
 std::vector<at::Tensor> checkpoint(const std::string& name, SegmentFn fn, const std::vector<at::Tensor>& inputs,
                                    const CheckpointOptions& options = {});
 

@@ -47,8 +47,9 @@ struct TrainingSpec {
   double momentum = 0.0;  // sgd
   int segments = 0;       // checkpointed segments; 0 = no checkpointing
   // full: segments recompute whole (0 segments: nothing recomputes). selective: segments is 0 and
-  // each block's attention core, norms, gelu and dropout masks recompute, its matmul outputs are
-  // kept (RecomputePolicy::selective); tiny_gpt only.
+  // each block's attention core, norms and gelu recompute (the norms and gelu not under autocast),
+  // its dropout masks are kept as bits and its matmul outputs kept (RecomputePolicy::selective);
+  // tiny_gpt only.
   std::string recompute = "full";  // full | selective
   double clip_grad_norm = 0.0;     // 0 = off
   std::string device = "cpu";      // cpu | cuda
