@@ -99,9 +99,9 @@ struct PackedMask {
   }
 };
 
-// at::dropout's noise for `input` on the CPU: empty_like, bernoulli_(1 - p), div_(1 - p).
-at::Tensor draw_noise(const at::Tensor& input, double p) {
-  at::Tensor noise = at::empty_like(input);
+// at::dropout's noise on the CPU, drawn into `noise`: an empty tensor laid out as at::dropout lays
+// out its noise (empty_like of the input), filled by bernoulli_(1 - p), then div_(1 - p).
+at::Tensor draw_noise(at::Tensor noise, double p) {
   noise.bernoulli_(1 - p);
   noise.div_(1 - p);
   return noise;
@@ -690,7 +690,7 @@ at::Tensor recompute_dropout(const std::string& name, const at::Tensor& input, d
     // recompute replays them instead of drawing again.
     const ActiveFrame& frame = t_active.back();
     if (frame.tape != nullptr && frame.phase == SegmentPhase::kForward) {
-      at::Tensor noise = draw_noise(input, p);
+      at::Tensor noise = draw_noise(at::empty_like(input), p);
       frame.tape->tape.push_back({PackedMask::pack(noise), cpu_generator_state(), p});
       return input * noise;
     }
@@ -719,10 +719,7 @@ at::Tensor recompute_dropout(const std::string& name, const at::Tensor& input, d
   const at::Tensor like = at::empty_like(input);
   SegmentFn draw = [sizes = like.sizes().vec(), strides = like.strides().vec(), options = like.options(),
                     p](const std::vector<at::Tensor>&) {
-    at::Tensor noise = at::empty_strided(sizes, strides, options);
-    noise.bernoulli_(1 - p);
-    noise.div_(1 - p);
-    return std::vector<at::Tensor>{noise};
+    return std::vector<at::Tensor>{draw_noise(at::empty_strided(sizes, strides, options), p)};
   };
   return DropoutFunction::apply(new_call(name, std::move(draw), {}, policy->options, /*capture_rng=*/false), input, p);
 }
