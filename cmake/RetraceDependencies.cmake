@@ -1,5 +1,5 @@
-# zstd, xxHash and Blosc as imported targets RetraceDeps::zstd, RetraceDeps::xxhash and
-# RetraceDeps::blosc. Included by the build and by the installed package's retraceConfig.cmake
+# zstd, xxHash, Blosc and simdjson as imported targets RetraceDeps::zstd, RetraceDeps::xxhash,
+# RetraceDeps::blosc and RetraceDeps::simdjson. Included by the build and by the installed package's retraceConfig.cmake
 # (the static libraries link them privately, so a consumer needs the same targets).
 #
 # Each is one header and one library, found with find_path/find_library, so CMAKE_PREFIX_PATH
@@ -10,7 +10,8 @@
 find_package(PkgConfig QUIET)
 foreach(_retrace_dep IN ITEMS zstd:libzstd:zstd.h:zstd:libzstd-dev
                               xxhash:libxxhash:xxhash.h:xxhash:libxxhash-dev
-                              blosc:blosc:blosc.h:blosc:libblosc-dev)
+                              blosc:blosc:blosc.h:blosc:libblosc-dev
+                              simdjson:simdjson:simdjson.h:simdjson:libsimdjson-dev)
   string(REPLACE ":" ";" _retrace_parts ${_retrace_dep})
   list(GET _retrace_parts 0 _name)
   list(GET _retrace_parts 1 _module)

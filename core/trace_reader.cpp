@@ -15,8 +15,10 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <optional>
 #include <vector>
 
+#include <simdjson.h>
 #include <xxhash.h>
 
 namespace retrace {
@@ -137,6 +139,256 @@ void check_index(const Record& r, const std::vector<RecordInfo>& records, const 
   }
 }
 
+
+// What a tensor entry is checked against: the trace, the reader's caps, the record.
+struct TableContext {
+  const std::string& path;
+  const ReaderOptions& options;
+  std::uint32_t version;
+  std::uint64_t offset;     // the record's
+  std::uint64_t blob_size;  // its stored tensor bytes
+};
+
+// One entry of a record's tensor table, from `f`: Fields over nlohmann's parse, or SimdEntry over
+// simdjson's (which leaves anything not plainly well-typed to the former).
+template <class Source>
+TensorEntry table_entry(const Source& f, const TableContext& c) {
+  TensorEntry e;
+  e.name = f.text("name");
+  const auto dtype = dtype_from_name(f.text("dtype"));
+  if (!dtype) bad(TraceError::Kind::kMalformed, c.path, c.offset, "tensor '" + e.name + "' has an unknown dtype");
+  e.dtype = *dtype;
+  e.shape = f.integers("shape");
+  if (e.shape.size() > kMaxRank)
+    bad(TraceError::Kind::kMalformed, c.path, c.offset, "tensor '" + e.name + "' has rank over 64");
+  // numel * element size without overflow, against the cap. An empty tensor declares 0 bytes
+  // whatever its other sizes, but LibTorch still computes its contiguous strides in int64 (the
+  // stride of dimension 0 is the product of the later sizes, a 0 counted as 1): those must
+  // fit too.
+  unsigned __int128 bytes = c10::elementSize(e.dtype);
+  unsigned __int128 stride = 1;
+  for (std::size_t d = 0; d < e.shape.size(); ++d) {
+    const std::int64_t s = e.shape[d];
+    if (s < 0) bad(TraceError::Kind::kMalformed, c.path, c.offset, "tensor '" + e.name + "' has a negative size");
+    bytes *= static_cast<unsigned __int128>(s);
+    if (bytes > c.options.max_tensor_bytes) {
+      bad(TraceError::Kind::kTooLarge, c.path, c.offset,
+          "tensor '" + e.name + "' declares more than " + std::to_string(c.options.max_tensor_bytes) +
+              " bytes (ReaderOptions::max_tensor_bytes)");
+    }
+    if (d > 0) stride *= static_cast<unsigned __int128>(std::max<std::int64_t>(s, 1));
+    if (stride > static_cast<unsigned __int128>(std::numeric_limits<std::int64_t>::max())) {
+      bad(TraceError::Kind::kMalformed, c.path, c.offset,
+          "tensor '" + e.name + "' has sizes whose strides overflow 64 bits");
+    }
+  }
+  e.raw_bytes = f.count("raw_bytes");
+  if (e.raw_bytes != static_cast<std::uint64_t>(bytes)) {
+    bad(TraceError::Kind::kMalformed, c.path, c.offset, "tensor '" + e.name + "' raw_bytes does not match its shape");
+  }
+  const std::string hex = f.text("digest");
+  if (hex.size() != 32 || hex.find_first_not_of("0123456789abcdef") != std::string::npos) {
+    bad(TraceError::Kind::kMalformed, c.path, c.offset, "tensor '" + e.name + "' has a malformed digest");
+  }
+  const auto hex64 = [&](std::size_t from) {
+    std::uint64_t v = 0;
+    for (std::size_t i = from; i < from + 16; ++i)
+      v = v << 4 | static_cast<std::uint64_t>(hex[i] <= '9' ? hex[i] - '0' : hex[i] - 'a' + 10);
+    return v;
+  };
+  e.digest.hi = hex64(0);
+  e.digest.lo = hex64(16);
+  const std::int64_t alg = f.integer("digest_algorithm");
+  if (alg < 1 || alg > 2)
+    bad(TraceError::Kind::kMalformed, c.path, c.offset, "tensor '" + e.name + "' has an unknown digest algorithm");
+  e.digest.algorithm = static_cast<DigestAlgorithm>(alg);
+  const std::int64_t codec = f.integer("codec", 0);
+  if (codec < 0 || codec > 3)
+    bad(TraceError::Kind::kMalformed, c.path, c.offset, "tensor '" + e.name + "' has an unknown codec");
+  if (codec == 3 && c.version < 2) {
+    bad(TraceError::Kind::kMalformed, c.path, c.offset,
+        "tensor '" + e.name + "' has codec 3, which format version " + std::to_string(c.version) + " does not define");
+  }
+  e.codec = static_cast<TensorCodec>(codec);
+  if (e.has_data()) {
+    e.offset = f.count("offset");
+    e.stored_bytes = f.count("stored_bytes");
+  }
+  if (e.has_data() && (e.offset > c.blob_size || e.stored_bytes > c.blob_size - e.offset)) {
+    bad(TraceError::Kind::kMalformed, c.path, c.offset, "tensor '" + e.name + "' data lies outside its record");
+  }
+  return e;
+}
+
+// The fast parse met something it leaves to nlohmann's path, which reports it exactly.
+struct Fallback {};
+
+// A tensor entry parsed by simdjson, read as Fields reads one, for values of the types Fields
+// takes as they are; anything else (a missing field, another type, a key given twice) throws
+// Fallback.
+class SimdEntry {
+ public:
+  explicit SimdEntry(simdjson::dom::element e) {
+    simdjson::dom::object o;
+    if (e.get_object().get(o) != simdjson::SUCCESS) throw Fallback{};
+    for (const simdjson::dom::key_value_pair field : o) {
+      const int k = slot(field.key);
+      if (k < 0) continue;  // Fields ignores keys it does not read
+      if (has_[k]) throw Fallback{};
+      has_[k] = true;
+      values_[k] = field.value;
+    }
+  }
+
+  std::string text(const char* key, std::optional<std::string> fallback = std::nullopt) const {
+    const simdjson::dom::element* v = find(key);
+    if (!v) {
+      if (fallback) return *fallback;
+      throw Fallback{};
+    }
+    std::string_view sv;
+    if (v->get_string().get(sv) != simdjson::SUCCESS) throw Fallback{};
+    return std::string(sv);
+  }
+
+  std::vector<std::int64_t> integers(const char* key) const {
+    const simdjson::dom::element* v = find(key);
+    simdjson::dom::array a;
+    if (!v || v->get_array().get(a) != simdjson::SUCCESS) throw Fallback{};
+    std::vector<std::int64_t> out;
+    out.reserve(a.size());
+    for (const simdjson::dom::element x : a) out.push_back(int64(x));
+    return out;
+  }
+
+  std::uint64_t count(const char* key) const {
+    const simdjson::dom::element* v = find(key);
+    if (!v) throw Fallback{};
+    if (v->type() == simdjson::dom::element_type::UINT64) return v->get_uint64().value_unsafe();
+    const std::int64_t n = int64(*v);
+    if (n < 0) throw Fallback{};
+    return static_cast<std::uint64_t>(n);
+  }
+
+  std::int64_t integer(const char* key, std::optional<std::int64_t> fallback = std::nullopt) const {
+    const simdjson::dom::element* v = find(key);
+    if (!v) {
+      if (fallback) return *fallback;
+      throw Fallback{};
+    }
+    return int64(*v);
+  }
+
+ private:
+  static constexpr std::string_view kKeys[] = {"name",      "dtype", "shape",  "digest",      "digest_algorithm",
+                                               "raw_bytes", "codec", "offset", "stored_bytes"};
+  static constexpr int kSlots = sizeof kKeys / sizeof kKeys[0];
+
+  static int slot(std::string_view key) {
+    for (int i = 0; i < kSlots; ++i) {
+      if (key == kKeys[i]) return i;
+    }
+    return -1;
+  }
+  // An integer simdjson holds as int64 (UINT64 only above INT64_MAX, which Fields refuses).
+  static std::int64_t int64(const simdjson::dom::element& v) {
+    if (v.type() != simdjson::dom::element_type::INT64) throw Fallback{};
+    return v.get_int64().value_unsafe();
+  }
+  const simdjson::dom::element* find(const char* key) const {
+    const int k = slot(key);
+    return k >= 0 && has_[k] ? &values_[k] : nullptr;
+  }
+
+  bool has_[kSlots] = {};
+  simdjson::dom::element values_[kSlots];
+};
+
+// simdjson's value as nlohmann's parse would have given it (a non-negative integer unsigned, a
+// negative one signed; objects keep the last of a key given twice).
+nlohmann::json to_json(const simdjson::dom::element& v) {
+  switch (v.type()) {
+    case simdjson::dom::element_type::ARRAY: {
+      simdjson::dom::array list;
+      if (v.get_array().get(list) != simdjson::SUCCESS) throw Fallback{};
+      nlohmann::json a = nlohmann::json::array();
+      for (const simdjson::dom::element x : list) a.push_back(to_json(x));
+      return a;
+    }
+    case simdjson::dom::element_type::OBJECT: {
+      simdjson::dom::object fields;
+      if (v.get_object().get(fields) != simdjson::SUCCESS) throw Fallback{};
+      nlohmann::json o = nlohmann::json::object();
+      for (const simdjson::dom::key_value_pair f : fields) o[std::string(f.key)] = to_json(f.value);
+      return o;
+    }
+    case simdjson::dom::element_type::INT64: {
+      const std::int64_t n = v.get_int64().value_unsafe();
+      return n >= 0 ? nlohmann::json(static_cast<std::uint64_t>(n)) : nlohmann::json(n);
+    }
+    case simdjson::dom::element_type::UINT64: return v.get_uint64().value_unsafe();
+    case simdjson::dom::element_type::DOUBLE: return v.get_double().value_unsafe();
+    case simdjson::dom::element_type::STRING: return std::string(v.get_string().value_unsafe());
+    case simdjson::dom::element_type::BOOL: return v.get_bool().value_unsafe();
+    case simdjson::dom::element_type::NULL_VALUE: return nullptr;
+  }
+  throw Fallback{};
+}
+
+// The record's metadata and tensor table through simdjson; false: left to nlohmann's path (the
+// record may still be valid). Errors of the entries' values themselves are thrown as they are.
+// Deeper caps are left to nlohmann's path (to_json recurses once per level).
+constexpr int kMaxFastDepth = 256;
+
+bool parse_fast(const std::string& text, const TableContext& c, Record& r) {
+  // One parser per thread, reused: its buffers grow to the largest metadata parsed (a large one
+  // gets a parser of its own, freed after).
+  thread_local simdjson::dom::parser shared;
+  std::optional<simdjson::dom::parser> own;
+  constexpr std::size_t kSharedBytes = std::size_t{4} << 20;
+  simdjson::dom::parser& parser = text.size() <= kSharedBytes ? shared : own.emplace();
+  // Nesting past the reader's cap is refused by simdjson (DEPTH_ERROR, at the cap or one level
+  // before it), and the nlohmann path then counts it exactly (parse_meta).
+  if (c.options.max_meta_depth < 1 || c.options.max_meta_depth > kMaxFastDepth) return false;
+  const auto depth = static_cast<std::size_t>(c.options.max_meta_depth);
+  if (parser.max_depth() != depth &&
+      parser.allocate(std::max<std::size_t>(text.size(), 64), depth) != simdjson::SUCCESS)
+    return false;
+  // simdjson reads up to SIMDJSON_PADDING bytes past the end: the text is parsed in place when its
+  // buffer has them, copied otherwise.
+  const bool padded = text.capacity() >= text.size() + simdjson::SIMDJSON_PADDING;
+  simdjson::dom::element doc;
+  const simdjson::error_code error = padded ? parser.parse(text.data(), text.size(), false).get(doc)
+                                            : parser.parse(text).get(doc);
+  simdjson::dom::object top;
+  if (error != simdjson::SUCCESS || doc.get_object().get(top) != simdjson::SUCCESS) return false;
+  try {
+    nlohmann::json meta = nlohmann::json::object();
+    std::optional<simdjson::dom::element> table;
+    for (const simdjson::dom::key_value_pair field : top) {
+      if (field.key == "tensors") {
+        table = field.value;  // the last of a key given twice, as nlohmann keeps it
+      } else {
+        meta[std::string(field.key)] = to_json(field.value);
+      }
+    }
+    std::vector<TensorEntry> tensors;
+    if (table) {
+      simdjson::dom::array list;
+      if (table->get_array().get(list) != simdjson::SUCCESS) return false;
+      // Each field's type is checked where Fields checks it, in the same order as the checks of
+      // its value: an error thrown here is the one nlohmann's path would throw first.
+      tensors.reserve(list.size());
+      for (const simdjson::dom::element e : list) tensors.push_back(table_entry(SimdEntry(e), c));
+    }
+    r.meta = std::move(meta);
+    r.tensors = std::move(tensors);
+    return true;
+  } catch (const Fallback&) {
+    return false;
+  }
+}
+
 }  // namespace
 
 // A record's index entry, from its typed decoder (records.h): every step_begin, segment, step_end
@@ -217,7 +469,8 @@ void TraceReader::scan_records() {
                  std::to_string(records_.size()) + " complete records are readable";
       break;
     }
-    const Record r = load_record(pos, false);  // checked whole; its tensor bytes are not kept
+    std::uint64_t meta_hash = 0;
+    const Record r = load_record(pos, false, &meta_hash);  // checked whole; its tensor bytes are not kept
     if (records_.empty() && !header_.is_object()) {
       if (r.type != RecordType::kHeader)
         bad(TraceError::Kind::kMalformed, path, pos, "the first record is not the header");
@@ -231,6 +484,7 @@ void TraceReader::scan_records() {
       index_offset = pos;
     } else {
       records_.push_back(index_entry(r, h.length));
+      meta_hashes_.push_back(meta_hash);
     }
     pos += kRecordHeaderBytes + h.length;
   }
@@ -252,12 +506,38 @@ Record TraceReader::read(std::size_t i) const {
 
 Record TraceReader::read_table(std::size_t i) const {
   if (i >= records_.size()) throw Error("record " + std::to_string(i) + " does not exist in " + path_);
-  return load_record(records_[i].offset, false);
+  // Opening checked the whole record (framing, checksum, metadata, tensor table): read its header
+  // and metadata again, and check that they are the bytes checked then. Its tensor bytes are not
+  // read: decode() reads and checks each one it needs.
+  const RecordInfo& info = records_[i];
+  unsigned char raw[kRecordHeaderBytes];
+  read_exactly(*file_, raw, sizeof raw, info.offset, path_);
+  const RecordHeader h = decode_header(raw);
+  std::uint32_t meta_len = 0;
+  std::string meta;
+  const bool same_header = h.magic == kRecordMagic && header_checksum_matches(h, raw) && h.length == info.length &&
+                           h.type == static_cast<std::uint16_t>(info.type) && h.length >= 4;
+  if (same_header) {
+    read_exactly(*file_, &meta_len, 4, info.offset + kRecordHeaderBytes, path_);
+    if (meta_len <= h.length - 4) {
+      meta.reserve(meta_len + simdjson::SIMDJSON_PADDING);  // parsed in place (parse_fast)
+      meta.resize(meta_len);
+      read_exactly(*file_, meta.data(), meta_len, info.offset + kRecordHeaderBytes + 4, path_);
+    }
+  }
+  if (!same_header || meta.size() != meta_len ||
+      XXH3_64bits_withSeed(meta.data(), meta.size(), h.payload_checksum) != meta_hashes_[i]) {
+    bad(TraceError::Kind::kChecksum, path_, info.offset,
+        "the record changed since the trace was opened (its header or metadata no longer match the checksummed "
+        "ones); reopen the trace");
+  }
+  const std::uint64_t blob_at = info.offset + kRecordHeaderBytes + 4 + meta_len;
+  return parse_record(info.offset, h.type, meta, blob_at, h.length - 4 - meta_len);
 }
 
 Record TraceReader::load(std::uint64_t offset) const { return load_record(offset, true); }
 
-Record TraceReader::load_record(std::uint64_t offset, bool keep_blob) const {
+Record TraceReader::load_record(std::uint64_t offset, bool keep_blob, std::uint64_t* meta_hash) const {
   unsigned char raw[kRecordHeaderBytes];
   read_exactly(*file_, raw, sizeof raw, offset, path_);
   const RecordHeader h = decode_header(raw);
@@ -293,17 +573,17 @@ Record TraceReader::load_record(std::uint64_t offset, bool keep_blob) const {
   if (has_meta_len) take(&meta_len, 4);
   const bool meta_in_bounds = has_meta_len && meta_len <= options_.max_meta_bytes && meta_len <= h.length - 4;
   std::string meta;
-  std::uint64_t blob_size = 0;
-  Record r;
+  std::uint64_t blob_size = 0, blob_at = 0;
+  std::string blob;
   if (meta_in_bounds) {
+    meta.reserve(meta_len + simdjson::SIMDJSON_PADDING);  // parsed in place (parse_fast)
     meta.resize(meta_len);
     take(meta.data(), meta_len);
     blob_size = h.length - 4 - meta_len;
-    r.blob_at = pos;
-    r.has_blob = keep_blob;
+    blob_at = pos;
     if (keep_blob) {
-      r.blob.resize(static_cast<std::size_t>(blob_size));
-      take(r.blob.data(), r.blob.size());
+      blob.resize(static_cast<std::size_t>(blob_size));
+      take(blob.data(), blob.size());
     } else {
       hash_rest(blob_size);
     }
@@ -311,14 +591,33 @@ Record TraceReader::load_record(std::uint64_t offset, bool keep_blob) const {
     hash_rest(h.length - (has_meta_len ? 4 : 0));
   }
   check_sum();
+  if (!has_meta_len)
+    bad(TraceError::Kind::kMalformed, path_, offset, "record payload shorter than its metadata length");
+  if (!meta_in_bounds) {
+    bad(TraceError::Kind::kMalformed, path_, offset,
+        "metadata length " + std::to_string(meta_len) + " is out of bounds");
+  }
+  // Seeded with the payload checksum: the hash names this record's metadata, not just its text.
+  if (meta_hash) *meta_hash = XXH3_64bits_withSeed(meta.data(), meta.size(), h.payload_checksum);
+  Record r = parse_record(offset, h.type, meta, blob_at, blob_size);
+  r.has_blob = keep_blob;
+  r.blob = std::move(blob);
+  return r;
+}
+
+Record TraceReader::parse_record(std::uint64_t offset, std::uint16_t type, const std::string& meta,
+                                 std::uint64_t blob_at, std::uint64_t blob_size) const {
+  Record r;
   r.offset = offset;
-  switch (h.type) {
+  r.blob_at = blob_at;
+  r.has_blob = false;
+  switch (type) {
     case 1:
     case 2:
     case 3:
     case 4:
     case 5:
-    case 15: r.type = static_cast<RecordType>(h.type); break;
+    case 15: r.type = static_cast<RecordType>(type); break;
     case 6:
       if (version_ < 3) {
         bad(TraceError::Kind::kMalformed, path_, offset,
@@ -327,81 +626,24 @@ Record TraceReader::load_record(std::uint64_t offset, bool keep_blob) const {
       }
       r.type = RecordType::kCollective;
       break;
-    default: bad(TraceError::Kind::kMalformed, path_, offset, "unknown record type " + std::to_string(h.type));
+    default: bad(TraceError::Kind::kMalformed, path_, offset, "unknown record type " + std::to_string(type));
   }
-  if (!has_meta_len)
-    bad(TraceError::Kind::kMalformed, path_, offset, "record payload shorter than its metadata length");
-  if (!meta_in_bounds) {
-    bad(TraceError::Kind::kMalformed, path_, offset,
-        "metadata length " + std::to_string(meta_len) + " is out of bounds");
-  }
-  r.meta = parse_meta(meta, options_.max_meta_depth, path_, offset);
-  if (!r.meta.is_object()) bad(TraceError::Kind::kMalformed, path_, offset, "record metadata is not an object");
-  if (r.meta.contains("tensors")) {
-    const nlohmann::json& list = r.meta["tensors"];
-    if (!list.is_array()) bad(TraceError::Kind::kMalformed, path_, offset, "'tensors' is not a list");
-    for (const nlohmann::json& t : list) {
-      const Fields f(t, path_, offset, "tensor entry " + std::to_string(r.tensors.size()));
-      TensorEntry e;
-      e.name = f.text("name");
-      const auto dtype = dtype_from_name(f.text("dtype"));
-      if (!dtype) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown dtype");
-      e.dtype = *dtype;
-      e.shape = f.integers("shape");
-      if (e.shape.size() > kMaxRank)
-        bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has rank over 64");
-      // numel * element size without overflow, against the cap. An empty tensor declares 0 bytes
-      // whatever its other sizes, but LibTorch still computes its contiguous strides in int64 (the
-      // stride of dimension 0 is the product of the later sizes, a 0 counted as 1): those must
-      // fit too.
-      unsigned __int128 bytes = c10::elementSize(e.dtype);
-      unsigned __int128 stride = 1;
-      for (std::size_t d = 0; d < e.shape.size(); ++d) {
-        const std::int64_t s = e.shape[d];
-        if (s < 0) bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has a negative size");
-        bytes *= static_cast<unsigned __int128>(s);
-        if (bytes > options_.max_tensor_bytes) {
-          bad(TraceError::Kind::kTooLarge, path_, offset,
-              "tensor '" + e.name + "' declares more than " + std::to_string(options_.max_tensor_bytes) +
-                  " bytes (ReaderOptions::max_tensor_bytes)");
-        }
-        if (d > 0) stride *= static_cast<unsigned __int128>(std::max<std::int64_t>(s, 1));
-        if (stride > static_cast<unsigned __int128>(std::numeric_limits<std::int64_t>::max())) {
-          bad(TraceError::Kind::kMalformed, path_, offset,
-              "tensor '" + e.name + "' has sizes whose strides overflow 64 bits");
-        }
+  // The metadata parsed by simdjson (about 30x nlohmann's speed on a tensor table: opening a
+  // trace parses every record's); anything it refuses or that is not plainly well-typed (a field
+  // of another type, a duplicate key, an integer past 64 bits) is parsed again by nlohmann, whose
+  // parse and Fields give the exact errors. Either way the entries pass the same checks.
+  const TableContext c{path_, options_, version_, offset, blob_size};
+  if (!parse_fast(meta, c, r)) {
+    r.meta = parse_meta(meta, options_.max_meta_depth, path_, offset);
+    if (!r.meta.is_object()) bad(TraceError::Kind::kMalformed, path_, offset, "record metadata is not an object");
+    if (r.meta.contains("tensors")) {
+      const nlohmann::json& list = r.meta["tensors"];
+      if (!list.is_array()) bad(TraceError::Kind::kMalformed, path_, offset, "'tensors' is not a list");
+      for (const nlohmann::json& t : list) {
+        const Fields f(t, path_, offset, "tensor entry " + std::to_string(r.tensors.size()));
+        r.tensors.push_back(table_entry(f, c));
       }
-      e.raw_bytes = f.count("raw_bytes");
-      if (e.raw_bytes != static_cast<std::uint64_t>(bytes)) {
-        bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' raw_bytes does not match its shape");
-      }
-      const std::string hex = f.text("digest");
-      if (hex.size() != 32 || hex.find_first_not_of("0123456789abcdef") != std::string::npos) {
-        bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has a malformed digest");
-      }
-      e.digest.hi = std::stoull(hex.substr(0, 16), nullptr, 16);
-      e.digest.lo = std::stoull(hex.substr(16), nullptr, 16);
-      const std::int64_t alg = f.integer("digest_algorithm");
-      if (alg < 1 || alg > 2)
-        bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown digest algorithm");
-      e.digest.algorithm = static_cast<DigestAlgorithm>(alg);
-      const std::int64_t codec = f.integer("codec", 0);
-      if (codec < 0 || codec > 3)
-        bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' has an unknown codec");
-      if (codec == 3 && version_ < 2) {
-        bad(TraceError::Kind::kMalformed, path_, offset,
-            "tensor '" + e.name + "' has codec 3, which format version " + std::to_string(version_) +
-                " does not define");
-      }
-      e.codec = static_cast<TensorCodec>(codec);
-      if (e.has_data()) {
-        e.offset = f.count("offset");
-        e.stored_bytes = f.count("stored_bytes");
-      }
-      if (e.has_data() && (e.offset > blob_size || e.stored_bytes > blob_size - e.offset)) {
-        bad(TraceError::Kind::kMalformed, path_, offset, "tensor '" + e.name + "' data lies outside its record");
-      }
-      r.tensors.push_back(std::move(e));
+      r.meta.erase("tensors");  // Record::tensors holds them
     }
   }
   return r;
@@ -418,9 +660,18 @@ at::Tensor TraceReader::decode(const Record& record, const TensorEntry& e) const
   // its own, and the tensor is decoded from the whole record read again, its checksum verified.
   std::uint64_t blob_bytes = record.blob.size();
   if (!record.has_blob) {
-    unsigned char raw[kRecordHeaderBytes];
-    read_exactly(*file_, raw, sizeof raw, record.offset, path_);
-    const std::uint64_t payload_end = record.offset + kRecordHeaderBytes + decode_header(raw).length;
+    // The record's length as opening checked it (records() is in file order), else its header's.
+    std::uint64_t length = 0;
+    const auto it = std::lower_bound(records_.begin(), records_.end(), record.offset,
+                                     [](const RecordInfo& r, std::uint64_t offset) { return r.offset < offset; });
+    if (it != records_.end() && it->offset == record.offset) {
+      length = it->length;
+    } else {
+      unsigned char raw[kRecordHeaderBytes];
+      read_exactly(*file_, raw, sizeof raw, record.offset, path_);
+      length = decode_header(raw).length;
+    }
+    const std::uint64_t payload_end = record.offset + kRecordHeaderBytes + length;
     blob_bytes = record.blob_at < record.offset + kRecordHeaderBytes || record.blob_at > payload_end
                      ? 0
                      : payload_end - record.blob_at;
@@ -429,15 +680,15 @@ at::Tensor TraceReader::decode(const Record& record, const TensorEntry& e) const
     throw Error(path_ + ": tensor '" + e.name + "' lies outside the bytes of the record at byte offset " +
                 std::to_string(record.offset));
   }
-  std::string own;
+  std::unique_ptr<char[]> own;  // not zeroed: the read fills it
   if (!record.has_blob) {
     const bool self_checked = e.digest.algorithm == DigestAlgorithm::kXxh3_128 || e.codec == TensorCodec::kZstd ||
                               e.codec == TensorCodec::kZstdShuffle;
     if (!self_checked) return decode(load(record.offset), e);
-    own.resize(static_cast<std::size_t>(e.stored_bytes));
-    read_exactly(*file_, own.data(), own.size(), record.blob_at + e.offset, path_);
+    own.reset(new char[std::max<std::uint64_t>(e.stored_bytes, 1)]);
+    read_exactly(*file_, own.get(), static_cast<std::size_t>(e.stored_bytes), record.blob_at + e.offset, path_);
   }
-  const char* src = record.has_blob ? record.blob.data() + e.offset : own.data();
+  const char* src = record.has_blob ? record.blob.data() + e.offset : own.get();
   const std::optional<std::uint64_t> declared = declared_payload_size(src, e.stored_bytes, e.codec);
   if (!declared || *declared != e.raw_bytes) {
     bad(TraceError::Kind::kMalformed, path_, record.offset,

@@ -226,6 +226,87 @@ TEST(Records, TheReaderRefusesAWellFramedRecordOfTheWrongTypeAtOpen) {
   fs::remove(path);
 }
 
+// The reader parses metadata with simdjson and leaves what is not plainly well-typed (a key given
+// twice, a float where an integer belongs, an integer past 64 bits, nesting at the cap) to
+// nlohmann, whose parse and field checks decide: both paths read the same records the same way.
+// Each case is a step_end record's metadata as raw JSON text, sealed into a trace; the controls
+// are the canonical table (simdjson's path) and the same duplicate keys in the other order.
+TEST(Records, MetadataReadsAlikeWhicheverParserReadsIt) {
+  const std::string path = temp_path("two_parsers");
+  {
+    TraceWriter w(path, nlohmann::json::object());
+    w.append(RecordType::kStepEnd, {{"step", 1}, {"loss", 0.5}, {"grad_norm", 1.0}}, {});
+    w.close();
+  }
+  const std::string bytes = read_bytes(path);
+  const fuzz::FramedTrace framed =
+      fuzz::split_trace(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size());
+  ASSERT_EQ(framed.records.size(), 3u);  // header, step_end, index
+  const auto with_meta = [&](const std::string& text) {
+    fuzz::FramedTrace t = framed;
+    t.records[1].meta = text;
+    write_bytes(path, fuzz::seal_trace(t, /*fix_index=*/true));
+    return TraceReader(path).read_table(0);
+  };
+  const std::string digest = R"("digest":"000102030405060708090a0b0c0d0e0f","digest_algorithm":1)";
+  const std::string head = R"({"step":1,"loss":0.5,"grad_norm":1.0,)";
+  const std::string entry = R"({"name":"loss","dtype":"float32","shape":[],)" + digest + R"(,"raw_bytes":4})";
+
+  // The canonical table: entries in Record::tensors, not in meta.
+  Record r = with_meta(head + R"("tensors":[)" + entry + "]}");
+  ASSERT_EQ(r.tensors.size(), 1u);
+  EXPECT_EQ(r.tensors[0].name, "loss");
+  EXPECT_EQ(r.tensors[0].raw_bytes, 4u);
+  EXPECT_EQ(r.tensors[0].digest.hi, 0x0001020304050607u);
+  EXPECT_EQ(r.tensors[0].digest.lo, 0x08090a0b0c0d0e0fu);
+  EXPECT_FALSE(r.meta.contains("tensors"));
+  EXPECT_EQ(r.meta["step"], 1);
+
+  // A key given twice in an entry: the last one counts, as nlohmann keeps it.
+  r = with_meta(head + R"("tensors":[{"name":"loss","dtype":"float32","shape":[],)" + digest +
+                R"(,"raw_bytes":7,"raw_bytes":4}]})");
+  ASSERT_EQ(r.tensors.size(), 1u);
+  EXPECT_EQ(r.tensors[0].raw_bytes, 4u);
+  std::string msg = trace_error([&] {
+    with_meta(head + R"("tensors":[{"name":"loss","dtype":"float32","shape":[],)" + digest +
+              R"(,"raw_bytes":4,"raw_bytes":7}]})");
+  });
+  EXPECT_NE(msg.find("'loss' raw_bytes does not match its shape"), std::string::npos) << msg;
+
+  // "tensors" given twice: the last list.
+  r = with_meta(head + R"("tensors":[],"tensors":[)" + entry + "]}");
+  EXPECT_EQ(r.tensors.size(), 1u);
+  r = with_meta(head + R"("tensors":[)" + entry + R"(],"tensors":[]})");
+  EXPECT_EQ(r.tensors.size(), 0u);
+
+  // A float where an integer belongs: the field checks' own message.
+  msg = trace_error([&] {
+    with_meta(head + R"("tensors":[{"name":"loss","dtype":"float32","shape":[],)" + digest + R"(,"raw_bytes":4.0}]})");
+  });
+  EXPECT_NE(msg.find("tensor entry 0's 'raw_bytes' is not a non-negative integer (4.0)"), std::string::npos) << msg;
+
+  // An integer past 64 bits (simdjson refuses it; nlohmann reads a float) in a field no decoder
+  // reads, and a nested value under a key the table does not know: the record reads.
+  r = with_meta(head + R"("note":18446744073709551616,"tensors":[{"name":"loss","dtype":"float32","shape":[],)" +
+                digest + R"(,"raw_bytes":4,"extra":{"a":[1,[2]]}}]})");
+  EXPECT_TRUE(r.meta["note"].is_number_float());
+  EXPECT_EQ(r.tensors.size(), 1u);
+  // -0 is the integer 0 either way; a negative integer stays signed, a positive one unsigned.
+  r = with_meta(R"({"step":-0,"loss":0.5,"grad_norm":1.0,"a":-3,"b":3})");
+  EXPECT_TRUE(r.meta["step"].is_number_integer());
+  EXPECT_EQ(r.meta["step"], 0);
+  EXPECT_FALSE(r.meta["a"].is_number_unsigned());
+  EXPECT_TRUE(r.meta["b"].is_number_unsigned());
+
+  // Nesting at the reader's cap (32) reads; one level more is refused, as counted.
+  const auto nested = [](int depth) { return std::string(depth - 1, '[') + std::string(depth - 1, ']'); };
+  r = with_meta(head + R"("deep":)" + nested(32) + "}");
+  EXPECT_TRUE(r.meta["deep"].is_array());
+  msg = trace_error([&] { with_meta(head + R"("deep":)" + nested(33) + "}"); });
+  EXPECT_NE(msg.find("nesting deeper than 32"), std::string::npos) << msg;
+  fs::remove(path);
+}
+
 // The reader goes through io::FileSystem like the writer: a failing read is a kIo TraceError
 // naming the byte offset, and opening a missing file or a folder says so.
 class FailingReads : public io::FileSystem {

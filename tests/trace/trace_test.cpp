@@ -382,10 +382,12 @@ TEST(Trace, EveryBitFlipIsDetected) {
   fs::remove(flip_path);
 }
 
-// read_table() checks a record as read() does and keeps none of its tensor bytes; decode() then
-// reads a tensor's bytes from the file. Control: bytes changed in the file after the record was
-// read are refused by decode() from the table (the record read whole still holds the old ones),
-// and read_table() of the changed record fails its checksum.
+// read_table() reads a record's metadata and table, none of its tensor bytes; decode() then
+// reads a tensor's bytes from the file. Control: tensor bytes changed in the file after the trace
+// was opened are refused by decode() from the table (the record read whole still holds the old
+// ones) and by read() (the record's checksum); read_table() does not read them, so it still
+// serves the table, and decode() from that table refuses them again. A metadata byte changed
+// since the trace was opened fails read_table() with a checksum error.
 TEST(Trace, ReadTableDecodesEachTensorFromTheFileAndSeesBytesChangedSince) {
   const std::string path = temp_path("table");
   write_small(path);
@@ -407,7 +409,23 @@ TEST(Trace, ReadTableDecodesEachTensorFromTheFileAndSeesBytesChangedSince) {
   spit(path, bytes);  // the same file, rewritten in place: the reader's descriptor sees it
   EXPECT_THROW(r.decode(table, a), TraceError);
   EXPECT_BITWISE_EQ(tensor_a(), r.decode(whole, *whole.find("a")));
-  EXPECT_THROW(r.read_table(0), TraceError);
+  EXPECT_THROW(r.read(0), TraceError);
+  const Record again = r.read_table(0);
+  EXPECT_THROW(r.decode(again, *again.find("a")), TraceError);
+  // The metadata: the tensor's name in the table ("a" -> "b"), same length.
+  const std::size_t name_at = bytes.find("\"name\":\"a\"", static_cast<std::size_t>(table.offset));
+  ASSERT_NE(name_at, std::string::npos);
+  ASSERT_LT(name_at, table.blob_at);
+  bytes[name_at + 8] = 'b';
+  spit(path, bytes);
+  try {
+    r.read_table(0);
+    ADD_FAILURE() << "read_table() served metadata changed since the trace was opened";
+  } catch (const TraceError& e) {
+    EXPECT_EQ(e.kind(), TraceError::Kind::kChecksum) << e.what();
+    EXPECT_EQ(e.offset(), table.offset) << e.what();
+    EXPECT_NE(std::string(e.what()).find("changed since the trace was opened"), std::string::npos) << e.what();
+  }
   fs::remove(path);
 }
 

@@ -67,7 +67,7 @@ struct TensorEntry {
 struct Record {
   RecordType type = RecordType::kEvent;
   std::uint64_t offset = 0;  // byte offset of the record header in the file
-  nlohmann::json meta;       // record-specific fields (docs/trace-format.md)
+  nlohmann::json meta;       // record-specific fields (docs/trace-format.md); the tensor table is `tensors`
   std::vector<TensorEntry> tensors;
   std::string blob;           // the stored tensor bytes; empty after TraceReader::read_table()
   bool has_blob = true;       // false after read_table(): decode() reads each tensor's bytes itself
@@ -150,6 +150,9 @@ class TraceWriter {
   std::unique_ptr<io::WritableFile> file_;
   nlohmann::json index_ = nlohmann::json::array();
   bool closed_ = false;
+  // A record's stored tensors, encoded into it; kept for the next record up to kKeptBlobBytes.
+  std::string blob_;
+  static constexpr std::size_t kKeptBlobBytes = std::size_t{64} << 20;
 };
 
 // A trace that cannot be read past some point.
@@ -210,9 +213,12 @@ class TraceReader {
 
   // Loads record i of records(): verifies its checksum, parses meta and tensor entries.
   Record read(std::size_t i) const;
-  // Loads record i checked as read() does, without keeping its stored tensor bytes: for callers
-  // that compare digests and decode few of its tensors, if any (decode() then reads that tensor's
-  // bytes from the file, and checks them against the tensor's codec and digest).
+  // Loads record i's metadata and tensor table without its stored tensor bytes: for callers that
+  // compare digests and decode few of its tensors, if any. Opening checked the whole record; this
+  // reads only the metadata again and checks it against the hash taken then (a record changed
+  // since is a kChecksum TraceError), so its cost is the metadata's, not the record's. decode()
+  // then reads a tensor's bytes from the file and checks them against the tensor's codec and
+  // digest (or the whole record's checksum, for a tensor that checks nothing itself).
   Record read_table(std::size_t i) const;
   // Decodes a stored tensor (CPU), checking sizes against the caps and its digest. Safe to call
   // from several threads at once.
@@ -224,8 +230,13 @@ class TraceReader {
   void scan_records();
   Record load(std::uint64_t offset) const;
   // keep_blob false: the payload is checked (checksum, metadata, tensor entries) but its tensor
-  // bytes are not kept (the scan when the trace is opened, read_table()).
-  Record load_record(std::uint64_t offset, bool keep_blob) const;
+  // bytes are not kept (the scan when the trace is opened). `meta_hash`, when given, receives the
+  // XXH3-64 of the metadata bytes (read_table() checks them against it later).
+  Record load_record(std::uint64_t offset, bool keep_blob, std::uint64_t* meta_hash = nullptr) const;
+  // The record's type, metadata and tensor table from its metadata bytes (`meta`), its tensor bytes
+  // being `blob_size` bytes at `blob_at`.
+  Record parse_record(std::uint64_t offset, std::uint16_t type, const std::string& meta, std::uint64_t blob_at,
+                      std::uint64_t blob_size) const;
   RecordInfo index_entry(const Record& record, std::uint32_t length) const;
   std::string path_;
   ReaderOptions options_;
@@ -233,6 +244,7 @@ class TraceReader {
   std::uint64_t file_size_ = 0;
   nlohmann::json header_;
   std::vector<RecordInfo> records_;
+  std::vector<std::uint64_t> meta_hashes_;  // per record of records_: XXH3-64 of its metadata bytes
   std::string warning_;
   bool complete_ = false;
   std::uint32_t version_ = 0;
