@@ -76,21 +76,24 @@ namespace {
 // are. Level 5 is Blosc's default: the same size as level 9 here, and faster (bench/README.md).
 constexpr int kBloscLevel = 5;
 
-std::string encode_blosc(const at::Tensor& tensor) {
+void encode_blosc(const at::Tensor& tensor, std::string& out) {
   const std::size_t n = tensor.nbytes();
   if (n > static_cast<std::size_t>(BLOSC_MAX_BUFFERSIZE)) {
     throw Error("a Blosc payload holds at most " + std::to_string(BLOSC_MAX_BUFFERSIZE) + " bytes, not " +
                 std::to_string(n));
   }
-  std::string out(n + BLOSC_MAX_OVERHEAD, '\0');
+  const std::size_t at = out.size();
+  out.resize(at + n + BLOSC_MAX_OVERHEAD);
   const int size = blosc_compress_ctx(kBloscLevel, BLOSC_BITSHUFFLE, tensor.element_size(), n, tensor.const_data_ptr(),
-                                      out.data(), out.size(), BLOSC_LZ4_COMPNAME, 0, 1);
-  if (size <= 0) throw Error("Blosc compression failed (" + std::to_string(size) + ")");
-  out.resize(static_cast<std::size_t>(size));
-  return out;
+                                      out.data() + at, n + BLOSC_MAX_OVERHEAD, BLOSC_LZ4_COMPNAME, 0, 1);
+  if (size <= 0) {
+    out.resize(at);
+    throw Error("Blosc compression failed (" + std::to_string(size) + ")");
+  }
+  out.resize(at + static_cast<std::size_t>(size));
 }
 
-std::string encode_zstd(const at::Tensor& tensor, TensorCodec codec, int zstd_level) {
+void encode_zstd(const at::Tensor& tensor, TensorCodec codec, int zstd_level, std::string& out) {
   const std::size_t n = tensor.nbytes();
   const auto* raw = static_cast<const unsigned char*>(tensor.const_data_ptr());
   std::string staged;
@@ -110,27 +113,37 @@ std::string encode_zstd(const at::Tensor& tensor, TensorCodec codec, int zstd_le
   // goes down. Measured in bench/README.md: level -20 with this on is as small as level 1 and
   // 1.5-2x faster.
   ZSTD_CCtx_setParameter(cctx.get(), ZSTD_c_literalCompressionMode, ZSTD_ps_enable);
-  std::string frame(ZSTD_compressBound(n), '\0');
-  const std::size_t size = ZSTD_compress2(cctx.get(), frame.data(), frame.size(), raw, n);
-  if (ZSTD_isError(size)) throw Error(std::string("zstd compression failed: ") + ZSTD_getErrorName(size));
-  frame.resize(size);
-  return frame;
+  const std::size_t at = out.size();
+  const std::size_t bound = ZSTD_compressBound(n);
+  out.resize(at + bound);
+  const std::size_t size = ZSTD_compress2(cctx.get(), out.data() + at, bound, raw, n);
+  if (ZSTD_isError(size)) {
+    out.resize(at);
+    throw Error(std::string("zstd compression failed: ") + ZSTD_getErrorName(size));
+  }
+  out.resize(at + size);
 }
 
 }  // namespace
 
-std::string encode_tensor_payload(const at::Tensor& tensor, TensorCodec codec, int zstd_level) {
+void append_tensor_payload(const at::Tensor& tensor, TensorCodec codec, int zstd_level, std::string& out) {
   if (!tensor.is_cpu() || !tensor.is_contiguous()) {
     throw Error(std::string("encode_tensor_payload: the tensor is ") +
                 (tensor.is_cpu() ? "not contiguous" : "not on the CPU") + "; pass tensor.cpu().contiguous()");
   }
   switch (codec) {
-    case TensorCodec::kBloscBitshuffleLz4: return encode_blosc(tensor);
+    case TensorCodec::kBloscBitshuffleLz4: encode_blosc(tensor, out); return;
     case TensorCodec::kZstd:
-    case TensorCodec::kZstdShuffle: return encode_zstd(tensor, codec, zstd_level);
+    case TensorCodec::kZstdShuffle: encode_zstd(tensor, codec, zstd_level, out); return;
     case TensorCodec::kDigestOnly: break;
   }
   throw Error("encode_tensor_payload: codec " + std::to_string(static_cast<int>(codec)) + " stores no data");
+}
+
+std::string encode_tensor_payload(const at::Tensor& tensor, TensorCodec codec, int zstd_level) {
+  std::string out;
+  append_tensor_payload(tensor, codec, zstd_level, out);
+  return out;
 }
 
 std::optional<std::uint64_t> declared_payload_size(const void* data, std::size_t size, TensorCodec codec) {

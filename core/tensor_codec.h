@@ -21,6 +21,9 @@ namespace retrace {
 // Blosc runs on the calling thread: its own threads are spawned per call, which costs more than
 // they gain on tensors of a few MiB (bench/README.md).
 std::string encode_tensor_payload(const at::Tensor& tensor, TensorCodec codec, int zstd_level = kDefaultZstdLevel);
+// The same bytes appended to `out` (unchanged when it throws): the trace writer encodes a record's
+// tensors straight into the record's bytes.
+void append_tensor_payload(const at::Tensor& tensor, TensorCodec codec, int zstd_level, std::string& out);
 // The codec TraceWriter picks for `tensor` (contiguous CPU) under `options`.
 TensorCodec choose_codec(const at::Tensor& tensor, const WriterOptions& options);
 // The decoded size `data` declares, or nullopt when it is not a well-formed payload of `codec`

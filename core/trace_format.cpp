@@ -15,10 +15,6 @@ std::uint64_t payload_checksum_seed(std::uint16_t type, std::uint16_t flags, std
   return std::uint64_t{type} | (std::uint64_t{flags} << 16) | (std::uint64_t{length} << 32);
 }
 
-std::uint64_t payload_checksum(std::uint16_t type, std::uint16_t flags, std::uint32_t length, const void* payload) {
-  return XXH3_64bits_withSeed(payload, length, payload_checksum_seed(type, flags, length));
-}
-
 void encode_header(const RecordHeader& h, unsigned char* out) {
   std::memcpy(out, &h.magic, 4);
   std::memcpy(out + 4, &h.type, 2);

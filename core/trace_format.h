@@ -31,10 +31,9 @@ struct RecordHeader {
   std::uint32_t header_checksum;
 };
 
-// XXH3-64 of the payload, seeded with type | flags << 16 | length << 32.
-std::uint64_t payload_checksum(std::uint16_t type, std::uint16_t flags, std::uint32_t length, const void* payload);
-// The seed of that checksum, for a reader that hashes the payload in pieces (XXH3's streaming
-// state gives the same value as the one-shot call).
+// The payload checksum is XXH3-64 of the payload seeded with this: type | flags << 16 |
+// length << 32. Writer and reader hash the payload in pieces (XXH3's streaming state gives the
+// same value as the one-shot call).
 std::uint64_t payload_checksum_seed(std::uint16_t type, std::uint16_t flags, std::uint32_t length);
 // Writes the 24 bytes of `h`, its header checksum computed over the first 20.
 void encode_header(const RecordHeader& h, unsigned char* out);

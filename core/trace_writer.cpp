@@ -12,6 +12,10 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <memory>
+#include <new>
+
+#include <xxhash.h>
 
 namespace retrace {
 
@@ -112,7 +116,10 @@ std::uint64_t TraceWriter::bytes_written() const { return file_ ? file_->size() 
 
 std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta, const std::vector<TensorToWrite>& tensors) {
   if (closed_) throw Error("retrace::TraceWriter: append after close of " + path_);
-  std::string blob;
+  // The record's stored tensors, encoded straight into one buffer kept from record to record
+  // (freed after a record over kKeptBlobBytes).
+  std::string& blob = blob_;
+  blob.clear();
   std::vector<TensorEntry> entries;
   for (const TensorToWrite& w : tensors) {
     TensorEntry e;
@@ -141,15 +148,15 @@ std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta, const st
     if (w.store_data) {
       const at::Tensor host = t.resolve_conj().resolve_neg().cpu().contiguous();
       e.codec = choose_codec(host, options_);
-      const std::string frame = encode_tensor_payload(host, e.codec, options_.zstd_level);
       e.offset = blob.size();
-      e.stored_bytes = frame.size();
-      blob += frame;
+      append_tensor_payload(host, e.codec, options_.zstd_level, blob);
+      e.stored_bytes = blob.size() - e.offset;
     }
     entries.push_back(std::move(e));
   }
   const std::uint64_t offset = file_->size();
   write_record(type, meta, blob, entries);
+  if (blob.capacity() > kKeptBlobBytes) std::string().swap(blob);
   nlohmann::json item = {static_cast<int>(type), offset};
   if (meta.contains("step")) item.push_back(meta["step"]);
   index_.push_back(std::move(item));
@@ -208,18 +215,24 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
                 " bytes, over the format's 4 GiB limit; record fewer tensors per step (RecorderOptions::mode digest; "
                 "retrace record --mode digest)");
   }
-  std::string payload;
-  payload.reserve(payload_size);
+  // The payload is u32 meta_len, the metadata, the blob: its checksum is taken over the three
+  // pieces where they lie (XXH3's streaming digest is the one-shot one), and the record goes out
+  // as two writes -- the header with the metadata, then the blob -- without copying the blob.
   const auto meta_len = static_cast<std::uint32_t>(meta_text.size());
-  payload.append(reinterpret_cast<const char*>(&meta_len), 4);
-  payload.append(meta_text);
-  payload.append(blob);
-  RecordHeader h{kRecordMagic, static_cast<std::uint16_t>(type), 0, static_cast<std::uint32_t>(payload.size()), 0, 0};
-  h.payload_checksum = payload_checksum(h.type, h.flags, h.length, payload.data());
-  unsigned char head[kRecordHeaderBytes];
-  encode_header(h, head);
-  file_->append(head, sizeof head);
-  file_->append(payload.data(), payload.size());
+  RecordHeader h{kRecordMagic, static_cast<std::uint16_t>(type), 0, static_cast<std::uint32_t>(payload_size), 0, 0};
+  const std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> hash(XXH3_createState(), &XXH3_freeState);
+  if (!hash) throw std::bad_alloc();
+  XXH3_64bits_reset_withSeed(hash.get(), payload_checksum_seed(h.type, h.flags, h.length));
+  XXH3_64bits_update(hash.get(), &meta_len, 4);
+  XXH3_64bits_update(hash.get(), meta_text.data(), meta_text.size());
+  XXH3_64bits_update(hash.get(), blob.data(), blob.size());
+  h.payload_checksum = XXH3_64bits_digest(hash.get());
+  std::string head(kRecordHeaderBytes + 4, '\0');
+  encode_header(h, reinterpret_cast<unsigned char*>(head.data()));
+  std::memcpy(head.data() + kRecordHeaderBytes, &meta_len, 4);
+  head += meta_text;
+  file_->append(head.data(), head.size());
+  if (!blob.empty()) file_->append(blob.data(), blob.size());
 }
 
 void TraceWriter::sync() { file_->sync(); }

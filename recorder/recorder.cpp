@@ -521,7 +521,12 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
   m.open_collective.reset();
   m.ordinals.clear();
   m.after_backward.clear();
-  const bool full = m.full_now(step);
+  // Full mode: a state bit for bit what the previous step_end stored (the same tensors at the same
+  // version counters, or equal digests) is not stored again; the record points at that step_end,
+  // and replay restores the state from there (docs/replay.md). Half of full mode's bytes a step.
+  const bool stored_at_end = m.full_now(step) && m.store_values() && !m.first_step && m.end_state_step >= 0 &&
+                             m.unchanged_since_end(state);
+  const bool full = m.full_now(step) && !stored_at_end;
   const bool ring = m.options.ring > 0;
   StepBeginRecord record;
   record.step = step;
@@ -552,6 +557,8 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
   std::vector<TensorToWrite> tensors = std::move(common);
   if (full) {
     tensors.insert(tensors.end(), full_state.begin(), full_state.end());
+  } else if (stored_at_end) {
+    record.state_as_step_end = m.end_state_step;  // that step_end stored these bits
   } else if (m.unchanged_since_end(state)) {
     record.state_as_step_end = m.end_state_step;  // same bits as that step_end's state digests
   } else {
@@ -586,7 +593,8 @@ void Recorder::after_backward(const at::Tensor& loss, const std::vector<NamedTen
   if (m.step < 0 || m.closed || m.disabled) return;
   m.after_backward.push_back(entry(std::string(tensor_names::kLoss), loss, true));
   if (m.store_values()) {
-    for (const NamedTensor& g : grads) m.after_backward.push_back(entry(g.name, g.tensor, true));
+    // One buffer and a memcpy per gradient on the intra-op threads, not a dispatched clone each.
+    for (TensorToWrite& w : snapshot(grads, "", m.pool)) m.after_backward.push_back(std::move(w));
   } else {
     for (TensorToWrite& w : digest_entries("", grads)) m.after_backward.push_back(std::move(w));
   }
@@ -701,11 +709,15 @@ void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std
   m.after_backward.clear();
   m.end_state.clear();
   const std::vector<PendingDigest> digests = digest_all(state_after);
+  // Full mode stores the state: copied as begin_step copies it (one buffer, a memcpy per tensor).
+  std::vector<TensorToWrite> copies;
+  if (m.store_values()) copies = snapshot(state_after, std::string(tensor_names::kStatePrefix), m.pool);
   for (std::size_t i = 0; i < state_after.size(); ++i) {
     const NamedTensor& s = state_after[i];
     const PendingDigest& d = digests[i];
     if (m.store_values()) {
-      TensorToWrite w = stored(tensor_names::state(s.name), s.tensor);
+      TensorToWrite w = std::move(copies[i]);
+      w.digest = std::nullopt;
       w.digest_later = [d] { return d.get(); };
       tensors.push_back(std::move(w));
     } else {

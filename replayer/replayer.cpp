@@ -546,8 +546,30 @@ std::int64_t target_step(const std::map<std::int64_t, StepRecords>& steps, const
 
 struct Anchor {
   Record begin;                    // its step_begin record
+  Record stored;                   // the record its state is stored in: `begin`, or a step_end (below)
   std::vector<NamedTensor> state;  // decoded once
 };
+
+// The record whose stored state step_begin `begin` starts from: the step_begin itself when it is
+// full; the step_end it points at (state_as_step_end) when that step_end stored every state tensor
+// (a full-mode trace stores the state once between two steps); else none (a digest).
+std::optional<Record> stored_state(const TraceReader& trace, const std::map<std::int64_t, StepRecords>& steps,
+                                   const Record& begin) {
+  const StepBeginRecord b = StepBeginRecord::decode(begin, trace.path());
+  if (b.full) return begin;
+  if (!b.state_as_step_end) return std::nullopt;
+  const auto it = steps.find(*b.state_as_step_end);
+  if (it == steps.end() || !it->second.end) return std::nullopt;
+  Record end = trace.read_table(*it->second.end);
+  bool any = false;
+  for (const TensorEntry& e : end.tensors) {
+    if (!tensor_names::state_name(e.name)) continue;
+    if (!e.has_data()) return std::nullopt;
+    any = true;
+  }
+  if (!any) return std::nullopt;
+  return end;
+}
 
 // The anchor: the latest full snapshot at or before `latest` whose state is all finite (a
 // snapshot that already holds NaN/Inf cannot show where they came from); failing that, the
@@ -558,10 +580,11 @@ Anchor find_anchor(const TraceReader& trace, const std::map<std::int64_t, StepRe
     --it;
     for (auto r = it->second.begins.rbegin(); r != it->second.begins.rend(); ++r) {
       Record rec = trace.read_table(*r);
-      if (!StepBeginRecord::decode(rec, trace.path()).full) continue;
-      std::vector<NamedTensor> state = named_tensors(trace, rec, tensor_names::state_name);
-      if (all_finite(state)) return {std::move(rec), std::move(state)};
-      if (!nonfinite) nonfinite = Anchor{std::move(rec), std::move(state)};
+      std::optional<Record> stored = stored_state(trace, steps, rec);
+      if (!stored) continue;
+      std::vector<NamedTensor> state = named_tensors(trace, *stored, tensor_names::state_name);
+      if (all_finite(state)) return {std::move(rec), std::move(*stored), std::move(state)};
+      if (!nonfinite) nonfinite = Anchor{std::move(rec), std::move(*stored), std::move(state)};
     }
   }
   if (!nonfinite) throw Error("no full snapshot at or before step " + std::to_string(latest) + " to replay from");
@@ -582,11 +605,13 @@ void find_provenance(const TraceReader& trace, const StepRecords& recs, Program&
 
 // Re-executes step `s` from `begin` and compares it with its records. Returns whether the replay
 // goes on: not after the first divergence, a step that raised, or a non-finite step no defense
-// handled. `anchor`: the step restored from its snapshot; `trained_to`: a step the recorded run
-// reached by training (not its first).
+// handled. `anchor_state`: for the step restored from its snapshot, the record that snapshot is
+// stored in (null for the steps after it); `trained_to`: a step the recorded run reached by
+// training (not its first).
 bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, const StepRecords& recs,
-                 const Record& begin, bool anchor, bool trained_to, const ReplayOptions& options, ReplayResult& result,
-                 bool& stopped_before) {
+                 const Record& begin, const Record* anchor_state, bool trained_to, const ReplayOptions& options,
+                 ReplayResult& result, bool& stopped_before) {
+  const bool anchor = anchor_state != nullptr;
   Comparer comparer(trace, s, recs);
   const StepBeginRecord begin_record = StepBeginRecord::decode(begin, trace.path());
   const std::vector<std::uint8_t> rng = rng_bytes(trace, begin, s);
@@ -609,7 +634,9 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
   // step then changed), any other step's is copied now.
   std::vector<NamedTensor> copied;
   if (!anchor && options.provenance) copied = clone_all(program.state());
-  const auto state_before = [&] { return anchor ? named_tensors(trace, begin, tensor_names::state_name) : copied; };
+  const auto state_before = [&] {
+    return anchor ? named_tensors(trace, *anchor_state, tensor_names::state_name) : copied;
+  };
 
   StepOutcome outcome;
   std::optional<std::string> raised;
@@ -739,9 +766,9 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
     const StepRecords& recs = found == steps.end() ? kNone : found->second;
     if (recs.begins.empty()) throw Error("the trace holds no step_begin record of step " + std::to_string(s));
     bool stopped_before = false;
-    const bool go_on = replay_step(trace_, program_, s, recs,
-                                   s == result.from_step ? anchor.begin : trace_.read_table(recs.begins.front()),
-                                   s == result.from_step, s > first_recorded, options, result, stopped_before);
+    const bool go_on = replay_step(
+        trace_, program_, s, recs, s == result.from_step ? anchor.begin : trace_.read_table(recs.begins.front()),
+        s == result.from_step ? &anchor.stored : nullptr, s > first_recorded, options, result, stopped_before);
     if (!go_on) {
       result.to_step = stopped_before ? s - 1 : s;
       break;

@@ -43,7 +43,15 @@ std::string describe(const Record& r, const std::string& path) {
   switch (r.type) {
     case RecordType::kStepBegin: {
       const StepBeginRecord b = StepBeginRecord::decode(r, path);
-      os << " step " << b.step << (b.full ? " full" : " digest") << (b.ring ? " (flight ring)" : "");
+      os << " step " << b.step;
+      if (b.full) {
+        os << " full";
+      } else if (b.state_as_step_end) {
+        os << " state as step_end " << *b.state_as_step_end;  // stored there in full mode, digested in digest mode
+      } else {
+        os << " digest";
+      }
+      os << (b.ring ? " (flight ring)" : "");
       break;
     }
     case RecordType::kSegment: {

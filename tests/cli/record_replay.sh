@@ -18,7 +18,10 @@ for mode in digest full; do
 done
 "$bin" inspect "$work/full.trace" --json >"$work/inspect.json"
 grep -q '"complete": true' "$work/inspect.json" || fail "inspect --json"
-"$bin" inspect "$work/digest.trace" | grep -q "step_begin step 2 digest" || fail "inspect text"
+"$bin" inspect "$work/digest.trace" | grep -q "step_begin step 1 full" || fail "inspect text"
+"$bin" inspect "$work/digest.trace" | grep -q "step_begin step 2 state as step_end 1" || fail "inspect text"
+# Full mode stores the state once between two steps: step 3's step_begin points at step_end 2.
+"$bin" inspect "$work/full.trace" | grep -q "step_begin step 3 state as step_end 2" || fail "inspect text (full)"
 
 set +e
 "$bin" replay "$work/digest.trace" --step 99 2>"$work/err" >/dev/null

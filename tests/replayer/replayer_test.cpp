@@ -107,8 +107,101 @@ TEST(Replay, FullModeReplaysAnyStepFromItsOwnSnapshot) {
   three.step = 3;
   const ReplayResult r = replay(rec.path, three);
   EXPECT_TRUE(r.reproduced);
-  EXPECT_EQ(r.from_step, 3);  // its own full step_begin, not step 1
+  EXPECT_EQ(r.from_step, 3);  // its own step_begin (whose state step_end 2 stored), not step 1
   fs::remove(rec.path);
+}
+
+// Full mode stores the state once between two steps: a step_begin whose state is bit for bit the
+// previous step_end's stored state points at it (state_as_step_end) and stores none, and replay
+// restores from that step_end. Controls: a perturbed element of step_end 2's stored state makes
+// the replay of step 3 diverge (the anchor really is read from there), and a state changed
+// between two steps is stored in full again.
+TEST(Replay, FullModeStoresTheStateOnceBetweenSteps) {
+  RecorderOptions options;
+  options.mode = RecordMode::kFull;
+  const Recorded rec = record(kGpt, "once", options, 3);
+  {
+    const TraceReader trace(rec.path);
+    for (std::size_t i = 0; i < trace.records().size(); ++i) {
+      const Record r = trace.read_table(i);
+      std::size_t state = 0, stored = 0;
+      for (const TensorEntry& e : r.tensors) {
+        if (!tensor_names::state_name(e.name)) continue;
+        ++state;
+        stored += e.has_data() ? 1 : 0;
+      }
+      if (r.type == RecordType::kStepBegin) {
+        const StepBeginRecord b = StepBeginRecord::decode(r, trace.path());
+        SCOPED_TRACE("step_begin " + std::to_string(b.step));
+        EXPECT_EQ(b.full, b.step == 1);
+        EXPECT_EQ(b.state_as_step_end, b.step == 1 ? std::nullopt : std::optional<std::int64_t>(b.step - 1));
+        EXPECT_EQ(state, b.step == 1 ? stored : 0u);
+        if (b.step == 1) {
+          EXPECT_GT(stored, 0u);
+        }
+      } else if (r.type == RecordType::kStepEnd) {
+        EXPECT_GT(state, 0u);
+        EXPECT_EQ(stored, state) << "a full-mode step_end stores its state";
+      }
+    }
+  }
+  ReplayOptions three;
+  three.step = 3;
+  const ReplayResult r = replay(rec.path, three);
+  EXPECT_TRUE(r.reproduced) << (r.first_divergence ? r.first_divergence->message() : "");
+  EXPECT_EQ(r.from_step, 3);
+
+  const std::string perturbed = temp_path("once_perturbed");
+  rewrite(rec.path, perturbed, [](Record& rec, std::vector<TensorToWrite>& tensors) {
+    if (rec.type != RecordType::kStepEnd || rec.meta["step"] != 2) return;
+    for (TensorToWrite& t : tensors) {
+      if (t.name == "state.param.block2.fc.weight") {
+        t.tensor = t.tensor.clone();
+        t.tensor.view(-1)[5] += 0.25;
+      }
+    }
+  });
+  const ReplayResult bad = replay(perturbed, three);
+  EXPECT_FALSE(bad.reproduced);
+  ASSERT_TRUE(bad.first_divergence.has_value());
+  EXPECT_EQ(bad.first_divergence->step, 3);
+  EXPECT_EQ(bad.first_divergence->segment, "block2..block3");
+  EXPECT_EQ(bad.first_divergence->phase, "forward");
+
+  // Control: bits changed between two steps are stored again, and replay starts there.
+  register_builtin_programs();
+  ScenarioProgram program(parse_scenario_text(kGpt, "changed"));
+  const std::string changed = temp_path("once_changed");
+  {
+    Recorder recorder(changed, program, options);
+    ObserverScope scope(recorder);
+    for (std::int64_t s = 1; s <= 2; ++s) {
+      if (s == 2) {
+        at::NoGradGuard no_grad;
+        program.state().front().tensor.view(-1)[0].add_(1.0);
+      }
+      const std::vector<NamedTensor> batch = program.batch(s);
+      recorder.begin_step(s, program.state(), batch, program.lr(), program.loss_scale());
+      const StepOutcome o = program.step(s, batch, &recorder);
+      recorder.end_step(s, o, program.state());
+    }
+    recorder.close();
+  }
+  const TraceReader trace(changed);
+  for (std::size_t i = 0; i < trace.records().size(); ++i) {
+    if (trace.records()[i].type != RecordType::kStepBegin) continue;
+    const StepBeginRecord b = StepBeginRecord::decode(trace.read_table(i), trace.path());
+    EXPECT_TRUE(b.full) << "step " << b.step;
+    EXPECT_FALSE(b.state_as_step_end.has_value()) << "step " << b.step;
+  }
+  ReplayOptions two;
+  two.step = 2;
+  const ReplayResult from_two = replay(changed, two);
+  EXPECT_TRUE(from_two.reproduced) << (from_two.first_divergence ? from_two.first_divergence->message() : "");
+  EXPECT_EQ(from_two.from_step, 2);
+  fs::remove(rec.path);
+  fs::remove(perturbed);
+  fs::remove(changed);
 }
 
 TEST(Replay, SampledSnapshotsAnchorTheReplay) {
