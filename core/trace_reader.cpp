@@ -139,7 +139,6 @@ void check_index(const Record& r, const std::vector<RecordInfo>& records, const 
   }
 }
 
-
 // What a tensor entry is checked against: the trace, the reader's caps, the record.
 struct TableContext {
   const std::string& path;

@@ -524,9 +524,10 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
   // Full mode: a state bit for bit what the previous step_end stored (the same tensors at the same
   // version counters, or equal digests) is not stored again; the record points at that step_end,
   // and replay restores the state from there (docs/replay.md). Half of full mode's bytes a step.
-  const bool stored_at_end = m.full_now(step) && m.store_values() && !m.first_step && m.end_state_step >= 0 &&
+  const bool full_now = m.full_now(step);
+  const bool stored_at_end = full_now && m.store_values() && !m.first_step && m.end_state_step >= 0 &&
                              m.unchanged_since_end(state);
-  const bool full = m.full_now(step) && !stored_at_end;
+  const bool full = full_now && !stored_at_end;
   const bool ring = m.options.ring > 0;
   StepBeginRecord record;
   record.step = step;
@@ -717,7 +718,6 @@ void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std
     const PendingDigest& d = digests[i];
     if (m.store_values()) {
       TensorToWrite w = std::move(copies[i]);
-      w.digest = std::nullopt;
       w.digest_later = [d] { return d.get(); };
       tensors.push_back(std::move(w));
     } else {

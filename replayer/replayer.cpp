@@ -546,17 +546,16 @@ std::int64_t target_step(const std::map<std::int64_t, StepRecords>& steps, const
 
 struct Anchor {
   Record begin;                    // its step_begin record
-  Record stored;                   // the record its state is stored in: `begin`, or a step_end (below)
+  std::optional<Record> end;       // the step_end its state is stored in, when not in `begin` (below)
   std::vector<NamedTensor> state;  // decoded once
+  const Record& stored() const { return end ? *end : begin; }
 };
 
-// The record whose stored state step_begin `begin` starts from: the step_begin itself when it is
-// full; the step_end it points at (state_as_step_end) when that step_end stored every state tensor
-// (a full-mode trace stores the state once between two steps); else none (a digest).
-std::optional<Record> stored_state(const TraceReader& trace, const std::map<std::int64_t, StepRecords>& steps,
-                                   const Record& begin) {
-  const StepBeginRecord b = StepBeginRecord::decode(begin, trace.path());
-  if (b.full) return begin;
+// For a step_begin `b` that does not store its state itself (not full): the step_end it points at
+// (state_as_step_end) when that step_end stored every state tensor, as a full-mode trace stores
+// the state once between two steps. Null when the state is only digested there.
+std::optional<Record> end_holding_state(const TraceReader& trace, const std::map<std::int64_t, StepRecords>& steps,
+                                        const StepBeginRecord& b) {
   if (!b.state_as_step_end) return std::nullopt;
   const auto it = steps.find(*b.state_as_step_end);
   if (it == steps.end() || !it->second.end) return std::nullopt;
@@ -579,12 +578,14 @@ Anchor find_anchor(const TraceReader& trace, const std::map<std::int64_t, StepRe
   for (auto it = steps.upper_bound(latest); it != steps.begin();) {
     --it;
     for (auto r = it->second.begins.rbegin(); r != it->second.begins.rend(); ++r) {
-      Record rec = trace.read_table(*r);
-      std::optional<Record> stored = stored_state(trace, steps, rec);
-      if (!stored) continue;
-      std::vector<NamedTensor> state = named_tensors(trace, *stored, tensor_names::state_name);
-      if (all_finite(state)) return {std::move(rec), std::move(*stored), std::move(state)};
-      if (!nonfinite) nonfinite = Anchor{std::move(rec), std::move(*stored), std::move(state)};
+      Anchor a{trace.read_table(*r), std::nullopt, {}};
+      if (const StepBeginRecord b = StepBeginRecord::decode(a.begin, trace.path()); !b.full) {
+        a.end = end_holding_state(trace, steps, b);
+        if (!a.end) continue;
+      }
+      a.state = named_tensors(trace, a.stored(), tensor_names::state_name);
+      if (all_finite(a.state)) return a;
+      if (!nonfinite) nonfinite = std::move(a);
     }
   }
   if (!nonfinite) throw Error("no full snapshot at or before step " + std::to_string(latest) + " to replay from");
@@ -768,7 +769,7 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
     bool stopped_before = false;
     const bool go_on = replay_step(
         trace_, program_, s, recs, s == result.from_step ? anchor.begin : trace_.read_table(recs.begins.front()),
-        s == result.from_step ? &anchor.stored : nullptr, s > first_recorded, options, result, stopped_before);
+        s == result.from_step ? &anchor.stored() : nullptr, s > first_recorded, options, result, stopped_before);
     if (!go_on) {
       result.to_step = stopped_before ? s - 1 : s;
       break;

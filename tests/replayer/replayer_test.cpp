@@ -99,6 +99,16 @@ INSTANTIATE_TEST_SUITE_P(Replay, ModesAndModels,
                                   (std::get<1>(info.param) == RecordMode::kFull ? "Full" : "Digest");
                          });
 
+// One element of block2's fc weight (a state tensor) moved by 0.25 in a record being rewritten.
+void perturb_fc_weight(std::vector<TensorToWrite>& tensors) {
+  for (TensorToWrite& t : tensors) {
+    if (t.name == "state.param.block2.fc.weight") {
+      t.tensor = t.tensor.clone();
+      t.tensor.view(-1)[5] += 0.25;
+    }
+  }
+}
+
 TEST(Replay, FullModeReplaysAnyStepFromItsOwnSnapshot) {
   RecorderOptions options;
   options.mode = RecordMode::kFull;
@@ -154,12 +164,7 @@ TEST(Replay, FullModeStoresTheStateOnceBetweenSteps) {
   const std::string perturbed = temp_path("once_perturbed");
   rewrite(rec.path, perturbed, [](Record& rec, std::vector<TensorToWrite>& tensors) {
     if (rec.type != RecordType::kStepEnd || rec.meta["step"] != 2) return;
-    for (TensorToWrite& t : tensors) {
-      if (t.name == "state.param.block2.fc.weight") {
-        t.tensor = t.tensor.clone();
-        t.tensor.view(-1)[5] += 0.25;
-      }
-    }
+    perturb_fc_weight(tensors);
   });
   const ReplayResult bad = replay(perturbed, three);
   EXPECT_FALSE(bad.reproduced);
@@ -226,12 +231,7 @@ TEST_P(Perturbed, OneParameterElementDivergesAtItsSegmentAndPhase) {
   const std::string copy = temp_path("perturbed");
   rewrite(rec.path, copy, [](Record& r, std::vector<TensorToWrite>& tensors) {
     if (r.type != RecordType::kStepBegin || r.meta["step"] != 1) return;
-    for (TensorToWrite& t : tensors) {
-      if (t.name == "state.param.block2.fc.weight") {
-        t.tensor = t.tensor.clone();
-        t.tensor.view(-1)[5] += 0.25;
-      }
-    }
+    perturb_fc_weight(tensors);
   });
   ReplayOptions first_step;
   first_step.step = 1;
