@@ -81,10 +81,23 @@ grep -q "step 3 has no recorded outcome" "$work/crash.out" || fail "crash step n
 # 5. SIGTERM with a flight ring: the ring is written, the process dies by the signal.
 "$bin" record "$scenarios/tiny-gpt.yaml" -o "$work/term.trace" --ring 2 --steps 100000 >/dev/null 2>&1 &
 pid=$!
-for _ in $(seq 100); do
-  [[ -f "$work/term.trace.incomplete" ]] && [[ $(stat -c %s "$work/term.trace.incomplete") -gt 2000000 ]] && break
+# Wait until the recorder is well into its steps (its signal handler is installed before the
+# first record; 2 MB is dozens of steps in). Bounded, and generous: a cold page cache and a loaded
+# CI machine once took over 10 s to get LibTorch loaded, and a SIGTERM before the handler kills the
+# process with no ring to dump.
+started=0
+for _ in $(seq 1200); do
+  if [[ -f "$work/term.trace.incomplete" ]] && [[ $(stat -c %s "$work/term.trace.incomplete") -gt 2000000 ]]; then
+    started=1
+    break
+  fi
+  kill -0 $pid 2>/dev/null || break
   sleep 0.1
 done
+if [[ $started == 0 ]]; then
+  kill -KILL $pid 2>/dev/null || true
+  fail "SIGTERM case: the recorder did not write 2 MB within 120 s (or exited); nothing to signal"
+fi
 kill -TERM $pid
 set +e
 wait $pid
