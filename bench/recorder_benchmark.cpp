@@ -77,28 +77,44 @@ void BM_RecorderOverhead(benchmark::State& state, const char* variant, const cha
     state.SkipWithError("no CUDA device is visible");
     return;
   }
-  const std::string which = variant;
+  std::string which = variant;
+  // "..._in_runs_of_8": each side runs 8 steps per turn and the recorded side waits for its
+  // writer once, at the end of the 8: the writer works while the next steps train, as in a run.
+  const std::string runs_suffix = "_in_runs_of_8";
+  int run_length = 1;
+  if (which.size() > runs_suffix.size() &&
+      which.compare(which.size() - runs_suffix.size(), runs_suffix.size(), runs_suffix) == 0) {
+    which.resize(which.size() - runs_suffix.size());
+    run_length = 8;
+  }
   RecorderOptions options;
-  if (which == "full") options.mode = RecordMode::kFull;
+  if (which == "full" || which == "full_2_encode_threads") options.mode = RecordMode::kFull;
+  if (which == "full_2_encode_threads") options.writer.encode_threads = 2;  // "full": the default (1 on 2 cores)
   if (which == "ring4") options.ring = 4;
   ScenarioProgram plain(parse_scenario_text(scenario, "bench"));
   ScenarioProgram recorded(parse_scenario_text(scenario, "bench"));
   Recorder recorder(bench_path(which), recorded, options);
-  std::int64_t step = 0;
   // On a GPU a step is timed to its completion on the device.
   const auto done = [&] {
     if (cuda) torch::cuda::synchronize();
   };
+  std::int64_t plain_step_no = 0, recorded_step_no = 0;
   auto plain_step = [&] {
-    plain.step(step, plain.batch(step), nullptr);
+    for (int i = 0; i < run_length; ++i) {
+      ++plain_step_no;
+      plain.step(plain_step_no, plain.batch(plain_step_no), nullptr);
+    }
     done();
   };
   auto recorded_step = [&] {
-    const auto batch = recorded.batch(step);
-    ObserverScope scope(recorder);
-    recorder.begin_step(step, recorded.state(), batch, recorded.lr(), 1.0);
-    const StepOutcome o = recorded.step(step, batch, &recorder);
-    recorder.end_step(step, o, recorded.state());
+    for (int i = 0; i < run_length; ++i) {
+      const std::int64_t n = ++recorded_step_no;
+      const auto batch = recorded.batch(n);
+      ObserverScope scope(recorder);
+      recorder.begin_step(n, recorded.state(), batch, recorded.lr(), 1.0);
+      const StepOutcome o = recorded.step(n, batch, &recorder);
+      recorder.end_step(n, o, recorded.state());
+    }
     // Count the writer thread's work too (compression on a 2-core machine competes with the
     // step), and keep it from spilling into the plain step's timing.
     recorder.flush();
@@ -106,24 +122,22 @@ void BM_RecorderOverhead(benchmark::State& state, const char* variant, const cha
   };
   // Warm-up: the first step's full snapshot, and (ring) until the ring is full and its buffers
   // are reused rather than fresh pages.
-  for (int i = 0; i < std::max(2, options.ring + 1); ++i) {
-    ++step;
+  while (recorded_step_no < std::max(2, options.ring + 1)) {
     plain_step();
     recorded_step();
   }
   double t_plain = 0, t_recorded = 0;
   bool plain_first = true;
   for (auto _ : state) {
-    ++step;
     const auto [p, r] = bench::alternate(plain_first, plain_step, recorded_step);
     t_plain += p;
     t_recorded += r;
-    state.SetIterationTime(r);
+    state.SetIterationTime(r / run_length);
   }
   recorder.close();
   const RecorderStats s = recorder.stats();
-  state.counters["KiB_per_step"] = s.bytes / 1024.0 / static_cast<double>(step);
-  state.counters["plain_ms"] = 1e3 * t_plain / state.iterations();
+  state.counters["KiB_per_step"] = s.bytes / 1024.0 / static_cast<double>(recorded_step_no);
+  state.counters["plain_ms"] = 1e3 * t_plain / state.iterations() / run_length;
   state.counters["recorded_over_plain"] = t_recorded / t_plain;
   std::filesystem::remove(recorder.path());
 }
@@ -136,6 +150,18 @@ BENCHMARK_CAPTURE(BM_RecorderOverhead, ring4, "ring4", kBenchScenario)
     ->Unit(benchmark::kMillisecond)
     ->MinTime(3.0);
 BENCHMARK_CAPTURE(BM_RecorderOverhead, full, "full", kBenchScenario)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(3.0);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, full_2_encode_threads, "full_2_encode_threads", kBenchScenario)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(3.0);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, digest_in_runs_of_8, "digest_in_runs_of_8", kBenchScenario)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(3.0);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, full_in_runs_of_8, "full_in_runs_of_8", kBenchScenario)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->MinTime(3.0);
@@ -307,6 +333,74 @@ BENCHMARK_CAPTURE(BM_DurableWrite, retrace_small_bf16_weights, "retrace_small")
 BENCHMARK_CAPTURE(BM_DurableWrite, torch_save_bf16_weights, "torch_save")
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
+
+// Files that keep nothing: BM_WriterEncodeThreads times the writer's own work, not the page cache.
+class DiscardFile : public io::WritableFile {
+ public:
+  void append(const void*, std::size_t n) override { size_ += n; }
+  void sync() override {}
+  void close() override {}
+  std::uint64_t size() const override { return size_; }
+
+ private:
+  std::uint64_t size_ = 0;
+};
+class DiscardFileSystem : public io::FileSystem {
+ public:
+  std::unique_ptr<io::ReadableFile> open(const std::string& path) override {
+    throw Error("DiscardFileSystem: nothing to read at " + path);
+  }
+  std::unique_ptr<io::WritableFile> create(const std::string&) override { return std::make_unique<DiscardFile>(); }
+  void rename(const std::string&, const std::string&) override {}
+  void sync_directory(const std::string&) override {}
+  void remove(const std::string&) override {}
+};
+
+// The writer's encode threads (WriterOptions::encode_threads): a full-mode-like record -- two of
+// GPT-2 small's blocks' weights and AdamW moments (fp32, 24 tensors, 162 MiB) -- appended again
+// and again by a writer with one encode thread and by one with `threads`, alternating, each writer
+// (with its pool) made once, as the recorder's is. The files keep nothing (DiscardFileSystem):
+// what is timed is the writer's work -- hashing, encoding, moving the pieces together, the
+// record's checksum -- which the threads share; the write into the page cache is the kernel's.
+void BM_WriterEncodeThreads(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  torch::manual_seed(0);
+  std::vector<TensorToWrite> record;
+  const std::vector<std::vector<std::int64_t>> shapes = {{2304, 768}, {768, 768}, {3072, 768}, {768, 3072}};
+  for (int block = 0; block < 2; ++block) {
+    for (const auto& shape : shapes) {
+      record.push_back({"w", torch::randn(shape) * 0.02, true, std::nullopt});
+      record.push_back({"exp_avg", torch::randn(shape) * 1e-4, true, std::nullopt});
+      record.push_back({"exp_avg_sq", torch::rand(shape) * 1e-8, true, std::nullopt});
+    }
+  }
+  DiscardFileSystem discard;
+  WriterOptions one_options, many_options;
+  one_options.fs = many_options.fs = &discard;
+  one_options.encode_threads = 1;
+  many_options.encode_threads = threads;
+  const nlohmann::json header = {{"program", {{"name", "bench"}, {"config", ""}}}};
+  TraceWriter one("one", header, one_options), many("many", header, many_options);
+  const nlohmann::json meta = {{"step", 1}, {"full", true}};
+  double t_one = 0, t_many = 0;
+  bool one_first = true;
+  for (auto _ : state) {
+    const auto [a, b] = bench::alternate(
+        one_first, [&] { one.append(RecordType::kStepBegin, meta, record); },
+        [&] { many.append(RecordType::kStepBegin, meta, record); });
+    t_one += a;
+    t_many += b;
+    state.SetIterationTime(a);
+  }
+  if (one.bytes_written() != many.bytes_written()) state.SkipWithError("the two writers wrote different sizes");
+  std::size_t raw = 0;
+  for (const TensorToWrite& w : record) raw += w.tensor.nbytes();
+  state.counters["many_over_one"] = t_many / t_one;
+  state.counters["one_GBps"] = static_cast<double>(state.iterations()) * raw / t_one / 1e9;
+  state.counters["many_GBps"] = static_cast<double>(state.iterations()) * raw / t_many / 1e9;
+  state.counters["MiB_raw"] = raw / 1048576.0;
+}
+BENCHMARK(BM_WriterEncodeThreads)->Arg(2)->Arg(4)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(3.0);
 
 // A 2-step full-mode trace of `scenario`, at a benchmark path named `name`.
 std::string record_two_full_steps(const char* scenario, const std::string& name) {

@@ -2,12 +2,15 @@
 
 #include <retrace/error.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <fcntl.h>
 #include <fstream>
 #include <sstream>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 namespace retrace::io {
@@ -57,6 +60,32 @@ class PosixFile final : public WritableFile {
       p += w;
       n -= static_cast<std::size_t>(w);
       size_ += static_cast<std::uint64_t>(w);
+    }
+  }
+  void append_all(const std::vector<ConstBytes>& pieces) override {
+    std::vector<iovec> iov;
+    iov.reserve(std::min<std::size_t>(pieces.size(), IOV_MAX));
+    std::size_t next = 0;  // the first piece not yet in iov
+    while (next < pieces.size() || !iov.empty()) {
+      while (next < pieces.size() && iov.size() < static_cast<std::size_t>(IOV_MAX)) {
+        if (pieces[next].size) iov.push_back({const_cast<void*>(pieces[next].data), pieces[next].size});
+        ++next;
+      }
+      if (iov.empty()) break;
+      const ssize_t w = ::writev(fd_, iov.data(), static_cast<int>(iov.size()));
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        fail("write", path_, errno);
+      }
+      size_ += static_cast<std::uint64_t>(w);
+      // Drop what was written: whole pieces, then the front of a piece written in part.
+      std::size_t left = static_cast<std::size_t>(w), done = 0;
+      while (done < iov.size() && left >= iov[done].iov_len) left -= iov[done++].iov_len;
+      iov.erase(iov.begin(), iov.begin() + static_cast<std::ptrdiff_t>(done));
+      if (left) {
+        iov.front().iov_base = static_cast<char*>(iov.front().iov_base) + left;
+        iov.front().iov_len -= left;
+      }
     }
   }
   void sync() override {

@@ -76,24 +76,19 @@ namespace {
 // are. Level 5 is Blosc's default: the same size as level 9 here, and faster (bench/README.md).
 constexpr int kBloscLevel = 5;
 
-void encode_blosc(const at::Tensor& tensor, std::string& out) {
+std::size_t encode_blosc(const at::Tensor& tensor, char* out, std::size_t capacity) {
   const std::size_t n = tensor.nbytes();
   if (n > static_cast<std::size_t>(BLOSC_MAX_BUFFERSIZE)) {
     throw Error("a Blosc payload holds at most " + std::to_string(BLOSC_MAX_BUFFERSIZE) + " bytes, not " +
                 std::to_string(n));
   }
-  const std::size_t at = out.size();
-  out.resize(at + n + BLOSC_MAX_OVERHEAD);
   const int size = blosc_compress_ctx(kBloscLevel, BLOSC_BITSHUFFLE, tensor.element_size(), n, tensor.const_data_ptr(),
-                                      out.data() + at, n + BLOSC_MAX_OVERHEAD, BLOSC_LZ4_COMPNAME, 0, 1);
-  if (size <= 0) {
-    out.resize(at);
-    throw Error("Blosc compression failed (" + std::to_string(size) + ")");
-  }
-  out.resize(at + static_cast<std::size_t>(size));
+                                      out, capacity, BLOSC_LZ4_COMPNAME, 0, 1);
+  if (size <= 0) throw Error("Blosc compression failed (" + std::to_string(size) + ")");
+  return static_cast<std::size_t>(size);
 }
 
-void encode_zstd(const at::Tensor& tensor, TensorCodec codec, int zstd_level, std::string& out) {
+std::size_t encode_zstd(const at::Tensor& tensor, TensorCodec codec, int zstd_level, char* out, std::size_t capacity) {
   const std::size_t n = tensor.nbytes();
   const auto* raw = static_cast<const unsigned char*>(tensor.const_data_ptr());
   std::string staged;
@@ -113,36 +108,43 @@ void encode_zstd(const at::Tensor& tensor, TensorCodec codec, int zstd_level, st
   // goes down. Measured in bench/README.md: level -20 with this on is as small as level 1 and
   // 1.5-2x faster.
   ZSTD_CCtx_setParameter(cctx.get(), ZSTD_c_literalCompressionMode, ZSTD_ps_enable);
-  const std::size_t at = out.size();
-  const std::size_t bound = ZSTD_compressBound(n);
-  out.resize(at + bound);
-  const std::size_t size = ZSTD_compress2(cctx.get(), out.data() + at, bound, raw, n);
-  if (ZSTD_isError(size)) {
-    out.resize(at);
-    throw Error(std::string("zstd compression failed: ") + ZSTD_getErrorName(size));
-  }
-  out.resize(at + size);
+  const std::size_t size = ZSTD_compress2(cctx.get(), out, capacity, raw, n);
+  if (ZSTD_isError(size)) throw Error(std::string("zstd compression failed: ") + ZSTD_getErrorName(size));
+  return size;
 }
 
-}  // namespace
-
-void append_tensor_payload(const at::Tensor& tensor, TensorCodec codec, int zstd_level, std::string& out) {
+void check_encodable(const at::Tensor& tensor, TensorCodec codec) {
   if (!tensor.is_cpu() || !tensor.is_contiguous()) {
     throw Error(std::string("encode_tensor_payload: the tensor is ") +
                 (tensor.is_cpu() ? "not contiguous" : "not on the CPU") + "; pass tensor.cpu().contiguous()");
   }
-  switch (codec) {
-    case TensorCodec::kBloscBitshuffleLz4: encode_blosc(tensor, out); return;
-    case TensorCodec::kZstd:
-    case TensorCodec::kZstdShuffle: encode_zstd(tensor, codec, zstd_level, out); return;
-    case TensorCodec::kDigestOnly: break;
+  if (codec == TensorCodec::kDigestOnly) {
+    throw Error("encode_tensor_payload: codec " + std::to_string(static_cast<int>(codec)) + " stores no data");
   }
-  throw Error("encode_tensor_payload: codec " + std::to_string(static_cast<int>(codec)) + " stores no data");
+}
+
+}  // namespace
+
+std::size_t tensor_payload_bound(const at::Tensor& tensor, TensorCodec codec) {
+  check_encodable(tensor, codec);
+  const std::size_t n = tensor.nbytes();
+  return codec == TensorCodec::kBloscBitshuffleLz4 ? n + BLOSC_MAX_OVERHEAD : ZSTD_compressBound(n);
+}
+
+std::size_t encode_tensor_payload_into(const at::Tensor& tensor, TensorCodec codec, int zstd_level, char* out,
+                                       std::size_t capacity) {
+  check_encodable(tensor, codec);
+  if (capacity < tensor_payload_bound(tensor, codec)) {
+    throw Error("encode_tensor_payload_into: " + std::to_string(capacity) + " bytes of room, under the bound of " +
+                std::to_string(tensor_payload_bound(tensor, codec)));
+  }
+  return codec == TensorCodec::kBloscBitshuffleLz4 ? encode_blosc(tensor, out, capacity)
+                                                   : encode_zstd(tensor, codec, zstd_level, out, capacity);
 }
 
 std::string encode_tensor_payload(const at::Tensor& tensor, TensorCodec codec, int zstd_level) {
-  std::string out;
-  append_tensor_payload(tensor, codec, zstd_level, out);
+  std::string out(tensor_payload_bound(tensor, codec), '\0');
+  out.resize(encode_tensor_payload_into(tensor, codec, zstd_level, out.data(), out.size()));
   return out;
 }
 

@@ -21,9 +21,13 @@ namespace retrace {
 // Blosc runs on the calling thread: its own threads are spawned per call, which costs more than
 // they gain on tensors of a few MiB (bench/README.md).
 std::string encode_tensor_payload(const at::Tensor& tensor, TensorCodec codec, int zstd_level = kDefaultZstdLevel);
-// The same bytes appended to `out` (unchanged when it throws): the trace writer encodes a record's
-// tensors straight into the record's bytes.
-void append_tensor_payload(const at::Tensor& tensor, TensorCodec codec, int zstd_level, std::string& out);
+// The most bytes encoding `tensor` with `codec` can take (the same checks as encoding it).
+std::size_t tensor_payload_bound(const at::Tensor& tensor, TensorCodec codec);
+// The same bytes written to `out`, which has `capacity` >= tensor_payload_bound() bytes of room;
+// returns how many. The trace writer encodes a record's tensors straight into the record's bytes,
+// each at its own place, on several threads at once (thread-safe: no shared state).
+std::size_t encode_tensor_payload_into(const at::Tensor& tensor, TensorCodec codec, int zstd_level, char* out,
+                                       std::size_t capacity);
 // The codec TraceWriter picks for `tensor` (contiguous CPU) under `options`.
 TensorCodec choose_codec(const at::Tensor& tensor, const WriterOptions& options);
 // The decoded size `data` declares, or nullopt when it is not a well-formed payload of `codec`

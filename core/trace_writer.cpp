@@ -9,11 +9,18 @@
 
 #include <c10/util/Exception.h>
 
+#include <c10/core/thread_pool.h>
+
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <new>
+#include <thread>
 
 #include <xxhash.h>
 
@@ -94,7 +101,11 @@ void check_meta_size(RecordType type, std::size_t meta_bytes) {
 }  // namespace
 
 TraceWriter::TraceWriter(std::string path, nlohmann::json header, WriterOptions options)
-    : path_(std::move(path)), options_(options), fs_(options.fs ? options.fs : &io::posix_file_system()) {
+    : path_(std::move(path)),
+      options_(options),
+      fs_(options.fs ? options.fs : &io::posix_file_system()),
+      encode_threads_(resolve_encode_threads(options.encode_threads)) {
+  if (encode_threads_ > 1) pool_ = std::make_unique<c10::ThreadPool>(encode_threads_ - 1);
   header["format_version"] = kTraceFormatVersion;
   header["writer"] = std::string("retrace ") + kVersion;
   // A header the reader would refuse (a huge or deeply nested program config or description) fails
@@ -107,20 +118,93 @@ TraceWriter::TraceWriter(std::string path, nlohmann::json header, WriterOptions 
   const std::uint32_t version = kTraceFormatVersion;
   std::memcpy(head + 8, &version, 4);
   file_->append(head, sizeof head);
-  write_record(RecordType::kHeader, header, {}, {});
+  write_record(RecordType::kHeader, header, {}, 0, {});
 }
 
 TraceWriter::~TraceWriter() = default;
 
 std::uint64_t TraceWriter::bytes_written() const { return file_ ? file_->size() : 0; }
 
+int resolve_encode_threads(int requested) {
+  if (requested < 0) {
+    throw Error("WriterOptions::encode_threads must not be negative, got " + std::to_string(requested) +
+                " (0: automatic; retrace record --encode-threads)");
+  }
+  if (requested > 0) return requested;
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  return std::clamp(cores / 4, 1, 8);
+}
+
+char* TraceWriter::blob_room(std::size_t bytes) {
+  if (bytes > blob_capacity_) {
+    blob_.reset();  // before allocating the larger one: never both at once
+    blob_capacity_ = 0;
+    blob_.reset(new char[bytes]);  // not zeroed: every byte written is encoded first
+    blob_capacity_ = bytes;
+  }
+  return blob_.get();
+}
+
+namespace {
+
+// One stored tensor of a record being appended.
+struct Encoding {
+  std::size_t entry = 0;  // index into the record's entries
+  at::Tensor host;        // contiguous CPU
+  const TensorToWrite* source = nullptr;
+  std::size_t slot = 0;   // where in the blob it is encoded
+  std::size_t bound = 0;  // room there
+  std::size_t size = 0;   // encoded bytes
+};
+
+// Runs work(k) for k in [0, count) on the calling thread and up to `helpers` threads of `pool`,
+// each taking the next k; returns when every k is done. The first exception any work(k) threw is
+// rethrown (the others still run: they only fill their own slots).
+void run_shared(c10::ThreadPool* pool, int helpers, std::size_t count, const std::function<void(std::size_t)>& work) {
+  std::atomic<std::size_t> next{0};
+  std::mutex mutex;
+  std::condition_variable all_done;
+  int done = 0;
+  std::exception_ptr error;
+  auto loop = [&] {
+    for (std::size_t k; (k = next.fetch_add(1)) < count;) {
+      try {
+        work(k);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!error) error = std::current_exception();
+      }
+    }
+  };
+  const int wanted =
+      pool && count > 1 ? static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(helpers), count - 1)) : 0;
+  int started = 0;
+  for (; started < wanted; ++started) {
+    try {
+      pool->run([&] {
+        loop();
+        std::lock_guard<std::mutex> lock(mutex);  // notified under the lock: the waiter may return at once
+        ++done;
+        all_done.notify_one();
+      });
+    } catch (...) {
+      break;  // the calling thread does the rest
+    }
+  }
+  loop();
+  std::unique_lock<std::mutex> lock(mutex);
+  all_done.wait(lock, [&] { return done == started; });
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace
+
 std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta, const std::vector<TensorToWrite>& tensors) {
   if (closed_) throw Error("retrace::TraceWriter: append after close of " + path_);
-  // The record's stored tensors, encoded straight into one buffer kept from record to record
-  // (freed after a record over kKeptBlobBytes).
-  std::string& blob = blob_;
-  blob.clear();
   std::vector<TensorEntry> entries;
+  entries.reserve(tensors.size());
+  std::vector<Encoding> stored;
+  std::size_t room = 0;
   for (const TensorToWrite& w : tensors) {
     TensorEntry e;
     e.name = w.name;
@@ -144,28 +228,76 @@ std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta, const st
     dtype_name(e.dtype);  // throws for dtypes the format cannot store
     e.shape = t.sizes().vec();
     e.raw_bytes = static_cast<std::uint64_t>(t.numel()) * t.element_size();
-    e.digest = w.digest ? *w.digest : w.digest_later ? w.digest_later() : digest(t);
+    if (w.digest) {
+      e.digest = *w.digest;
+    } else if (w.digest_later) {
+      e.digest = w.digest_later();
+    } else if (!w.store_data || !t.is_cpu()) {
+      e.digest = digest(t);  // a device tensor's on its device, as digest() does
+    }                        // else: hashed where it is encoded, from the same bytes
     if (w.store_data) {
-      const at::Tensor host = t.resolve_conj().resolve_neg().cpu().contiguous();
-      e.codec = choose_codec(host, options_);
-      e.offset = blob.size();
-      append_tensor_payload(host, e.codec, options_.zstd_level, blob);
-      e.stored_bytes = blob.size() - e.offset;
+      Encoding enc;
+      enc.entry = entries.size();
+      enc.host = t.resolve_conj().resolve_neg().cpu().contiguous();
+      enc.source = &w;
+      e.codec = choose_codec(enc.host, options_);
+      enc.slot = room;
+      enc.bound = tensor_payload_bound(enc.host, e.codec);
+      room += enc.bound;
+      stored.push_back(std::move(enc));
     }
     entries.push_back(std::move(e));
   }
+  // Each stored tensor is hashed (unless its digest came with it) and encoded into its own slot of
+  // the blob, on the encode threads, largest first; the record holds the pieces in entry order, so
+  // its bytes do not depend on the thread count.
+  char* blob = stored.empty() ? nullptr : blob_room(room);
+  std::vector<std::size_t> order(stored.size());
+  for (std::size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return stored[a].bound > stored[b].bound; });
+  // Waking a helper costs more than encoding a small record (a segment's few KiB) on this thread.
+  constexpr std::size_t kSharedEncodeBytes = std::size_t{1} << 20;
+  const int helpers = room >= kSharedEncodeBytes ? encode_threads_ - 1 : 0;
+  run_shared(pool_.get(), helpers, order.size(), [&](std::size_t k) {
+    Encoding& enc = stored[order[k]];
+    TensorEntry& e = entries[enc.entry];
+    if (!enc.source->digest && !enc.source->digest_later && enc.source->tensor.is_cpu()) e.digest = digest(enc.host);
+    enc.size = encode_tensor_payload_into(enc.host, e.codec, options_.zstd_level, blob + enc.slot, enc.bound);
+  });
+  // The blob is the pieces in entry order, written where they lie (one writev; contiguous pieces,
+  // as one thread leaves them, are one).
+  std::vector<io::ConstBytes> pieces;
+  std::uint64_t blob_size = 0;
+  for (const Encoding& enc : stored) {
+    TensorEntry& e = entries[enc.entry];
+    e.offset = blob_size;
+    e.stored_bytes = enc.size;
+    blob_size += enc.size;
+    const char* at = blob + enc.slot;
+    if (!pieces.empty() && static_cast<const char*>(pieces.back().data) + pieces.back().size == at) {
+      pieces.back().size += enc.size;
+    } else {
+      pieces.push_back({at, enc.size});
+    }
+  }
+  stored.clear();  // the host copies go before the write
   const std::uint64_t offset = file_->size();
-  write_record(type, meta, blob, entries);
-  if (blob.capacity() > kKeptBlobBytes) std::string().swap(blob);
+  write_record(type, meta, pieces, blob_size, entries);
+  if (room > kKeptBlobBytes) {
+    appends_since_large_ = 0;
+  } else if (blob_capacity_ > kKeptBlobBytes && ++appends_since_large_ >= kLargeBlobIdleAppends) {
+    blob_.reset();
+    blob_capacity_ = 0;
+  }
   nlohmann::json item = {static_cast<int>(type), offset};
   if (meta.contains("step")) item.push_back(meta["step"]);
   index_.push_back(std::move(item));
   return offset;
 }
 
-
-void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, const std::string& blob,
-                               const std::vector<TensorEntry>& tensors) {
+void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, const std::vector<io::ConstBytes>& blob,
+                               std::uint64_t blob_size, const std::vector<TensorEntry>& tensors) {
   check_readable(type, meta_in, tensors);
   // The schema (records.h): a record the reader's typed decoder would refuse is not written.
   try {
@@ -209,7 +341,7 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
     meta_text.insert(meta_text.size() - 1, table);
   }
   check_meta_size(type, meta_text.size());
-  const std::uint64_t payload_size = 4 + meta_text.size() + blob.size();
+  const std::uint64_t payload_size = 4 + meta_text.size() + blob_size;
   if (payload_size > std::min<std::uint64_t>(ReaderOptions{}.max_record_bytes, 0xffffffffu)) {
     throw Error("a trace record would be " + std::to_string(payload_size) +
                 " bytes, over the format's 4 GiB limit; record fewer tensors per step (RecorderOptions::mode digest; "
@@ -225,14 +357,14 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
   XXH3_64bits_reset_withSeed(hash.get(), payload_checksum_seed(h.type, h.flags, h.length));
   XXH3_64bits_update(hash.get(), &meta_len, 4);
   XXH3_64bits_update(hash.get(), meta_text.data(), meta_text.size());
-  XXH3_64bits_update(hash.get(), blob.data(), blob.size());
+  for (const io::ConstBytes& piece : blob) XXH3_64bits_update(hash.get(), piece.data, piece.size);
   h.payload_checksum = XXH3_64bits_digest(hash.get());
   std::string head(kRecordHeaderBytes + 4, '\0');
   encode_header(h, reinterpret_cast<unsigned char*>(head.data()));
   std::memcpy(head.data() + kRecordHeaderBytes, &meta_len, 4);
   head += meta_text;
   file_->append(head.data(), head.size());
-  if (!blob.empty()) file_->append(blob.data(), blob.size());
+  if (!blob.empty()) file_->append_all(blob);
 }
 
 void TraceWriter::sync() { file_->sync(); }
@@ -240,7 +372,7 @@ void TraceWriter::sync() { file_->sync(); }
 void TraceWriter::close() {
   if (closed_) return;
   const std::uint64_t index_offset = file_->size();
-  write_record(RecordType::kIndex, {{"records", index_}}, {}, {});
+  write_record(RecordType::kIndex, {{"records", index_}}, {}, 0, {});
   unsigned char trailer[kTrailerBytes];
   std::memcpy(trailer, &index_offset, 8);
   std::memcpy(trailer + 8, kTrailerMagic, 8);

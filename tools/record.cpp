@@ -94,7 +94,7 @@ bool report_unfired(const std::vector<char>& fired, const Defenses* defenses, st
 
 int run_record(const std::vector<std::string>& args) {
   std::string scenario, output, mode = "digest", compression = "fast", on_write_error = "stop", config_path;
-  int every = 0, ring = 0, ranks = 0, threads = 0;
+  int every = 0, ring = 0, ranks = 0, threads = 0, encode_threads = 0;
   std::int64_t steps = 0;
   po::options_description opts(
       "retrace record [SCENARIO.yaml | builtin:NAME] -o TRACE [options]\n\n"
@@ -116,7 +116,10 @@ int run_record(const std::vector<std::string>& args) {
       "when a trace write fails (disk full, I/O error): stop training, or continue training without recording")(
       "compression", po::value<std::string>(&compression)->default_value("fast"),
       "stored tensors: fast (Blosc bit-shuffle + LZ4) or small (byte shuffle + zstd, ~10% smaller, ~4x slower)")(
-      "steps", po::value<std::int64_t>(&steps), "steps to run (overrides the scenario's training.steps)")(
+      "encode-threads", po::value<int>(&encode_threads)->default_value(0),
+      "threads compressing a record's stored tensors (full mode, snapshots, ring dumps): 0 = a quarter of the cores, "
+      "1 to 8; the trace is the same whatever the count")("steps", po::value<std::int64_t>(&steps),
+                                                          "steps to run (overrides the scenario's training.steps)")(
       "config", po::value<std::string>(&config_path),
       "without SCENARIO: the config FILE handed to the binary's own program")(
       "keep-going", "continue after a non-finite step instead of stopping")(
@@ -142,6 +145,9 @@ int run_record(const std::vector<std::string>& args) {
   }
   if (compression != "fast" && compression != "small") {
     throw Error("--compression must be fast or small, got '" + compression + "'");
+  }
+  if (encode_threads < 0) {
+    throw Error("--encode-threads must not be negative (0: automatic), got " + std::to_string(encode_threads));
   }
   if (vm.count("threads") && threads < 1) throw Error("--threads must be at least 1, got " + std::to_string(threads));
   if (vm.count("ranks") && (ranks < 1 || ranks > kMaxScenarioRanks)) {
@@ -179,6 +185,7 @@ int run_record(const std::vector<std::string>& args) {
   options.ring = ring;
   options.write_ahead = vm.count("write-ahead") > 0;
   options.writer.compression = compression == "fast" ? Compression::kFast : Compression::kSmall;
+  options.writer.encode_threads = encode_threads;
   options.on_write_error = on_write_error == "continue" ? OnWriteError::kContinue : OnWriteError::kStop;
   options.state_check = vm.count("no-state-check") == 0;
   const std::int64_t n = vm.count("steps") ? steps : program->default_steps();

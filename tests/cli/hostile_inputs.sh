@@ -129,6 +129,7 @@ case_diskfull "the disk fills up while recording" 2 -- record "$data/../../examp
 case_diskfull "the disk fills up, --on-write-error continue" 1 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/small/t.trace" --mode full --on-write-error continue
 case_ "a trace with its header record twice" 2 -- inspect "$dir/duplicate.trace"
 case_ "unknown compression" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --compression tiny
+case_ "negative encode threads" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --encode-threads -1
 case_ "unknown write-error policy" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --on-write-error ignore
 case_ "unknown record mode" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --mode fast
 case_ "scenario file that does not exist" 2 -- run "$dir/nope.yaml"

@@ -51,6 +51,22 @@ class FaultyFileSystem : public io::FileSystem {
         }
         f->append(d, n);
       }
+      // One operation, as a writev is: failing, it writes the first half of the pieces' bytes.
+      void append_all(const std::vector<io::ConstBytes>& pieces) override {
+        std::size_t n = 0;
+        for (const io::ConstBytes& p : pieces) n += p.size;
+        if (fs->next()) {
+          std::size_t left = n / 2;
+          for (const io::ConstBytes& p : pieces) {
+            const std::size_t k = std::min(left, p.size);
+            f->append(p.data, k);
+            left -= k;
+          }
+          fs->fired_ = true;
+          throw Error("injected ENOSPC: no space left on device (append of " + std::to_string(n) + " bytes)");
+        }
+        f->append_all(pieces);
+      }
       void sync() override {
         fs->hit("fsync");
         f->sync();

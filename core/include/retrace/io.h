@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace retrace::io {
 
@@ -38,12 +39,23 @@ class ReadableFile {
   virtual std::uint64_t size() const = 0;
 };
 
+// Bytes somewhere in memory.
+struct ConstBytes {
+  const void* data = nullptr;
+  std::size_t size = 0;
+};
+
 // An open file written front to back. Methods throw IoError on failure.
 class WritableFile {
  public:
   virtual ~WritableFile() = default;
   // Writes all n bytes (retrying short writes).
   virtual void append(const void* data, std::size_t n) = 0;
+  // Writes the pieces one after the other, as append() of each does (the POSIX file: in one
+  // writev() per IOV_MAX pieces, retrying short writes).
+  virtual void append_all(const std::vector<ConstBytes>& pieces) {
+    for (const ConstBytes& p : pieces) append(p.data, p.size);
+  }
   // Data and metadata durable on return (fsync).
   virtual void sync() = 0;
   virtual void close() = 0;

@@ -22,6 +22,10 @@
 #include <string>
 #include <vector>
 
+namespace c10 {
+class ThreadPool;
+}  // namespace c10
+
 namespace retrace {
 
 // File magic, then kTraceFormatVersion as u32.
@@ -116,8 +120,17 @@ struct WriterOptions {
   int zstd_level = kDefaultZstdLevel;
   // kAuto: shuffle floating-point tensors of 2+ byte elements (bench/README.md).
   ShuffleMode shuffle = ShuffleMode::kAuto;
+  // Threads that encode a record's stored tensors: the appending thread and encode_threads - 1
+  // more, started with the writer and kept for its life (c10::ThreadPool), each taking whole
+  // tensors, largest first. 0: automatic, a quarter of the machine's cores, at least 1 and at most
+  // 8 (on 2 cores 1: a second one competes with the training's intra-op threads and measured no
+  // faster there). The trace's bytes are the same whatever the count; bench/README.md has the
+  // speeds.
+  int encode_threads = 0;
   io::FileSystem* fs = nullptr;  // nullptr: the POSIX file system
 };
+// WriterOptions::encode_threads resolved: `requested` when positive, else automatic.
+int resolve_encode_threads(int requested);
 
 // Writes one trace. Not thread-safe: one thread appends (the recorder's writer thread).
 class TraceWriter {
@@ -142,17 +155,29 @@ class TraceWriter {
   std::uint64_t bytes_written() const;
 
  private:
-  void write_record(RecordType type, const nlohmann::json& meta, const std::string& blob,
-                    const std::vector<TensorEntry>& tensors);
+  // `blob`: the record's stored tensor bytes, `blob_size` in all, in pieces where they lie.
+  void write_record(RecordType type, const nlohmann::json& meta, const std::vector<io::ConstBytes>& blob,
+                    std::uint64_t blob_size, const std::vector<TensorEntry>& tensors);
+  // Room for `bytes` in blob_ (not zeroed).
+  char* blob_room(std::size_t bytes);
   std::string path_;
   WriterOptions options_;
   io::FileSystem* fs_;
   std::unique_ptr<io::WritableFile> file_;
   nlohmann::json index_ = nlohmann::json::array();
   bool closed_ = false;
-  // A record's stored tensors, encoded into it; kept for the next record up to kKeptBlobBytes.
-  std::string blob_;
+  // A record's stored tensors, encoded into it; kept for the next record. Over kKeptBlobBytes, only
+  // while such records keep coming (a full-mode step has one, a digest run's snapshot every K
+  // steps does not): freed after kLargeBlobIdleAppends appends that needed less. Fresh pages for
+  // every large record had cost the writer more than encoding them (bench/README.md).
+  std::unique_ptr<char[]> blob_;
+  std::size_t blob_capacity_ = 0;
+  int appends_since_large_ = 0;
   static constexpr std::size_t kKeptBlobBytes = std::size_t{64} << 20;
+  static constexpr int kLargeBlobIdleAppends = 64;
+  // The encode_threads - 1 helpers; null with one encode thread.
+  std::unique_ptr<c10::ThreadPool> pool_;
+  int encode_threads_ = 1;
 };
 
 // A trace that cannot be read past some point.
