@@ -133,13 +133,16 @@ std::size_t tensor_payload_bound(const at::Tensor& tensor, TensorCodec codec) {
 
 std::size_t encode_tensor_payload_into(const at::Tensor& tensor, TensorCodec codec, int zstd_level, char* out,
                                        std::size_t capacity) {
-  check_encodable(tensor, codec);
-  if (capacity < tensor_payload_bound(tensor, codec)) {
+  const std::size_t bound = tensor_payload_bound(tensor, codec);
+  if (capacity < bound) {
     throw Error("encode_tensor_payload_into: " + std::to_string(capacity) + " bytes of room, under the bound of " +
-                std::to_string(tensor_payload_bound(tensor, codec)));
+                std::to_string(bound));
   }
-  return codec == TensorCodec::kBloscBitshuffleLz4 ? encode_blosc(tensor, out, capacity)
-                                                   : encode_zstd(tensor, codec, zstd_level, out, capacity);
+  // The codec is told exactly the bound, whatever the room: Blosc's output depends on the room it
+  // is given (it stores a block raw when its compressed form would not fit what is left), and a
+  // tensor's bytes must not depend on where it is encoded.
+  return codec == TensorCodec::kBloscBitshuffleLz4 ? encode_blosc(tensor, out, bound)
+                                                   : encode_zstd(tensor, codec, zstd_level, out, bound);
 }
 
 std::string encode_tensor_payload(const at::Tensor& tensor, TensorCodec codec, int zstd_level) {

@@ -22,6 +22,7 @@
 #include <new>
 #include <thread>
 
+#include <sched.h>
 #include <xxhash.h>
 
 namespace retrace {
@@ -125,13 +126,26 @@ TraceWriter::~TraceWriter() = default;
 
 std::uint64_t TraceWriter::bytes_written() const { return file_ ? file_->size() : 0; }
 
+namespace {
+constexpr int kMaxEncodeThreads = 64;
+}  // namespace
+
 int resolve_encode_threads(int requested) {
   if (requested < 0) {
     throw Error("WriterOptions::encode_threads must not be negative, got " + std::to_string(requested) +
                 " (0: automatic; retrace record --encode-threads)");
   }
+  if (requested > kMaxEncodeThreads) {
+    throw Error("WriterOptions::encode_threads is at most " + std::to_string(kMaxEncodeThreads) + ", got " +
+                std::to_string(requested) + " (retrace record --encode-threads)");
+  }
   if (requested > 0) return requested;
-  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  // The cores this process may run on (a container's or taskset's), not the machine's.
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const int cores = ::sched_getaffinity(0, sizeof set, &set) == 0
+                        ? CPU_COUNT(&set)
+                        : static_cast<int>(std::thread::hardware_concurrency());
   return std::clamp(cores / 4, 1, 8);
 }
 
@@ -158,21 +172,26 @@ struct Encoding {
 };
 
 // Runs work(k) for k in [0, count) on the calling thread and up to `helpers` threads of `pool`,
-// each taking the next k; returns when every k is done. The first exception any work(k) threw is
-// rethrown (the others still run: they only fill their own slots).
+// each taking the next k; returns when every k is done. The exception of the lowest k that threw
+// is rethrown, whichever thread got there first (the others still run: they only fill their own
+// slots).
 void run_shared(c10::ThreadPool* pool, int helpers, std::size_t count, const std::function<void(std::size_t)>& work) {
   std::atomic<std::size_t> next{0};
   std::mutex mutex;
   std::condition_variable all_done;
   int done = 0;
   std::exception_ptr error;
+  std::size_t error_at = count;
   auto loop = [&] {
     for (std::size_t k; (k = next.fetch_add(1)) < count;) {
       try {
         work(k);
       } catch (...) {
         std::lock_guard<std::mutex> lock(mutex);
-        if (!error) error = std::current_exception();
+        if (k < error_at) {
+          error = std::current_exception();
+          error_at = k;
+        }
       }
     }
   };
@@ -256,17 +275,29 @@ std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta, const st
   for (std::size_t k = 0; k < order.size(); ++k) order[k] = k;
   std::stable_sort(order.begin(), order.end(),
                    [&](std::size_t a, std::size_t b) { return stored[a].bound > stored[b].bound; });
+  // (Every stored tensor's host copy is held until the record is written: device or strided
+  // tensors passed in directly cost their host size at once. The recorder passes host snapshots.)
   // Waking a helper costs more than encoding a small record (a segment's few KiB) on this thread.
   constexpr std::size_t kSharedEncodeBytes = std::size_t{1} << 20;
-  const int helpers = room >= kSharedEncodeBytes ? encode_threads_ - 1 : 0;
-  run_shared(pool_.get(), helpers, order.size(), [&](std::size_t k) {
-    Encoding& enc = stored[order[k]];
+  const int helpers = pool_ && room >= kSharedEncodeBytes ? encode_threads_ - 1 : 0;
+  const auto encode = [&](Encoding& enc) {
     TensorEntry& e = entries[enc.entry];
     if (!enc.source->digest && !enc.source->digest_later && enc.source->tensor.is_cpu()) e.digest = digest(enc.host);
     enc.size = encode_tensor_payload_into(enc.host, e.codec, options_.zstd_level, blob + enc.slot, enc.bound);
-  });
-  // The blob is the pieces in entry order, written where they lie (one writev; contiguous pieces,
-  // as one thread leaves them, are one).
+  };
+  if (helpers == 0) {
+    // One thread, in entry order, each piece right after the last: the blob is one piece. (A slot
+    // moves only down, so its room stays at least its bound.)
+    std::size_t at = 0;
+    for (Encoding& enc : stored) {
+      enc.slot = at;
+      encode(enc);
+      at += enc.size;
+    }
+  } else {
+    run_shared(pool_.get(), helpers, order.size(), [&](std::size_t k) { encode(stored[order[k]]); });
+  }
+  // The blob is the pieces in entry order, written where they lie (one writev).
   std::vector<io::ConstBytes> pieces;
   std::uint64_t blob_size = 0;
   for (const Encoding& enc : stored) {

@@ -146,8 +146,8 @@ int run_record(const std::vector<std::string>& args) {
   if (compression != "fast" && compression != "small") {
     throw Error("--compression must be fast or small, got '" + compression + "'");
   }
-  if (encode_threads < 0) {
-    throw Error("--encode-threads must not be negative (0: automatic), got " + std::to_string(encode_threads));
+  if (encode_threads < 0 || encode_threads > 64) {
+    throw Error("--encode-threads must be 0 (automatic) to 64, got " + std::to_string(encode_threads));
   }
   if (vm.count("threads") && threads < 1) throw Error("--threads must be at least 1, got " + std::to_string(threads));
   if (vm.count("ranks") && (ranks < 1 || ranks > kMaxScenarioRanks)) {

@@ -16,6 +16,8 @@
 #include <functional>
 #include <limits>
 #include <sstream>
+#include <csignal>
+#include <sys/resource.h>
 #include <unistd.h>
 
 namespace retrace {
@@ -184,6 +186,8 @@ TEST(Trace, EncodeThreadsWriteTheSameBytes) {
     EXPECT_NE(std::string(e.what()).find("encode_threads must not be negative"), std::string::npos) << e.what();
   }
   EXPECT_FALSE(fs::exists(temp_path("negative") + ".incomplete"));
+  EXPECT_THROW(resolve_encode_threads(65), Error);
+  EXPECT_EQ(resolve_encode_threads(64), 64);
   EXPECT_EQ(resolve_encode_threads(3), 3);
   EXPECT_GE(resolve_encode_threads(0), 1);
   EXPECT_LE(resolve_encode_threads(0), 8);
@@ -217,6 +221,38 @@ TEST(Trace, PosixAppendAllWritesEveryPieceInOrder) {
   EXPECT_EQ(slurp(gathered), slurp(one_by_one));
   fs::remove(gathered);
   fs::remove(one_by_one);
+}
+
+// A short writev (the file size limit reached mid-call, SIGXFSZ ignored): what was written is the
+// pieces' first bytes in order, and the next call's failure is an IoError naming the file.
+TEST(Trace, PosixAppendAllAfterAShortWriteFailsCleanly) {
+  std::string bytes;
+  std::vector<io::ConstBytes> pieces;
+  for (int i = 0; i < 100; ++i) bytes += std::string(60, static_cast<char>('a' + i % 26));
+  for (int i = 0; i < 100; ++i) pieces.push_back({bytes.data() + 60 * i, 60});
+  const std::string path = temp_path("short_write");
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit limited = old;
+  limited.rlim_cur = 4 + 1000;  // the limit falls inside piece 16
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limited), 0);
+  std::string error;
+  {
+    auto f = io::posix_file_system().create(path);
+    f->append("head", 4);
+    try {
+      f->append_all(pieces);
+    } catch (const io::IoError& e) {
+      error = e.what();
+    }
+    EXPECT_EQ(f->size(), 1004u);  // the short write counted, nothing after it
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_NE(error.find(path), std::string::npos) << "no IoError naming the file: '" << error << "'";
+  EXPECT_EQ(slurp(path), "head" + bytes.substr(0, 1000));
+  fs::remove(path);
 }
 
 TEST(Trace, OddSizesAndEveryDtypeRoundTrip) {
