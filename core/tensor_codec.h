@@ -24,8 +24,9 @@ std::string encode_tensor_payload(const at::Tensor& tensor, TensorCodec codec, i
 // The most bytes encoding `tensor` with `codec` can take (the same checks as encoding it).
 std::size_t tensor_payload_bound(const at::Tensor& tensor, TensorCodec codec);
 // The same bytes written to `out`, which has `capacity` >= tensor_payload_bound() bytes of room;
-// returns how many. The bytes do not depend on `capacity`. The trace writer encodes a record's tensors straight into the record's bytes,
-// each at its own place, on several threads at once (thread-safe: no shared state).
+// returns how many. The bytes do not depend on `capacity`. The trace writer encodes a record's
+// tensors straight into the record's bytes, each at its own place, on several threads at once
+// (thread-safe: no shared state).
 std::size_t encode_tensor_payload_into(const at::Tensor& tensor, TensorCodec codec, int zstd_level, char* out,
                                        std::size_t capacity);
 // The codec TraceWriter picks for `tensor` (contiguous CPU) under `options`.

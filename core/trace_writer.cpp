@@ -166,34 +166,21 @@ struct Encoding {
   std::size_t entry = 0;  // index into the record's entries
   at::Tensor host;        // contiguous CPU
   const TensorToWrite* source = nullptr;
-  std::size_t slot = 0;   // where in the blob it is encoded
-  std::size_t bound = 0;  // room there
-  std::size_t size = 0;   // encoded bytes
+  std::size_t slot = 0;      // where in the blob it is encoded
+  std::size_t bound = 0;     // room there
+  std::size_t size = 0;      // encoded bytes
+  std::exception_ptr error;  // what encoding it threw, on an encode thread
 };
 
 // Runs work(k) for k in [0, count) on the calling thread and up to `helpers` threads of `pool`,
-// each taking the next k; returns when every k is done. The exception of the lowest k that threw
-// is rethrown, whichever thread got there first (the others still run: they only fill their own
-// slots).
+// each taking the next k; returns when every k is done. `work` must not throw.
 void run_shared(c10::ThreadPool* pool, int helpers, std::size_t count, const std::function<void(std::size_t)>& work) {
   std::atomic<std::size_t> next{0};
   std::mutex mutex;
   std::condition_variable all_done;
   int done = 0;
-  std::exception_ptr error;
-  std::size_t error_at = count;
   auto loop = [&] {
-    for (std::size_t k; (k = next.fetch_add(1)) < count;) {
-      try {
-        work(k);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex);
-        if (k < error_at) {
-          error = std::current_exception();
-          error_at = k;
-        }
-      }
-    }
+    for (std::size_t k; (k = next.fetch_add(1)) < count;) work(k);
   };
   const int wanted =
       pool && count > 1 ? static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(helpers), count - 1)) : 0;
@@ -213,7 +200,6 @@ void run_shared(c10::ThreadPool* pool, int helpers, std::size_t count, const std
   loop();
   std::unique_lock<std::mutex> lock(mutex);
   all_done.wait(lock, [&] { return done == started; });
-  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace
@@ -271,10 +257,6 @@ std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta, const st
   // the blob, on the encode threads, largest first; the record holds the pieces in entry order, so
   // its bytes do not depend on the thread count.
   char* blob = stored.empty() ? nullptr : blob_room(room);
-  std::vector<std::size_t> order(stored.size());
-  for (std::size_t k = 0; k < order.size(); ++k) order[k] = k;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](std::size_t a, std::size_t b) { return stored[a].bound > stored[b].bound; });
   // (Every stored tensor's host copy is held until the record is written: device or strided
   // tensors passed in directly cost their host size at once. The recorder passes host snapshots.)
   // Waking a helper costs more than encoding a small record (a segment's few KiB) on this thread.
@@ -295,7 +277,22 @@ std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta, const st
       at += enc.size;
     }
   } else {
-    run_shared(pool_.get(), helpers, order.size(), [&](std::size_t k) { encode(stored[order[k]]); });
+    std::vector<std::size_t> order(stored.size());
+    for (std::size_t k = 0; k < order.size(); ++k) order[k] = k;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t a, std::size_t b) { return stored[a].bound > stored[b].bound; });
+    run_shared(pool_.get(), helpers, order.size(), [&](std::size_t k) {
+      Encoding& enc = stored[order[k]];
+      try {
+        encode(enc);
+      } catch (...) {
+        enc.error = std::current_exception();
+      }
+    });
+    // The first failing tensor in entry order, as one thread would have thrown it.
+    for (const Encoding& enc : stored) {
+      if (enc.error) std::rethrow_exception(enc.error);
+    }
   }
   // The blob is the pieces in entry order, written where they lie (one writev).
   std::vector<io::ConstBytes> pieces;
