@@ -37,6 +37,11 @@ set(_retrace_warnings -Wall -Wextra -Wno-unused-parameter -Wno-missing-field-ini
 # every translation unit's compile time.
 add_library(retrace_pch OBJECT ${PROJECT_SOURCE_DIR}/cmake/pch_stub.cpp)
 target_link_libraries(retrace_pch PUBLIC ${RETRACE_TORCH_TARGETS})
+# OpenMP (RETRACE_OPENMP, CMakeLists.txt) for the PCH and every target alike: -fopenmp decides
+# how the PCH's at::parallel_for is parsed, and a PCH is used only with the flags it was built with.
+if(RETRACE_OPENMP)
+  target_link_libraries(retrace_pch PRIVATE OpenMP::OpenMP_CXX)
+endif()
 target_compile_options(retrace_pch PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${_retrace_warnings}>)
 if(RETRACE_PCH)
   target_precompile_headers(retrace_pch PRIVATE $<$<COMPILE_LANGUAGE:CXX>:<torch/torch.h$<ANGLE-R>>)
@@ -57,6 +62,9 @@ endif()
 # retrace_configure(<target>): warnings, sanitizers, PCH reuse for C++ targets.
 function(retrace_configure target)
   target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${_retrace_warnings}>)
+  if(RETRACE_OPENMP)
+    target_link_libraries(${target} PRIVATE OpenMP::OpenMP_CXX)
+  endif()
   if(_retrace_sanitize_flags)
     target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${_retrace_sanitize_flags}>)
     target_link_options(${target} PRIVATE ${_retrace_sanitize_flags})

@@ -6,12 +6,16 @@
 
 #include <retrace/records.h>
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <exception>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <new>
@@ -435,58 +439,127 @@ TraceReader::TraceReader(const std::string& path, ReaderOptions options) : path_
   }
 }
 
+namespace {
+// Opening checks records on LibTorch's intra-op threads when their payloads add up to this much
+// (below it, starting the threads costs more than they save).
+constexpr std::uint64_t kParallelScanBytes = std::uint64_t{8} << 20;
+}  // namespace
+
 void TraceReader::scan_records() {
   const std::string& path = path_;
-  std::uint64_t pos = kFileHeaderBytes;
-  bool seen_index = false;
+  // 1. Where each record lies, from its 24-byte header alone, up to what ends the walk: the
+  //    trailer after the index, a truncated tail (a warning), or a bad header or trailer (an
+  //    error, thrown at 3. after every record before it, so that the first bad record in file
+  //    order is the one named, as a one-by-one scan names it).
+  struct Place {
+    std::uint64_t pos;
+    std::uint32_t length;
+  };
+  std::vector<Place> places;
+  std::uint64_t payload_bytes = 0;
+  std::exception_ptr tail_error;
+  // A truncated tail's warning, given the number of records readable before it.
+  std::function<std::string(std::size_t)> tail_warning;
+  bool seen_index = false, trailer_ok = false;
   std::uint64_t index_offset = 0;
-  while (pos < file_size_) {
-    const std::uint64_t left = file_size_ - pos;
-    if (seen_index) {
-      if (left < kTrailerBytes) {
-        warning_ = path + ": ends inside the trailer at byte offset " + std::to_string(pos) + "; all " +
-                   std::to_string(records_.size()) + " records are readable";
+  std::uint64_t pos = kFileHeaderBytes;
+  try {
+    while (pos < file_size_) {
+      const std::uint64_t left = file_size_ - pos;
+      if (seen_index) {
+        if (left < kTrailerBytes) {
+          tail_warning = [&path, pos](std::size_t records) {
+            return path + ": ends inside the trailer at byte offset " + std::to_string(pos) + "; all " +
+                   std::to_string(records) + " records are readable";
+          };
+          break;
+        }
+        check_trailer(*file_, path, pos, left, index_offset);
+        trailer_ok = true;
         break;
       }
-      check_trailer(*file_, path, pos, left, index_offset);
-      complete_ = true;
-      break;
-    }
-    if (left < kRecordHeaderBytes) {
-      warning_ = path + ": ends inside a record header at byte offset " + std::to_string(pos) + " (" +
-                 std::to_string(left) + " trailing bytes ignored); all " + std::to_string(records_.size()) +
+      if (left < kRecordHeaderBytes) {
+        tail_warning = [&path, pos, left](std::size_t records) {
+          return path + ": ends inside a record header at byte offset " + std::to_string(pos) + " (" +
+                 std::to_string(left) + " trailing bytes ignored); all " + std::to_string(records) +
                  " complete records are readable";
-      break;
+        };
+        break;
+      }
+      unsigned char raw[kRecordHeaderBytes];
+      read_exactly(*file_, raw, sizeof raw, pos, path);
+      const RecordHeader h = decode_header(raw);
+      check_record_header(h, raw, path, pos, options_.max_record_bytes);
+      if (h.length > left - kRecordHeaderBytes) {
+        const std::uint64_t missing = h.length - (left - kRecordHeaderBytes);
+        tail_warning = [&path, pos, missing](std::size_t records) {
+          return path + ": ends inside the record at byte offset " + std::to_string(pos) + " (" +
+                 std::to_string(missing) + " bytes missing); all " + std::to_string(records) +
+                 " complete records are readable";
+        };
+        break;
+      }
+      places.push_back({pos, h.length});
+      payload_bytes += h.length;
+      if (h.type == static_cast<std::uint16_t>(RecordType::kIndex)) {
+        seen_index = true;
+        index_offset = pos;
+      }
+      pos += kRecordHeaderBytes + h.length;
     }
-    unsigned char raw[kRecordHeaderBytes];
-    read_exactly(*file_, raw, sizeof raw, pos, path);
-    const RecordHeader h = decode_header(raw);
-    check_record_header(h, raw, path, pos, options_.max_record_bytes);
-    if (h.length > left - kRecordHeaderBytes) {
-      warning_ = path + ": ends inside the record at byte offset " + std::to_string(pos) + " (" +
-                 std::to_string(h.length - (left - kRecordHeaderBytes)) + " bytes missing); all " +
-                 std::to_string(records_.size()) + " complete records are readable";
-      break;
+  } catch (...) {
+    tail_error = std::current_exception();
+  }
+
+  // 2. Every record checked whole (checksum, metadata, tensor table; its tensor bytes not kept),
+  //    each error kept with its record. A large trace is checked on the intra-op threads, each
+  //    taking the largest record left (a trace's records differ in size by 1000x).
+  const std::size_t n = places.size();
+  std::vector<Record> loaded(n);
+  std::vector<std::uint64_t> hashes(n, 0);
+  std::vector<std::exception_ptr> errors(n);
+  const auto check = [&](std::size_t i) {
+    try {
+      loaded[i] = load_record(places[i].pos, false, &hashes[i]);
+    } catch (...) {
+      errors[i] = std::current_exception();
     }
-    std::uint64_t meta_hash = 0;
-    const Record r = load_record(pos, false, &meta_hash);  // checked whole; its tensor bytes are not kept
+  };
+  if (n > 1 && payload_bytes >= kParallelScanBytes && at::get_num_threads() > 1) {
+    std::vector<std::size_t> largest_first(n);
+    for (std::size_t i = 0; i < n; ++i) largest_first[i] = i;
+    std::stable_sort(largest_first.begin(), largest_first.end(),
+                     [&](std::size_t a, std::size_t b) { return places[a].length > places[b].length; });
+    std::atomic<std::size_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](std::int64_t, std::int64_t) {
+      for (std::size_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n;) check(largest_first[k]);
+    });
+  } else {
+    for (std::size_t i = 0; i < n && !(i > 0 && errors[i - 1]); ++i) check(i);
+  }
+
+  // 3. In file order: the first error wins; the header first, the index last.
+  for (std::size_t i = 0; i < n; ++i) {
+    if (errors[i]) std::rethrow_exception(errors[i]);
+    const Record& r = loaded[i];
+    const std::uint64_t at = places[i].pos;
     if (records_.empty() && !header_.is_object()) {
       if (r.type != RecordType::kHeader)
-        bad(TraceError::Kind::kMalformed, path, pos, "the first record is not the header");
+        bad(TraceError::Kind::kMalformed, path, at, "the first record is not the header");
       header_ = r.meta;
       TraceHeader::decode(header_, path);  // validates the header's fields once, here
     } else if (r.type == RecordType::kHeader) {
-      bad(TraceError::Kind::kMalformed, path, pos, "a second header record");
+      bad(TraceError::Kind::kMalformed, path, at, "a second header record");
     } else if (r.type == RecordType::kIndex) {
-      check_index(r, records_, path, pos);
-      seen_index = true;
-      index_offset = pos;
+      check_index(r, records_, path, at);
     } else {
-      records_.push_back(index_entry(r, h.length));
-      meta_hashes_.push_back(meta_hash);
+      records_.push_back(index_entry(r, places[i].length));
+      meta_hashes_.push_back(hashes[i]);
     }
-    pos += kRecordHeaderBytes + h.length;
   }
+  if (tail_error) std::rethrow_exception(tail_error);
+  if (tail_warning) warning_ = tail_warning(records_.size());
+  complete_ = trailer_ok;
   if (!header_.is_object()) bad(TraceError::Kind::kMalformed, path, kFileHeaderBytes, "no header record");
   if (seen_index && !complete_ && warning_.empty()) {
     warning_ = path + ": ends after the index without its trailer; all " + std::to_string(records_.size()) +
@@ -648,6 +721,32 @@ Record TraceReader::parse_record(std::uint64_t offset, std::uint16_t type, const
   return r;
 }
 
+namespace {
+// A tensor's stored bytes read from the file by decode(): into a buffer the thread keeps for its
+// next tensor, up to kKeptStagingBytes (larger ones into `once`, freed with it). A fresh buffer
+// for every tensor had the kernel mapping and zeroing new pages for each: in a replay's anchor
+// decode (GPT-2 small, 1.2 GB of state) they cost more than Blosc's decoding (bench/README.md).
+// Each thread that decodes keeps at most kKeptStagingBytes.
+constexpr std::size_t kKeptStagingBytes = std::size_t{64} << 20;
+
+char* staging_room(std::size_t bytes, std::unique_ptr<char[]>& once) {
+  thread_local std::unique_ptr<char[]> kept;
+  thread_local std::size_t capacity = 0;
+  bytes = std::max<std::size_t>(bytes, 1);
+  if (bytes > kKeptStagingBytes) {
+    once.reset(new char[bytes]);
+    return once.get();
+  }
+  if (bytes > capacity) {
+    const std::size_t grown = std::min(kKeptStagingBytes, std::max(bytes, 2 * capacity));
+    kept.reset();  // before the new one: never both at once
+    kept.reset(new char[grown]);
+    capacity = grown;
+  }
+  return kept.get();
+}
+}  // namespace
+
 at::Tensor TraceReader::decode(const Record& record, const TensorEntry& e) const {
   if (!e.has_data()) {
     throw Error(path_ + ": tensor '" + e.name + "' in the record at byte offset " + std::to_string(record.offset) +
@@ -679,15 +778,16 @@ at::Tensor TraceReader::decode(const Record& record, const TensorEntry& e) const
     throw Error(path_ + ": tensor '" + e.name + "' lies outside the bytes of the record at byte offset " +
                 std::to_string(record.offset));
   }
-  std::unique_ptr<char[]> own;  // not zeroed: the read fills it
+  std::unique_ptr<char[]> once;  // a tensor too large for the thread's kept buffer
+  char* staged = nullptr;        // not zeroed: the read fills it
   if (!record.has_blob) {
     const bool self_checked = e.digest.algorithm == DigestAlgorithm::kXxh3_128 || e.codec == TensorCodec::kZstd ||
                               e.codec == TensorCodec::kZstdShuffle;
     if (!self_checked) return decode(load(record.offset), e);
-    own.reset(new char[std::max<std::uint64_t>(e.stored_bytes, 1)]);
-    read_exactly(*file_, own.get(), static_cast<std::size_t>(e.stored_bytes), record.blob_at + e.offset, path_);
+    staged = staging_room(static_cast<std::size_t>(e.stored_bytes), once);
+    read_exactly(*file_, staged, static_cast<std::size_t>(e.stored_bytes), record.blob_at + e.offset, path_);
   }
-  const char* src = record.has_blob ? record.blob.data() + e.offset : own.get();
+  const char* src = record.has_blob ? record.blob.data() + e.offset : staged;
   const std::optional<std::uint64_t> declared = declared_payload_size(src, e.stored_bytes, e.codec);
   if (!declared || *declared != e.raw_bytes) {
     bad(TraceError::Kind::kMalformed, path_, record.offset,

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <exception>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -444,9 +445,12 @@ class CollectiveTape : public CollectiveReplay {
 };
 
 // The record's state.* (or batch.*) tensors, decoded, under the program's names.
-// Decoded on LibTorch's intra-op threads: a snapshot is hundreds of tensors.
+// Decoded on LibTorch's intra-op threads: a snapshot is hundreds of tensors. With `finite`: set
+// to whether every one is finite, each checked right after its decode, while its bytes are still
+// in the cache (a pass over the whole state afterwards read it all from memory again).
 std::vector<NamedTensor> named_tensors(const TraceReader& trace, const Record& rec,
-                                       std::optional<std::string_view> (*program_name)(std::string_view)) {
+                                       std::optional<std::string_view> (*program_name)(std::string_view),
+                                       bool* finite = nullptr) {
   std::vector<NamedTensor> out;
   std::vector<const TensorEntry*> entries;
   for (const TensorEntry& e : rec.tensors) {
@@ -455,9 +459,26 @@ std::vector<NamedTensor> named_tensors(const TraceReader& trace, const Record& r
       entries.push_back(&e);
     }
   }
+  std::atomic<bool> all{true};
+  // A bad tensor's error is kept with it and the first in table order thrown, whichever thread
+  // met it first: the message does not depend on the thread count.
+  std::vector<std::exception_ptr> errors(out.size());
   at::parallel_for(0, static_cast<std::int64_t>(out.size()), 4, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t i = begin; i < end; ++i) out[i].tensor = trace.decode(rec, *entries[i]);
+    for (std::int64_t i = begin; i < end; ++i) {
+      try {
+        out[i].tensor = trace.decode(rec, *entries[i]);
+      } catch (...) {
+        errors[i] = std::current_exception();
+        continue;
+      }
+      if (finite && all.load(std::memory_order_relaxed) && !retrace::all_finite(out[i].tensor))
+        all.store(false, std::memory_order_relaxed);
+    }
   });
+  for (const std::exception_ptr& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  if (finite) *finite = all.load();
   return out;
 }
 
@@ -583,8 +604,9 @@ Anchor find_anchor(const TraceReader& trace, const std::map<std::int64_t, StepRe
         a.end = end_holding_state(trace, steps, b);
         if (!a.end) continue;
       }
-      a.state = named_tensors(trace, a.stored(), tensor_names::state_name);
-      if (all_finite(a.state)) return a;
+      bool finite = true;
+      a.state = named_tensors(trace, a.stored(), tensor_names::state_name, &finite);
+      if (finite) return a;
       if (!nonfinite) nonfinite = std::move(a);
     }
   }

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <csignal>
 #include <sys/resource.h>
@@ -444,6 +445,107 @@ TEST(Trace, BloscCodecInAVersion1FileIsMalformed) {
     EXPECT_NE(std::string(e.what()).find("format version 1 does not define"), std::string::npos) << e.what();
   }
   fs::remove(path);
+}
+
+// A trace of `records` step_begin records of noise (Blosc keeps nearly all of it), record i of i x
+// 256 KiB: the later the larger, so that opening on several threads, largest first, checks the
+// later records first; over the size from which it does.
+void write_large(const std::string& path, int records) {
+  TraceWriter w(path, {{"program", {{"name", "test"}, {"config", "large"}}}});
+  at::manual_seed(7);
+  for (int i = 1; i <= records; ++i) {
+    w.append(RecordType::kStepBegin, {{"step", i}, {"full", true}},
+             {{"state.w", at::randn({i << 16}), true, std::nullopt}});
+  }
+  w.close();
+}
+
+// The TraceError of opening `path` (its kind and byte offset), or nothing.
+std::optional<std::pair<TraceError::Kind, std::uint64_t>> open_error(const std::string& path) {
+  try {
+    const TraceReader r(path);
+  } catch (const TraceError& e) {
+    return std::make_pair(e.kind(), e.offset());
+  }
+  return std::nullopt;
+}
+
+// Opening a large trace checks its records on the intra-op threads, largest first; what it finds
+// is what a check of one record after another finds: the same records, and of several bad ones
+// the first in file order, before a truncated tail or a bad trailer after them.
+TEST(Trace, OpeningOnSeveralThreadsFindsWhatOneThreadFinds) {
+  const std::string path = temp_path("large"), bad = temp_path("large_bad");
+  write_large(path, 12);
+  const int threads = at::get_num_threads();
+  std::vector<RecordInfo> by_one, by_two;
+  at::set_num_threads(1);
+  by_one = TraceReader(path).records();
+  at::set_num_threads(2);
+  {
+    const TraceReader r(path);
+    EXPECT_TRUE(r.complete());
+    EXPECT_FALSE(r.truncated());
+    by_two = r.records();
+    const Record last = r.read_table(11);
+    EXPECT_EQ(r.decode(last, last.tensors.at(0)).numel(), 12 << 16);
+  }
+  ASSERT_EQ(by_one.size(), 12u);
+  ASSERT_EQ(by_two.size(), by_one.size());
+  for (std::size_t i = 0; i < by_one.size(); ++i) {
+    EXPECT_EQ(by_two[i].offset, by_one[i].offset);
+    EXPECT_EQ(by_two[i].step, static_cast<std::int64_t>(i) + 1);
+    EXPECT_EQ(by_two[i].length, by_one[i].length);
+  }
+  const std::string bytes = slurp(path);
+  const auto flipped = [&](std::initializer_list<std::size_t> records) {
+    std::string copy = bytes;
+    for (std::size_t i : records) copy[by_one[i].offset + 24 + by_one[i].length / 2] ^= 0x10;  // a tensor byte
+    return copy;
+  };
+  for (int n : {1, 2}) {
+    SCOPED_TRACE(std::to_string(n) + " threads");
+    at::set_num_threads(n);
+    // The later of two bad records is the larger, checked first on two threads: the earlier one
+    // is named all the same.
+    spit(bad, flipped({9, 3}));
+    auto e = open_error(bad);
+    ASSERT_TRUE(e);
+    EXPECT_EQ(e->first, TraceError::Kind::kChecksum);
+    EXPECT_EQ(e->second, by_one[3].offset);
+    spit(bad, flipped({9}));
+    e = open_error(bad);
+    ASSERT_TRUE(e);
+    EXPECT_EQ(e->second, by_one[9].offset);
+    // A bad record before a truncated tail is an error, not a clean end.
+    spit(bad, flipped({5}).substr(0, by_one[11].offset + 100));
+    e = open_error(bad);
+    ASSERT_TRUE(e);
+    EXPECT_EQ(e->second, by_one[5].offset);
+    // Control: the same tail without the bad record is a clean end after 11 records.
+    spit(bad, bytes.substr(0, by_one[11].offset + 100));
+    EXPECT_FALSE(open_error(bad));
+    const TraceReader cut(bad);
+    EXPECT_TRUE(cut.truncated());
+    EXPECT_EQ(cut.records().size(), 11u);
+    EXPECT_NE(cut.warning().find("all 11 complete records are readable"), std::string::npos) << cut.warning();
+    // A bad record before a damaged trailer is the one named; the trailer alone is named after.
+    std::string trailer = flipped({7});
+    trailer[trailer.size() - 1] ^= 1;
+    spit(bad, trailer);
+    e = open_error(bad);
+    ASSERT_TRUE(e);
+    EXPECT_EQ(e->second, by_one[7].offset);
+    trailer = bytes;
+    trailer[trailer.size() - 1] ^= 1;
+    spit(bad, trailer);
+    e = open_error(bad);
+    ASSERT_TRUE(e);
+    EXPECT_EQ(e->first, TraceError::Kind::kMalformed);
+    EXPECT_EQ(e->second, bytes.size() - 16);
+  }
+  at::set_num_threads(threads);
+  fs::remove(path);
+  fs::remove(bad);
 }
 
 // Every prefix of a trace either fails with a TraceError (inside the file header or header
