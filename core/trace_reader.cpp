@@ -1,5 +1,6 @@
 #include <retrace/trace.h>
 
+#include "largest_first.h"
 #include "trace_fields.h"
 #include "tensor_codec.h"
 #include "trace_format.h"
@@ -11,7 +12,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <exception>
@@ -511,36 +511,41 @@ void TraceReader::scan_records() {
     tail_error = std::current_exception();
   }
 
-  // 2. Every record checked whole (checksum, metadata, tensor table; its tensor bytes not kept),
-  //    each error kept with its record. A large trace is checked on the intra-op threads, each
-  //    taking the largest record left (a trace's records differ in size by 1000x).
+  // 2. Every record checked whole (checksum, metadata, tensor table; its tensor bytes not kept). A
+  //    large trace is checked on the intra-op threads, each taking the largest record left (a
+  //    trace's records differ in size by 1000x); one record after another, a small one.
   const std::size_t n = places.size();
   std::vector<Record> loaded(n);
   std::vector<std::uint64_t> hashes(n, 0);
-  std::vector<std::exception_ptr> errors(n);
-  const auto check = [&](std::size_t i) {
-    try {
-      loaded[i] = load_record(places[i].pos, false, &hashes[i]);
-    } catch (...) {
-      errors[i] = std::current_exception();
-    }
-  };
+  const auto check = [&](std::size_t i) { loaded[i] = load_record(places[i].pos, false, &hashes[i]); };
+  // The first bad record's error, thrown at 3. after the records before it (one of them may be
+  // malformed in a way only 3. sees).
+  std::exception_ptr record_error;
+  std::size_t bad_record = n;
   if (n > 1 && payload_bytes >= kParallelScanBytes && at::get_num_threads() > 1) {
-    std::vector<std::size_t> largest_first(n);
-    for (std::size_t i = 0; i < n; ++i) largest_first[i] = i;
-    std::stable_sort(largest_first.begin(), largest_first.end(),
-                     [&](std::size_t a, std::size_t b) { return places[a].length > places[b].length; });
-    std::atomic<std::size_t> next{0};
-    at::parallel_for(0, at::get_num_threads(), 1, [&](std::int64_t, std::int64_t) {
-      for (std::size_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n;) check(largest_first[k]);
-    });
+    const auto on_intra_op_threads = [](const auto& loop) {
+      at::parallel_for(0, at::get_num_threads(), 1, [&](std::int64_t, std::int64_t) { loop(); });
+    };
+    try {
+      detail::largest_first(
+          n, [&](std::size_t i) { return places[i].length; }, check, on_intra_op_threads, &bad_record);
+    } catch (...) {
+      record_error = std::current_exception();
+    }
   } else {
-    for (std::size_t i = 0; i < n && !(i > 0 && errors[i - 1]); ++i) check(i);
+    for (std::size_t i = 0; i < n && !record_error; ++i) {
+      try {
+        check(i);
+      } catch (...) {
+        record_error = std::current_exception();
+        bad_record = i;
+      }
+    }
   }
 
   // 3. In file order: the first error wins; the header first, the index last.
   for (std::size_t i = 0; i < n; ++i) {
-    if (errors[i]) std::rethrow_exception(errors[i]);
+    if (i == bad_record) std::rethrow_exception(record_error);
     const Record& r = loaded[i];
     const std::uint64_t at = places[i].pos;
     if (records_.empty() && !header_.is_object()) {

@@ -1,5 +1,6 @@
 #include <retrace/trace.h>
 
+#include "largest_first.h"
 #include "tensor_codec.h"
 #include "trace_format.h"
 
@@ -12,10 +13,8 @@
 #include <c10/core/thread_pool.h>
 
 #include <algorithm>
-#include <atomic>
 #include <condition_variable>
 #include <cstring>
-#include <exception>
 #include <filesystem>
 #include <memory>
 #include <mutex>
@@ -166,26 +165,19 @@ struct Encoding {
   std::size_t entry = 0;  // index into the record's entries
   at::Tensor host;        // contiguous CPU
   const TensorToWrite* source = nullptr;
-  std::size_t slot = 0;      // where in the blob it is encoded
-  std::size_t bound = 0;     // room there
-  std::size_t size = 0;      // encoded bytes
-  std::exception_ptr error;  // what encoding it threw, on an encode thread
+  std::size_t slot = 0;   // where in the blob it is encoded
+  std::size_t bound = 0;  // room there
+  std::size_t size = 0;   // encoded bytes
 };
 
-// Runs work(k) for k in [0, count) on the calling thread and up to `helpers` threads of `pool`,
-// each taking the next k; returns when every k is done. `work` must not throw.
-void run_shared(c10::ThreadPool* pool, int helpers, std::size_t count, const std::function<void(std::size_t)>& work) {
-  std::atomic<std::size_t> next{0};
+// Runs loop() on the calling thread and on up to `helpers` threads of `pool`; returns when every
+// one has returned. `loop` must not throw.
+void run_shared(c10::ThreadPool* pool, int helpers, const std::function<void()>& loop) {
   std::mutex mutex;
   std::condition_variable all_done;
   int done = 0;
-  auto loop = [&] {
-    for (std::size_t k; (k = next.fetch_add(1)) < count;) work(k);
-  };
-  const int wanted =
-      pool && count > 1 ? static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(helpers), count - 1)) : 0;
   int started = 0;
-  for (; started < wanted; ++started) {
+  for (; pool && started < helpers; ++started) {
     try {
       pool->run([&] {
         loop();
@@ -277,22 +269,11 @@ std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta, const st
       at += enc.size;
     }
   } else {
-    std::vector<std::size_t> order(stored.size());
-    for (std::size_t k = 0; k < order.size(); ++k) order[k] = k;
-    std::stable_sort(order.begin(), order.end(),
-                     [&](std::size_t a, std::size_t b) { return stored[a].bound > stored[b].bound; });
-    run_shared(pool_.get(), helpers, order.size(), [&](std::size_t k) {
-      Encoding& enc = stored[order[k]];
-      try {
-        encode(enc);
-      } catch (...) {
-        enc.error = std::current_exception();
-      }
-    });
-    // The first failing tensor in entry order, as one thread would have thrown it.
-    for (const Encoding& enc : stored) {
-      if (enc.error) std::rethrow_exception(enc.error);
-    }
+    // No more helpers than tensors beyond the calling thread's first.
+    const int wanted = static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(helpers), stored.size() - 1));
+    detail::largest_first(
+        stored.size(), [&](std::size_t k) { return stored[k].bound; }, [&](std::size_t k) { encode(stored[k]); },
+        [&](const auto& loop) { run_shared(pool_.get(), wanted, loop); });
   }
   // The blob is the pieces in entry order, written where they lie (one writev).
   std::vector<io::ConstBytes> pieces;
