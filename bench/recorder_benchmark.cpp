@@ -428,7 +428,7 @@ void BM_ReplayVsStep(benchmark::State& state, const char* scenario) {
     const auto t0 = std::chrono::steady_clock::now();
     const TraceReader trace(path);
     const auto t1 = std::chrono::steady_clock::now();
-    auto p = program_from_trace(trace);
+    auto p = program_from_trace(trace, BuildFor::kReplay);
     const auto t2 = std::chrono::steady_clock::now();
     ReplayOptions o;
     o.step = 2;

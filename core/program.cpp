@@ -79,6 +79,14 @@ std::vector<std::string> registered_programs() {
   return names;
 }
 
+namespace {
+thread_local bool g_restoring_state = false;
+}  // namespace
+
+bool restoring_state() { return g_restoring_state; }
+RestoringStateScope::RestoringStateScope() : previous_(g_restoring_state) { g_restoring_state = true; }
+RestoringStateScope::~RestoringStateScope() { g_restoring_state = previous_; }
+
 std::unique_ptr<Program> make_program(const std::string& name, const std::string& config) {
   ProgramFactory factory;
   {

@@ -20,6 +20,7 @@
 #include <memory>
 #include <new>
 #include <optional>
+#include <sstream>
 #include <vector>
 
 #include <simdjson.h>
@@ -753,6 +754,33 @@ char* staging_room(std::size_t bytes, std::unique_ptr<char[]>& once) {
 }  // namespace
 
 at::Tensor TraceReader::decode(const Record& record, const TensorEntry& e) const {
+  at::Tensor out;
+  decode_to(record, e, out);
+  return out;
+}
+
+void TraceReader::decode_into(const Record& record, const TensorEntry& e, const at::Tensor& out) const {
+  if (!out.defined() || !out.is_cpu() || !out.is_contiguous() || out.scalar_type() != e.dtype ||
+      out.sizes() != at::IntArrayRef(e.shape) || out.is_neg() || out.is_conj()) {
+    std::ostringstream m;
+    m << path_ << ": tensor '" << e.name << "' in the record at byte offset " << record.offset
+      << " cannot be decoded into ";
+    if (out.defined()) {
+      m << c10::toString(out.scalar_type()) << " " << out.sizes() << " on " << out.device()
+        << (out.is_contiguous() ? "" : ", not contiguous");
+    } else {
+      m << "an undefined tensor";
+    }
+    m << ": decode_into needs a contiguous CPU tensor of its dtype " << c10::toString(e.dtype) << " and shape "
+      << at::IntArrayRef(e.shape) << " (decode() makes one)";
+    throw Error(m.str());
+  }
+  at::Tensor target = out;
+  decode_to(record, e, target);
+  target.unsafeGetTensorImpl()->bump_version();
+}
+
+void TraceReader::decode_to(const Record& record, const TensorEntry& e, at::Tensor& out) const {
   if (!e.has_data()) {
     throw Error(path_ + ": tensor '" + e.name + "' in the record at byte offset " + std::to_string(record.offset) +
                 " holds only a digest (recorded in digest mode)");
@@ -788,7 +816,7 @@ at::Tensor TraceReader::decode(const Record& record, const TensorEntry& e) const
   if (!record.has_blob) {
     const bool self_checked = e.digest.algorithm == DigestAlgorithm::kXxh3_128 || e.codec == TensorCodec::kZstd ||
                               e.codec == TensorCodec::kZstdShuffle;
-    if (!self_checked) return decode(load(record.offset), e);
+    if (!self_checked) return decode_to(load(record.offset), e, out);
     staged = staging_room(static_cast<std::size_t>(e.stored_bytes), once);
     read_exactly(*file_, staged, static_cast<std::size_t>(e.stored_bytes), record.blob_at + e.offset, path_);
   }
@@ -798,7 +826,7 @@ at::Tensor TraceReader::decode(const Record& record, const TensorEntry& e) const
     bad(TraceError::Kind::kMalformed, path_, record.offset,
         "tensor '" + e.name + "' payload does not declare its size of " + std::to_string(e.raw_bytes) + " bytes");
   }
-  at::Tensor out = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+  if (!out.defined()) out = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
   try {
     decode_tensor_payload(src, e.stored_bytes, e.codec, out);
   } catch (const Error& err) {
@@ -807,7 +835,6 @@ at::Tensor TraceReader::decode(const Record& record, const TensorEntry& e) const
   if (e.digest.algorithm == DigestAlgorithm::kXxh3_128 && digest(out) != e.digest) {
     bad(TraceError::Kind::kChecksum, path_, record.offset, "tensor '" + e.name + "' does not match its digest");
   }
-  return out;
 }
 
 }  // namespace retrace

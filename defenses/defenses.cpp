@@ -221,16 +221,21 @@ const at::Tensor& need(const std::map<std::string, at::Tensor>& by_name, const s
   return it->second;
 }
 
+// The recorded moment itself where the caller gave it up (`adopt`), else a clone of it.
+at::Tensor kept(const at::Tensor& t, bool adopt) { return adopt ? t : t.clone(); }
+
 template <typename State>
-std::unique_ptr<State> load_adam(const std::map<std::string, at::Tensor>& by_name, const std::string& prefix) {
+std::unique_ptr<State> load_adam(const std::map<std::string, at::Tensor>& by_name, const std::string& prefix,
+                                 bool adopt) {
   auto st = std::make_unique<State>();
   const at::Tensor& step = need(by_name, prefix + "step");
   if (step.numel() != 1 || step.is_floating_point())
     throw Error("the recorded '" + prefix + "step' is not an integer scalar");
   st->step(step.item<std::int64_t>());
-  st->exp_avg(need(by_name, prefix + "exp_avg").clone());
-  st->exp_avg_sq(need(by_name, prefix + "exp_avg_sq").clone());
-  if (auto it = by_name.find(prefix + "max_exp_avg_sq"); it != by_name.end()) st->max_exp_avg_sq(it->second.clone());
+  st->exp_avg(kept(need(by_name, prefix + "exp_avg"), adopt));
+  st->exp_avg_sq(kept(need(by_name, prefix + "exp_avg_sq"), adopt));
+  if (auto it = by_name.find(prefix + "max_exp_avg_sq"); it != by_name.end())
+    st->max_exp_avg_sq(kept(it->second, adopt));
   return st;
 }
 
@@ -266,30 +271,51 @@ std::vector<NamedTensor> optimizer_state(torch::optim::Optimizer& optimizer,
   return out;
 }
 
-void load_optimizer_state(torch::optim::Optimizer& optimizer, const std::vector<NamedTensor>& parameters,
-                          const std::vector<NamedTensor>& state) {
+namespace {
+// `adopt`: the optimizer may keep `state`'s tensors (the caller gave them up); a tensor moved to
+// the parameter's device, or made contiguous, is a new one either way.
+void load_optimizer_state_from(torch::optim::Optimizer& optimizer, const std::vector<NamedTensor>& parameters,
+                               const std::vector<NamedTensor>& state, bool adopt) {
   const OptimizerKind kind = kind_of(optimizer);
   auto& states = optimizer.state();
   states.clear();
   for (const NamedTensor& p : parameters) {
     const std::string prefix = optim_prefix(p.name);
     std::map<std::string, at::Tensor> local;
+    bool owned = adopt;  // every tensor of this parameter's state is the caller's own, given up
     for (const NamedTensor& n : state) {
-      if (n.name.rfind(prefix, 0) == 0) local[n.name] = n.tensor.to(p.tensor.device());
+      if (n.name.rfind(prefix, 0) == 0) {
+        at::Tensor t = n.tensor.to(p.tensor.device());
+        // A moment the optimizer updates in place must own its memory: a view into a larger
+        // tensor (or a strided one) is cloned, as the const overload clones every moment.
+        if (!t.is_contiguous() || t.storage_offset() != 0 || t.storage().nbytes() != t.nbytes()) owned = false;
+        local[n.name] = std::move(t);
+      }
     }
     if (local.empty()) continue;
     void* key = p.tensor.unsafeGetTensorImpl();
     switch (kind) {
-      case OptimizerKind::kAdamW: states[key] = load_adam<torch::optim::AdamWParamState>(local, prefix); break;
-      case OptimizerKind::kAdam: states[key] = load_adam<torch::optim::AdamParamState>(local, prefix); break;
+      case OptimizerKind::kAdamW: states[key] = load_adam<torch::optim::AdamWParamState>(local, prefix, owned); break;
+      case OptimizerKind::kAdam: states[key] = load_adam<torch::optim::AdamParamState>(local, prefix, owned); break;
       case OptimizerKind::kSgd: {
         auto st = std::make_unique<torch::optim::SGDParamState>();
-        st->momentum_buffer(need(local, prefix + "momentum_buffer").clone());
+        st->momentum_buffer(kept(need(local, prefix + "momentum_buffer"), owned));
         states[key] = std::move(st);
         break;
       }
     }
   }
+}
+}  // namespace
+
+void load_optimizer_state(torch::optim::Optimizer& optimizer, const std::vector<NamedTensor>& parameters,
+                          const std::vector<NamedTensor>& state) {
+  load_optimizer_state_from(optimizer, parameters, state, false);
+}
+
+void load_optimizer_state(torch::optim::Optimizer& optimizer, const std::vector<NamedTensor>& parameters,
+                          std::vector<NamedTensor>&& state) {
+  load_optimizer_state_from(optimizer, parameters, state, true);
 }
 
 void copy_state_into(const std::vector<NamedTensor>& targets, const std::vector<NamedTensor>& state) {

@@ -1,6 +1,7 @@
 #include <retrace/models.h>
 
 #include <retrace/error.h>
+#include <retrace/program.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/activation.h>
@@ -59,6 +60,29 @@ void check_sizes(const char* model, std::initializer_list<std::pair<const char*,
 
 at::Generator seeded(std::uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
 
+// nn::Linear(in, out) and nn::Embedding(n, dim), with their usual initial values; when the
+// program's state will be restored from a snapshot (restoring_state(): a replay), with their
+// parameters left uninitialized instead of drawn (the draws are most of a large model's
+// construction). The module is made 1 x 1 (two draws from the global generator, which replay
+// restores before each step) and its parameters given their real shape in place, so that the
+// parameter tensors the module registered are the ones that get the snapshot.
+torch::nn::Linear linear(std::int64_t in, std::int64_t out) {
+  if (!restoring_state()) return torch::nn::Linear(in, out);
+  torch::nn::Linear l(1, 1);
+  l->options.in_features(in).out_features(out);
+  l->weight.set_data(at::empty({out, in}));
+  l->bias.set_data(at::empty({out}));
+  return l;
+}
+
+torch::nn::Embedding embedding(std::int64_t n, std::int64_t dim) {
+  if (!restoring_state()) return torch::nn::Embedding(n, dim);
+  torch::nn::Embedding e(1, 1);
+  e->options.num_embeddings(n).embedding_dim(dim);
+  e->weight.set_data(at::empty({n, dim}));
+  return e;
+}
+
 // Arithmetic sequences mod vocab: x_t = (start + step * t) mod vocab, step in [1, 3].
 Batch arithmetic_sequences(std::uint64_t seed, std::int64_t batch, std::int64_t seq_len, std::int64_t vocab) {
   at::Generator gen = seeded(seed);
@@ -87,11 +111,11 @@ struct TinyGpt::Block : torch::nn::Module {
   Block(const GptConfig& c, std::string block_name)
       : name(std::move(block_name)), heads(c.heads), dropout(c.dropout), layernorm_fp32(c.layernorm_fp32) {
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(c.layernorm_eps)));
-    qkv = register_module("qkv", torch::nn::Linear(c.d_model, 3 * c.d_model));
-    proj = register_module("proj", torch::nn::Linear(c.d_model, c.d_model));
+    qkv = register_module("qkv", linear(c.d_model, 3 * c.d_model));
+    proj = register_module("proj", linear(c.d_model, c.d_model));
     ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(c.layernorm_eps)));
-    fc = register_module("fc", torch::nn::Linear(c.d_model, 4 * c.d_model));
-    fc_out = register_module("fc_out", torch::nn::Linear(4 * c.d_model, c.d_model));
+    fc = register_module("fc", linear(c.d_model, 4 * c.d_model));
+    fc_out = register_module("fc_out", linear(4 * c.d_model, c.d_model));
     causal_mask = register_buffer("causal_mask", at::ones({c.seq_len, c.seq_len}, at::kBool).triu(1));
   }
 
@@ -163,8 +187,8 @@ TinyGpt::TinyGpt(GptConfig config) : config_(config) {
     throw Error("TinyGpt: GptConfig::d_model (" + std::to_string(config.d_model) +
                 ") must be divisible by GptConfig::heads (" + std::to_string(config.heads) + ")");
   }
-  token_embedding_ = register_module("token_embedding", torch::nn::Embedding(config.vocab, config.d_model));
-  position_embedding_ = register_module("position_embedding", torch::nn::Embedding(config.seq_len, config.d_model));
+  token_embedding_ = register_module("token_embedding", embedding(config.vocab, config.d_model));
+  position_embedding_ = register_module("position_embedding", embedding(config.seq_len, config.d_model));
   embedding_dropout_ = register_module("embedding_dropout", torch::nn::Dropout(config.dropout));
   for (std::int64_t i = 0; i < config.layers; ++i) {
     const std::string name = "block" + std::to_string(i);
@@ -172,7 +196,7 @@ TinyGpt::TinyGpt(GptConfig config) : config_(config) {
   }
   final_norm_ = register_module(
       "final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({config.d_model}).eps(config.layernorm_eps)));
-  lm_head_ = register_module("lm_head", torch::nn::Linear(config.d_model, config.vocab));
+  lm_head_ = register_module("lm_head", linear(config.d_model, config.vocab));
 }
 
 at::Tensor TinyGpt::embed(const at::Tensor& tokens) {
@@ -206,14 +230,14 @@ Batch TinyGpt::make_batch(std::uint64_t seed) const {
 LstmLm::LstmLm(LstmConfig config) : config_(config) {
   check_sizes("LstmLm", {{"vocab", config.vocab}, {"hidden", config.hidden}, {"layers", config.layers}},
               config.dropout);
-  embedding_ = register_module("embedding", torch::nn::Embedding(config.vocab, config.hidden));
+  embedding_ = register_module("embedding", embedding(config.vocab, config.hidden));
   for (std::int64_t i = 0; i < config.layers; ++i) {
     layers_.push_back(
         register_module("lstm" + std::to_string(i),
                         torch::nn::LSTM(torch::nn::LSTMOptions(config.hidden, config.hidden).batch_first(true))));
   }
   dropout_ = register_module("dropout", torch::nn::Dropout(config.dropout));
-  lm_head_ = register_module("lm_head", torch::nn::Linear(config.hidden, config.vocab));
+  lm_head_ = register_module("lm_head", linear(config.hidden, config.vocab));
 }
 
 at::Tensor LstmLm::embed(const at::Tensor& tokens) { return embedding_(tokens); }
@@ -247,12 +271,12 @@ Mlp::Mlp(MlpConfig config) : config_(config) {
                {"layers", config.layers},
                {"out_features", config.out_features}},
               config.dropout);
-  input_ = register_module("input", torch::nn::Linear(config.in_features, config.hidden));
+  input_ = register_module("input", linear(config.in_features, config.hidden));
   for (std::int64_t i = 0; i < config.layers; ++i) {
-    hidden_.push_back(register_module("layer" + std::to_string(i), torch::nn::Linear(config.hidden, config.hidden)));
+    hidden_.push_back(register_module("layer" + std::to_string(i), linear(config.hidden, config.hidden)));
   }
   dropout_ = register_module("dropout", torch::nn::Dropout(config.dropout));
-  output_ = register_module("output", torch::nn::Linear(config.hidden, config.out_features));
+  output_ = register_module("output", linear(config.hidden, config.out_features));
 }
 
 at::Tensor Mlp::embed(const at::Tensor& features) { return input_(features); }

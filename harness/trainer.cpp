@@ -88,7 +88,7 @@ ScenarioProgram::ScenarioProgram(ScenarioSpec spec)
   }
   torch::manual_seed(spec_.training.seed);  // seeds CUDA generators too
   model_ = build_model(spec_);
-  if (spec_.model.init_gain != 1.0) {
+  if (spec_.model.init_gain != 1.0 && !restoring_state()) {  // restoring: values yet to come
     torch::NoGradGuard no_grad;
     for (const at::Tensor& p : model_->parameters()) {
       if (p.dim() >= 2) p.mul_(spec_.model.init_gain);
@@ -131,6 +131,15 @@ void ScenarioProgram::load_state(const std::vector<NamedTensor>& state) {
   copy_state_into(buffers_, state);
   load_optimizer_state(*optimizer_, parameters_, state);
   defenses_.load_state(state);
+}
+
+void ScenarioProgram::adopt_state(std::vector<NamedTensor> state) {
+  // Parameters and buffers are copied in (a no-op for a tensor decoded into the program's own,
+  // as the replayer does); the optimizer keeps the moments it is given.
+  copy_state_into(parameters_, state);
+  copy_state_into(buffers_, state);
+  defenses_.load_state(state);
+  load_optimizer_state(*optimizer_, parameters_, std::move(state));
 }
 
 std::vector<NamedTensor> ScenarioProgram::batch(std::int64_t step) {
@@ -176,6 +185,7 @@ class ProgramUnderScenario : public Program {
   std::string config() const override { return to_yaml(spec_); }
   std::vector<NamedTensor> state() override { return inner_->state(); }
   void load_state(const std::vector<NamedTensor>& state) override { inner_->load_state(state); }
+  void adopt_state(std::vector<NamedTensor> state) override { inner_->adopt_state(std::move(state)); }
   std::vector<NamedTensor> batch(std::int64_t step) override { return inner_->batch(step); }
   StepOutcome step(std::int64_t step, const std::vector<NamedTensor>& batch, StepMonitor* monitor) override {
     return inner_->step(step, batch, monitor);

@@ -54,6 +54,10 @@ StateCheck::StateCheck(Program& program, std::int64_t step, const std::vector<Na
   try {
     std::unique_ptr<Program> copy;
     try {
+      // Built as replay builds it (program_from_trace with BuildFor::kReplay): a program that
+      // skips its initialization there must hold in state() all that it skipped, or the copy's
+      // step comes out otherwise and the check says so.
+      const RestoringStateScope restoring;
       copy = make_program(program_, program.config());
     } catch (const std::exception& e) {
       not_rebuilt_ = exception_message(e);
@@ -89,8 +93,10 @@ StateCheckResult StateCheck::finish(const StepOutcome& outcome, const std::vecto
   }
   const std::string copy =
       "a copy of program '" + program_ + "' rebuilt from its name and config and loaded with the step's start state()";
-  const std::string fix = "; add it to state() and load_state(), or turn the check off (RecorderOptions::state_check, "
-                          "retrace record --no-state-check)";
+  const std::string fix =
+      "; add it to state() and load_state() (or, if its constructor skips initializing it under "
+      "restoring_state(), initialize it there), or turn the check off (RecorderOptions::state_check, "
+      "retrace record --no-state-check)";
   r.status = StateCheckResult::Status::kFailed;
   if (not_rebuilt_) {
     r.message = at + " failed: rebuilding program '" + program_ +

@@ -141,13 +141,15 @@ std::string describe_differences(const std::vector<EnvironmentDifference>& diffs
 EnvironmentMismatch::EnvironmentMismatch(std::vector<EnvironmentDifference> d)
     : Error(describe_differences(d)), differences_(std::move(d)) {}
 
-std::unique_ptr<Program> program_from_trace(const TraceReader& trace) {
+std::unique_ptr<Program> program_from_trace(const TraceReader& trace, BuildFor purpose) {
   const TraceHeader header = TraceHeader::decode(trace);
   const ProgramRef program = header.require_program(trace.path());
   // A rank of a data-parallel run is rebuilt alone: its group has no peers, its collectives are
   // served from the trace (collectives.h).
   std::optional<ReplayedRankScope> rank;
   if (header.ranks) rank.emplace(*header.ranks);
+  std::optional<RestoringStateScope> restoring;
+  if (purpose == BuildFor::kReplay) restoring.emplace();
   return make_program(program.name, program.config);
 }
 
@@ -163,6 +165,42 @@ struct StepRecords {
   std::int64_t exception_collective = -1;  // ... and the collective it left (a data-parallel rank)
 };
 
+// With `hash`, the digests of a list of tensors' host (CPU) tensors, taken on LibTorch's intra-op
+// threads (a post-step state is 1.2 GB for GPT-2 small with AdamW; one thread hashed it alone),
+// and with `check_finite` whether every one of them is finite, each checked right after its hash while
+// its bytes are still in the cache. Device tensors are left to the caller (nullopt): their
+// digest runs on the program's stream.
+struct HostScan {
+  std::vector<std::optional<Digest>> digests;
+  bool finite = true;  // every host tensor (with check_finite)
+};
+
+HostScan scan_host(const std::vector<NamedTensor>& tensors, bool hash, bool check_finite) {
+  HostScan scan;
+  scan.digests.resize(tensors.size());
+  std::vector<std::exception_ptr> errors(tensors.size());
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, static_cast<std::int64_t>(tensors.size()), 1, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      const at::Tensor& t = tensors[i].tensor;
+      if (!t.defined() || !t.is_cpu()) continue;
+      try {
+        if (hash) scan.digests[i] = digest(t);
+      } catch (...) {
+        errors[i] = std::current_exception();  // compare() takes the digest again and throws it
+        continue;
+      }
+      if (check_finite && finite.load(std::memory_order_relaxed) && !retrace::all_finite(t))
+        finite.store(false, std::memory_order_relaxed);
+    }
+  });
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (errors[i]) scan.digests[i].reset();
+  }
+  scan.finite = finite.load();
+  return scan;
+}
+
 // Compares a re-executed step against its records, in order. The first difference wins.
 class Comparer : public SegmentObserver, public StepMonitor {
  public:
@@ -172,6 +210,8 @@ class Comparer : public SegmentObserver, public StepMonitor {
   }
   // True when the trace holds no outcome of the step: the run died during it, or raised.
   bool died() const { return !records_.end; }
+  // finish() will compare the post-step state: nothing diverged yet and the step's end is recorded.
+  bool compares_state() const { return !first && end_ && !records_.raised; }
 
   void on_forward(SegmentEvent& e) override {
     guarded([&] { segment(e); });
@@ -189,12 +229,16 @@ class Comparer : public SegmentObserver, public StepMonitor {
     if (first || !end_) return;
     guarded([&] {
       compare(*end_, std::string(tensor_names::kLoss), loss, "(loss)", "forward");
-      for (const NamedTensor& g : grads) compare(*end_, g.name, g.tensor, "(parameters)", "backward");
+      if (first) return;
+      const HostScan scan = scan_host(grads, true, false);
+      for (std::size_t i = 0; i < grads.size(); ++i)
+        compare(*end_, grads[i].name, grads[i].tensor, "(parameters)", "backward", scan.digests[i]);
     });
   }
 
-  // After a step that completed: unconsumed segment records and the post-step state.
-  void finish(const std::vector<NamedTensor>& state_after) {
+  // After a step that completed: unconsumed segment records and the post-step state, whose host
+  // tensors `scan` has hashed.
+  void finish(const std::vector<NamedTensor>& state_after, const HostScan& scan) {
     unconsumed_segments();
     if (records_.raised) {
       diverge("", "optimizer", "",
@@ -206,8 +250,10 @@ class Comparer : public SegmentObserver, public StepMonitor {
       unrecorded = true;
       return;
     }
-    for (const NamedTensor& s : state_after)
-      compare(*end_, tensor_names::state(s.name), s.tensor, "(state)", "optimizer");
+    for (std::size_t i = 0; i < state_after.size(); ++i) {
+      compare(*end_, tensor_names::state(state_after[i].name), state_after[i].tensor, "(state)", "optimizer",
+              scan.digests[i]);
+    }
     // Every tensor the recorded monitor saw after backward (the loss and the gradients, whatever
     // the program named them), and every state tensor.
     require_all(
@@ -216,8 +262,9 @@ class Comparer : public SegmentObserver, public StepMonitor {
         *end_, [](const std::string& n) { return tensor_names::state_name(n).has_value(); }, "(state)", "optimizer");
   }
 
+  // `known`: t's digest, already taken (HostScan); the comparison is the same.
   void compare(const Record& rec, const std::string& name, const at::Tensor& t, const std::string& segment,
-               const std::string& phase) {
+               const std::string& phase, const std::optional<Digest>& known = std::nullopt) {
     if (first) return;
     compared_[rec.offset].push_back(name);
     const TensorEntry* entry = rec.find(name);
@@ -228,7 +275,7 @@ class Comparer : public SegmentObserver, public StepMonitor {
     // Compare like with like: a host digest recorded for a device tensor (traces from before the
     // recorder kept device digests for stored CUDA tensors) is recomputed on a host copy.
     const bool host_digest_of_device_tensor = entry->digest.algorithm == DigestAlgorithm::kXxh3_128 && !t.is_cpu();
-    const Digest d = host_digest_of_device_tensor ? digest(t.detach().cpu()) : digest(t);
+    const Digest d = known ? *known : host_digest_of_device_tensor ? digest(t.detach().cpu()) : digest(t);
     if (d == entry->digest) return;
     Divergence div;
     div.step = step_;
@@ -444,18 +491,50 @@ class CollectiveTape : public CollectiveReplay {
   std::size_t unconsumed() const { return next_ < order_.size() ? order_.size() - next_ : 0; }
 };
 
+// The tensors of `live` (a program's state()) that a snapshot's entries can be decoded straight
+// into, by name: CPU, contiguous, of the entry's dtype and shape, and not sharing memory with
+// another (two entries decoded into one buffer at once would race). Empty when any two overlap.
+std::map<std::string_view, at::Tensor> decode_targets(const std::vector<NamedTensor>& live) {
+  std::map<std::string_view, at::Tensor> out;
+  std::vector<std::pair<std::uintptr_t, std::uintptr_t>> spans;
+  for (const NamedTensor& n : live) {
+    const at::Tensor& t = n.tensor;
+    if (!t.defined() || !t.is_cpu() || !t.is_contiguous() || t.is_neg() || t.is_conj() || t.nbytes() == 0) continue;
+    const auto begin = reinterpret_cast<std::uintptr_t>(t.const_data_ptr());
+    spans.emplace_back(begin, begin + t.nbytes());
+    out.emplace(n.name, t);
+  }
+  std::sort(spans.begin(), spans.end());
+  for (std::size_t i = 1; i < spans.size(); ++i) {
+    if (spans[i].first < spans[i - 1].second) return {};
+  }
+  return out;
+}
+
 // The record's state.* (or batch.*) tensors, decoded, under the program's names.
 // Decoded on LibTorch's intra-op threads: a snapshot is hundreds of tensors. With `finite`: set
 // to whether every one is finite, each checked right after its decode, while its bytes are still
-// in the cache (a pass over the whole state afterwards read it all from memory again).
+// in the cache (a pass over the whole state afterwards read it all from memory again). With
+// `into` (decode_targets()): a tensor whose program name, dtype and shape match one of those is
+// decoded into it, and the result holds that tensor (no new memory, no copy in load_state).
 std::vector<NamedTensor> named_tensors(const TraceReader& trace, const Record& rec,
                                        std::optional<std::string_view> (*program_name)(std::string_view),
-                                       bool* finite = nullptr) {
+                                       bool* finite = nullptr,
+                                       const std::map<std::string_view, at::Tensor>* into = nullptr) {
   std::vector<NamedTensor> out;
   std::vector<const TensorEntry*> entries;
+  std::vector<bool> in_place;
   for (const TensorEntry& e : rec.tensors) {
     if (const auto name = program_name(e.name)) {
-      out.push_back({std::string(*name), at::Tensor()});
+      at::Tensor target;
+      if (into) {
+        if (const auto it = into->find(*name); it != into->end() && it->second.scalar_type() == e.dtype &&
+                                               it->second.sizes() == at::IntArrayRef(e.shape)) {
+          target = it->second;
+        }
+      }
+      in_place.push_back(target.defined());
+      out.push_back({std::string(*name), std::move(target)});
       entries.push_back(&e);
     }
   }
@@ -466,7 +545,11 @@ std::vector<NamedTensor> named_tensors(const TraceReader& trace, const Record& r
   at::parallel_for(0, static_cast<std::int64_t>(out.size()), 4, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end; ++i) {
       try {
-        out[i].tensor = trace.decode(rec, *entries[i]);
+        if (in_place[i]) {
+          trace.decode_into(rec, *entries[i], out[i].tensor);
+        } else {
+          out[i].tensor = trace.decode(rec, *entries[i]);
+        }
       } catch (...) {
         errors[i] = std::current_exception();
         continue;
@@ -505,23 +588,6 @@ std::vector<std::uint8_t> rng_bytes(const TraceReader& trace, const Record& rec,
   const at::Tensor t = trace.decode(rec, *e);
   const auto* p = t.const_data_ptr<std::uint8_t>();
   return {p, p + t.numel()};
-}
-
-// Every tensor of `state` finite: host tensors checked on LibTorch's intra-op threads, device
-// ones on this thread (its current stream is the program's).
-bool all_finite(const std::vector<NamedTensor>& state) {
-  std::atomic<bool> finite{true};
-  at::parallel_for(0, static_cast<std::int64_t>(state.size()), 8, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t i = begin; i < end && finite.load(std::memory_order_relaxed); ++i) {
-      const at::Tensor& t = state[i].tensor;
-      if (t.defined() && t.is_cpu() && !retrace::all_finite(t)) finite.store(false, std::memory_order_relaxed);
-    }
-  });
-  for (const NamedTensor& s : state) {
-    if (!finite.load()) break;
-    if (s.tensor.defined() && !s.tensor.is_cpu() && !retrace::all_finite(s.tensor)) finite.store(false);
-  }
-  return finite.load();
 }
 
 // Every recorded step's records, by step.
@@ -593,9 +659,13 @@ std::optional<Record> end_holding_state(const TraceReader& trace, const std::map
 
 // The anchor: the latest full snapshot at or before `latest` whose state is all finite (a
 // snapshot that already holds NaN/Inf cannot show where they came from); failing that, the
-// latest full snapshot.
-Anchor find_anchor(const TraceReader& trace, const std::map<std::int64_t, StepRecords>& steps, std::int64_t latest) {
-  std::optional<Anchor> nonfinite;
+// latest full snapshot. Its state is decoded into the program's own tensors where they fit
+// (decode_targets): the program's state is overwritten, the anchor's tensors are its own.
+Anchor find_anchor(const TraceReader& trace, const std::map<std::int64_t, StepRecords>& steps, std::int64_t latest,
+                   Program& program) {
+  const std::vector<NamedTensor> live = program.state();
+  const std::map<std::string_view, at::Tensor> into = decode_targets(live);
+  std::optional<Anchor> nonfinite;  // its state not kept: a later candidate is decoded over it
   for (auto it = steps.upper_bound(latest); it != steps.begin();) {
     --it;
     for (auto r = it->second.begins.rbegin(); r != it->second.begins.rend(); ++r) {
@@ -605,12 +675,16 @@ Anchor find_anchor(const TraceReader& trace, const std::map<std::int64_t, StepRe
         if (!a.end) continue;
       }
       bool finite = true;
-      a.state = named_tensors(trace, a.stored(), tensor_names::state_name, &finite);
+      a.state = named_tensors(trace, a.stored(), tensor_names::state_name, &finite, &into);
       if (finite) return a;
-      if (!nonfinite) nonfinite = std::move(a);
+      if (!nonfinite) {
+        a.state.clear();
+        nonfinite = std::move(a);
+      }
     }
   }
   if (!nonfinite) throw Error("no full snapshot at or before step " + std::to_string(latest) + " to replay from");
+  nonfinite->state = named_tensors(trace, nonfinite->stored(), tensor_names::state_name, nullptr, &into);
   return std::move(*nonfinite);
 }
 
@@ -709,7 +783,8 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
                          " more collective(s) in this step than the replay ran");
   }
   const std::vector<NamedTensor> state_after = program.state();
-  comparer.finish(state_after);
+  const HostScan scan = scan_host(state_after, comparer.compares_state(), true);
+  comparer.finish(state_after, scan);
   if (comparer.first && !result.first_divergence) {
     result.first_divergence = comparer.first;
     Divergence& d = *result.first_divergence;
@@ -735,7 +810,11 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
     for (const std::string& i : outcome.injected) tags += (tags.empty() ? "" : "; ") + i;
     result.notes.push_back("step " + std::to_string(s) + " carries injected faults (not real ones): " + tags);
   }
-  const bool params_ok = all_finite(state_after);
+  bool params_ok = scan.finite;
+  for (const NamedTensor& st : state_after) {  // device tensors, on the program's stream
+    if (!params_ok) break;
+    if (st.tensor.defined() && !st.tensor.is_cpu() && !retrace::all_finite(st.tensor)) params_ok = false;
+  }
   const bool nonfinite = !outcome.finite() || !params_ok;
   // A non-finite step that a defense skipped (parameters still finite) does not end the run:
   // the replay goes on checking the steps after it.
@@ -778,10 +857,12 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
       break;
     }
   }
-  const Anchor anchor = find_anchor(trace_, steps, options.from ? std::min(*options.from, target) : target);
+  Anchor anchor = find_anchor(trace_, steps, options.from ? std::min(*options.from, target) : target, program_);
   result.from_step = StepBeginRecord::decode(anchor.begin, trace_.path()).step;
   result.to_step = target;
-  program_.load_state(anchor.state);
+  // The decoded snapshot is given to the program (its moments kept, not cloned): provenance
+  // decodes the anchor's state again from its record when it needs it.
+  program_.adopt_state(std::move(anchor.state));
 
   static const StepRecords kNone;
   for (std::int64_t s = result.from_step; s <= target; ++s) {

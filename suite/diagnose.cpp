@@ -453,7 +453,8 @@ Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options
   // The state before a step, by replaying the trace up to it (bit for bit, or we say so).
   auto state_before = [&](std::int64_t step) {
     const ThreadsGuard as_recorded(recorded_threads);
-    std::unique_ptr<Program> p = program_from_trace(trace);
+    // Built for a replay from a snapshot only when one follows: step 1 starts from the constructor.
+    std::unique_ptr<Program> p = program_from_trace(trace, step > 1 ? BuildFor::kReplay : BuildFor::kFreshStart);
     if (step > 1) {
       ReplayOptions ro;
       ro.step = step - 1;

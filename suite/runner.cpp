@@ -553,7 +553,7 @@ void set_final_loss(ScenarioResult& r) {
 void replay_recorded(const std::string& trace_path, ScenarioResult& r) {
   try {
     const TraceReader trace(trace_path);
-    std::unique_ptr<Program> again = program_from_trace(trace);
+    std::unique_ptr<Program> again = program_from_trace(trace, BuildFor::kReplay);
     ReplayOptions ro;
     ro.provenance = false;
     const ReplayResult rr = Replayer(trace, *again).run(ro);

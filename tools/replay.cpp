@@ -73,7 +73,7 @@ int replay_ranks(const std::vector<std::string>& paths, ReplayOptions options, i
   bool all = true;
   for (std::size_t i : which) {
     set_threads(traces[i], threads);
-    std::unique_ptr<Program> program = program_from_trace(traces[i]);
+    std::unique_ptr<Program> program = program_from_trace(traces[i], BuildFor::kReplay);
     const ReplayResult result = Replayer(traces[i], *program).run(options);
     print_result(out, result, "rank " + std::to_string(TraceHeader::decode(traces[i]).ranks->rank) + " alone: ");
     doc["replays"].push_back({{"trace", paths[i]}, {"result", result.to_json()}});
@@ -131,7 +131,7 @@ int run_replay(const std::vector<std::string>& args) {
 
   const TraceReader trace(trace_path);
   set_threads(trace, threads);
-  std::unique_ptr<Program> program = program_from_trace(trace);
+  std::unique_ptr<Program> program = program_from_trace(trace, BuildFor::kReplay);
   const ReplayResult result = Replayer(trace, *program).run(options);
 
   std::ostream& out = json_path == "-" ? std::cerr : std::cout;

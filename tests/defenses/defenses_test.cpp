@@ -87,6 +87,76 @@ TEST(Defenses, ClippingNeverTurnsAnInfGradientIntoZeroOrNaN) {
   EXPECT_THROW(raise.step(1, raise.batch(1), nullptr), Error);
 }
 
+// load_optimizer_state from tensors given up (Program::adopt_state) keeps them as the moments;
+// from a const state it clones, so that a caller's snapshot (rollback's) is never updated in
+// place. A moment that does not own its memory (a view into a larger tensor) is cloned either
+// way. Both ways train on to the same bits. Controls: the clones' memory differs from the
+// given tensors', and the larger tensor a view was taken from is unchanged by the next step.
+TEST(Defenses, LoadOptimizerStateKeepsMomentsGivenUpAndClonesTheRest) {
+  torch::manual_seed(7);
+  torch::nn::Linear model(4, 3);
+  const std::vector<NamedTensor> params = named_parameters(*model);
+  const auto train = [&](torch::optim::Optimizer& opt) {
+    opt.zero_grad();
+    model->forward(torch::ones({2, 4})).square().sum().backward();
+    opt.step();
+  };
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(0.01));
+  train(opt);
+  const std::vector<NamedTensor> params_then = copy(params);
+  const std::vector<NamedTensor> moments = copy(optimizer_state(opt, params));
+  ASSERT_GE(moments.size(), 6u);  // step, exp_avg, exp_avg_sq of weight and bias
+
+  const auto memory_of = [&](const std::string& name) {
+    for (const NamedTensor& n : optimizer_state(opt, params)) {
+      if (n.name == name) return n.tensor.const_data_ptr();
+    }
+    ADD_FAILURE() << "no " << name;
+    return static_cast<const void*>(nullptr);
+  };
+  const std::string weight_avg = "optim.weight.exp_avg";
+  const auto given = [&](const std::string& name, const std::vector<NamedTensor>& state) {
+    for (const NamedTensor& n : state) {
+      if (n.name == name) return n.tensor.const_data_ptr();
+    }
+    return static_cast<const void*>(nullptr);
+  };
+
+  // Const: cloned. Then one more step: the reference bits.
+  load_optimizer_state(opt, params, moments);
+  EXPECT_NE(memory_of(weight_avg), given(weight_avg, moments));
+  train(opt);
+  const std::vector<NamedTensor> reference = copy(params);
+  const std::vector<NamedTensor> reference_moments = copy(optimizer_state(opt, params));
+
+  // Given up: kept.
+  copy_state_into(params, params_then);
+  std::vector<NamedTensor> owned = copy(moments);
+  const void* owned_avg = given(weight_avg, owned);
+  load_optimizer_state(opt, params, std::move(owned));
+  EXPECT_EQ(memory_of(weight_avg), owned_avg);
+  train(opt);
+  EXPECT_EQ(differing(reference, params), 0);
+  EXPECT_EQ(differing(reference_moments, optimizer_state(opt, params)), 0);
+
+  // Given up, but a view of a larger tensor: cloned, the larger tensor untouched.
+  copy_state_into(params, params_then);
+  std::vector<NamedTensor> viewed = copy(moments);
+  at::Tensor larger;
+  for (NamedTensor& n : viewed) {
+    if (n.name != weight_avg) continue;
+    larger = torch::cat({n.tensor.reshape(-1), torch::full({5}, 42.0f)});
+    n.tensor = larger.narrow(0, 0, n.tensor.numel()).view(n.tensor.sizes());
+  }
+  ASSERT_TRUE(larger.defined());
+  const at::Tensor larger_before = larger.clone();
+  load_optimizer_state(opt, params, std::move(viewed));
+  EXPECT_NE(memory_of(weight_avg), larger.const_data_ptr());
+  train(opt);
+  EXPECT_BITWISE_EQ(larger_before, larger);
+  EXPECT_EQ(differing(reference, params), 0);
+}
+
 TEST(Defenses, RollbackWalksBackThroughConsecutiveFailures) {
   // An Adam moment flipped to ~1e35 at step 3 poisons the update; the loss goes non-finite at
   // step 4, so rollback first restores step 4's start (already poisoned), then step 3's.

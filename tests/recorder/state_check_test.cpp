@@ -148,10 +148,84 @@ std::vector<std::string> trace_digests(const std::string& path) {
   return lines;
 }
 
-ReplayResult replay(const std::string& path, ReplayOptions options = {}) {
+ReplayResult replay(const std::string& path, ReplayOptions options = {}, BuildFor build = BuildFor::kReplay) {
   const TraceReader trace(path);
-  std::unique_ptr<Program> program = program_from_trace(trace);
+  std::unique_ptr<Program> program = program_from_trace(trace, build);
   return Replayer(trace, *program).run(options);
+}
+
+// A program that skips its initialization when it is built for a replay (restoring_state()):
+// its weight, which state() holds, is made NaN instead of drawn -- the worst that uninitialized
+// memory could hold. It also multiplies its input by a fixed random mask drawn in the
+// constructor: with `mask_in_state` state() holds the mask too, and under restoring_state() it is
+// NaN as well; without, state() leaves the mask out and it is still skipped -- the mistake the
+// self-check and the replay must catch. SGD without momentum: state() is the weight (and the mask).
+class SkipsInitProgram : public Program {
+ public:
+  static inline bool last_built_restoring = false;
+
+  SkipsInitProgram(std::string name, bool mask_in_state) : name_(std::move(name)), mask_in_state_(mask_in_state) {
+    last_built_restoring = restoring_state();
+    torch::manual_seed(5);
+    if (restoring_state()) {
+      w_ = at::full({2, 4}, std::nan(""));
+      mask_ = at::full({4}, std::nan(""));
+    } else {
+      w_ = torch::randn({2, 4});
+      mask_ = torch::randn({4});
+    }
+    w_.requires_grad_();
+    sgd_ = std::make_unique<torch::optim::SGD>(std::vector<at::Tensor>{w_}, torch::optim::SGDOptions(0.1));
+  }
+  std::string name() const override { return name_; }
+  std::string config() const override { return ""; }
+  std::vector<NamedTensor> state() override {
+    std::vector<NamedTensor> out{{"param.w", w_, TensorKind::kParameter}};
+    if (mask_in_state_) out.push_back({"buffer.mask", mask_, TensorKind::kBuffer});
+    return out;
+  }
+  void load_state(const std::vector<NamedTensor>& state) override {
+    torch::NoGradGuard no_grad;
+    for (const NamedTensor& n : state) {
+      if (n.name == "param.w") w_.copy_(n.tensor);
+      if (n.name == "buffer.mask") mask_.copy_(n.tensor);
+    }
+    w_.mutable_grad() = at::Tensor();
+  }
+  std::vector<NamedTensor> batch(std::int64_t step) override {
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<std::uint64_t>(step));
+    return {{"x", at::randn({8, 4}, gen, at::kFloat), TensorKind::kInput},
+            {"y", at::randn({8, 2}, gen, at::kFloat), TensorKind::kTarget}};
+  }
+  StepOutcome step(std::int64_t, const std::vector<NamedTensor>& batch, StepMonitor* monitor) override {
+    sgd_->zero_grad();
+    const at::Tensor loss = torch::mse_loss((batch[0].tensor * mask_).matmul(w_.t()), batch[1].tensor);
+    loss.backward();
+    if (monitor) monitor->after_backward(loss, {{"grad.w", w_.grad(), TensorKind::kGradient}});
+    StepOutcome out;
+    out.grad_norm = w_.grad().norm().item<double>();
+    out.clipped_grad_norm = out.grad_norm;
+    sgd_->step();
+    out.loss = loss.item<double>();
+    return out;
+  }
+  std::int64_t default_steps() const override { return 4; }
+
+ private:
+  std::string name_;
+  bool mask_in_state_;
+  at::Tensor w_, mask_;
+  std::unique_ptr<torch::optim::SGD> sgd_;
+};
+
+const char* kSkipsInState = "test.skips_init.in_state";
+const char* kSkipsOutside = "test.skips_init.outside_state";
+
+void register_init_skipping_programs() {
+  register_program(kSkipsInState,
+                   [](const std::string&) { return std::make_unique<SkipsInitProgram>(kSkipsInState, true); });
+  register_program(kSkipsOutside,
+                   [](const std::string&) { return std::make_unique<SkipsInitProgram>(kSkipsOutside, false); });
 }
 
 // The incomplete program fails the check at step 2: the copy restored from state() starts Adam
@@ -386,6 +460,53 @@ int run_cli(const std::string& program, std::vector<std::string> args, std::stri
   *out = testing::internal::GetCapturedStdout();
   *err = testing::internal::GetCapturedStderr();
   return rc;
+}
+
+// A program that skips initializing only what state() holds when built for a replay passes the
+// self-check (whose copy is built as replay builds it) and replays bitwise from a later snapshot,
+// though its constructor made every such tensor NaN: the snapshot overwrote them all. The
+// constructor saw restoring_state() under BuildFor::kReplay only. Control: the program that also
+// skips its mask, which state() leaves out, fails the self-check, and a replay of its trace
+// (recorded with the check off) does not reproduce; built with BuildFor::kFreshStart (the
+// constructor's mask drawn) it does.
+TEST(RecordStateCheck, ProgramSkippingInitOnlyOfItsStatePassesAndReplays) {
+  register_init_skipping_programs();
+  RecorderOptions full;
+  full.mode = RecordMode::kFull;
+  SkipsInitProgram good_program(kSkipsInState, true);
+  EXPECT_FALSE(SkipsInitProgram::last_built_restoring);
+  const Recording good = record(good_program, "skips_in_state", full, 4);
+  EXPECT_EQ(good.stats.state_check.status, StateCheckResult::Status::kPassed) << good.stats.state_check.message;
+  ReplayOptions at3;
+  at3.step = 3;
+  const ReplayResult r = replay(good.path, at3);
+  EXPECT_TRUE(SkipsInitProgram::last_built_restoring);
+  EXPECT_EQ(r.from_step, 3);
+  EXPECT_TRUE(r.reproduced) << (r.first_divergence ? r.first_divergence->message() : "");
+  EXPECT_TRUE(replay(good.path, at3, BuildFor::kFreshStart).reproduced);
+  EXPECT_FALSE(SkipsInitProgram::last_built_restoring);
+
+  SkipsInitProgram bad_program(kSkipsOutside, false);
+  try {
+    record(bad_program, "skips_outside_checked", full, 4);
+    FAIL() << "skipping the initialization of a tensor state() leaves out passed the self-check";
+  } catch (const StateCheckError& e) {
+    EXPECT_EQ(e.result().status, StateCheckResult::Status::kFailed);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("param.w"), std::string::npos) << what;
+    EXPECT_NE(what.find("restoring_state()"), std::string::npos) << what;
+  }
+  fs::remove(temp_path("skips_outside_checked"));
+  RecorderOptions unchecked = full;
+  unchecked.state_check = false;
+  SkipsInitProgram bad_again(kSkipsOutside, false);
+  const Recording bad = record(bad_again, "skips_outside", unchecked, 4);
+  const ReplayResult diverged = replay(bad.path, at3);
+  EXPECT_EQ(diverged.from_step, 3);
+  EXPECT_FALSE(diverged.reproduced);
+  EXPECT_TRUE(replay(bad.path, at3, BuildFor::kFreshStart).reproduced);
+  fs::remove(good.path);
+  fs::remove(bad.path);
 }
 
 // `record` of a user's program (retrace::main): the incomplete state() exits 1 with the tensors

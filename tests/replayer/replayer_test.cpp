@@ -209,6 +209,96 @@ TEST(Replay, FullModeStoresTheStateOnceBetweenSteps) {
   fs::remove(changed);
 }
 
+// The replay restores the anchor's snapshot straight into the program's own tensors. When every
+// snapshot at or before the target holds a non-finite tensor, the latest one is the anchor: it
+// is decoded again after the earlier candidates were decoded over it. Here a NaN tensor the
+// program does not hold is added to both stored snapshots (step_begin 1's, and step_end 1's
+// that step_begin 2 points at); step 2 replays bitwise from its own. Negative control (by hand):
+// without the second decode the program holds step 1's snapshot, the last one decoded, and the
+// replay of step 2 diverges.
+TEST(Replay, WhenEverySnapshotHoldsNonFiniteStateTheLatestIsRestored) {
+  RecorderOptions options;
+  options.mode = RecordMode::kFull;
+  const Recorded rec = record(kGpt, "allnonfinite", options, 2);
+  const std::string nonfinite = temp_path("allnonfinite_nan");
+  rewrite(rec.path, nonfinite, [](Record& r, std::vector<TensorToWrite>& tensors) {
+    if (r.meta["step"] != 1 || (r.type != RecordType::kStepBegin && r.type != RecordType::kStepEnd)) return;
+    tensors.push_back({tensor_names::state("junk"), at::full({4}, std::nan(""), at::kFloat), true, std::nullopt});
+  });
+  ReplayOptions two;
+  two.step = 2;
+  const ReplayResult r = replay(nonfinite, two);
+  EXPECT_EQ(r.from_step, 2);
+  EXPECT_TRUE(r.reproduced) << (r.first_divergence ? r.first_divergence->message() : "");
+
+  {
+    // Control: the anchor's content decides the verdict (one element of step_end 1's stored
+    // state changed diverges), so a replay from the wrong snapshot cannot pass.
+    const std::string perturbed = temp_path("allnonfinite_perturbed");
+    rewrite(nonfinite, perturbed, [](Record& r, std::vector<TensorToWrite>& tensors) {
+      if (r.type == RecordType::kStepEnd && r.meta["step"] == 1) {
+        for (TensorToWrite& t : tensors) {
+          if (t.name == tensor_names::state("param.block2.fc.weight")) {
+            t.tensor = t.tensor.clone();
+            t.tensor.view(-1)[5] += 0.25;
+          }
+        }
+      }
+    });
+    const ReplayResult bad = replay(perturbed, two);
+    EXPECT_EQ(bad.from_step, 2);
+    EXPECT_FALSE(bad.reproduced);
+    fs::remove(perturbed);
+  }
+  fs::remove(rec.path);
+  fs::remove(nonfinite);
+}
+
+// A step whose loss and gradient norm are finite but whose optimizer step leaves the parameters
+// non-finite (an LR spike to 1e35 at step 1 on a loss weighted 1e6: the SGD update overflows
+// float) is where the replay stops, as the recorded run went non-finite there, and provenance
+// names the optimizer's op: the post-step state is checked finite as it is hashed for the
+// comparison. Control: at LR 0.1, weight 1 and no spike it replays both steps.
+TEST(Replay, StopsAtTheStepThatLeftTheParametersNonFinite) {
+  for (const bool overflow : {true, false}) {
+    SCOPED_TRACE(overflow ? "overflow" : "control");
+    const std::string yaml = std::string("name: overflow\n"
+                                         "model: {type: tiny_gpt, layers: 2, d_model: 32, heads: 4, dropout: 0.1}\n"
+                                         "data: {batch: 4, seed: 3}\n") +
+                             (overflow
+                                  ? "training: {steps: 2, optimizer: sgd, segments: 2, lr: 1.0e5, loss_weight: 1.0e6}\n"
+                                    "injections: [{type: lr_spike, step: 1, duration: 1, factor: 1.0e30}]\n"
+                                  : "training: {steps: 2, optimizer: sgd, segments: 2, lr: 0.1}\n");
+    RecorderOptions full;
+    full.mode = RecordMode::kFull;
+    full.state_check = false;
+    register_builtin_programs();
+    ScenarioProgram program(parse_scenario_text(yaml, "overflow"));
+    const std::string path = temp_path("overflow");
+    std::vector<StepOutcome> outcomes;
+    {
+      Recorder recorder(path, program, full);
+      outcomes = record_run(program, recorder, 2, /*stop_on_nonfinite=*/false);
+      recorder.close();
+    }
+    ASSERT_EQ(outcomes.size(), 2u);
+    EXPECT_TRUE(outcomes[0].finite());  // step 1's loss and norm are finite; its update may not be
+    EXPECT_EQ(outcomes[1].finite(), !overflow);
+    ReplayOptions all;
+    all.from = 1;
+    const ReplayResult r = replay(path, all);
+    EXPECT_TRUE(r.reproduced) << (r.first_divergence ? r.first_divergence->message() : "");
+    EXPECT_EQ(r.from_step, 1);
+    EXPECT_EQ(r.to_step, overflow ? 1 : 2);
+    EXPECT_EQ(r.first_nonfinite.has_value(), overflow);
+    if (r.first_nonfinite) {
+      EXPECT_EQ(r.first_nonfinite->step, 1);
+      EXPECT_EQ(r.first_nonfinite->phase, "optimizer");
+    }
+    fs::remove(path);
+  }
+}
+
 TEST(Replay, SampledSnapshotsAnchorTheReplay) {
   RecorderOptions options;
   options.every = 2;

@@ -51,9 +51,11 @@ inline Recorded record(const char* yaml, const std::string& name, RecorderOption
   return r;
 }
 
+// Replays as `retrace replay` does: the program built for a replay (BuildFor::kReplay), its
+// parameters left uninitialized until the snapshot is restored.
 inline ReplayResult replay(const std::string& path, ReplayOptions options = {}) {
   const TraceReader trace(path);
-  std::unique_ptr<Program> program = program_from_trace(trace);
+  std::unique_ptr<Program> program = program_from_trace(trace, BuildFor::kReplay);
   return Replayer(trace, *program).run(options);
 }
 

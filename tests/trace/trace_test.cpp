@@ -696,6 +696,68 @@ TEST(Trace, ReadTableDecodesAnUncheckedTensorThroughItsWholeRecord) {
   fs::remove(path);
 }
 
+// decode_into() writes a stored tensor into the caller's own (a program's parameter, requiring
+// grad): the same bits as decode(), in the same memory, its version bumped. A tensor it cannot
+// fill is refused with one line naming the tensor, what it got and what it needs; a changed byte
+// is the same TraceError decode() gives. Controls: decode() of the changed byte throws too, and
+// the refused targets are left as they were.
+TEST(Trace, DecodeIntoFillsTheCallersTensorOrSaysWhyNot) {
+  const std::string path = temp_path("decode_into");
+  write_small(path);
+  const TraceReader r(path);
+  for (const Record& rec : {r.read(0), r.read_table(0)}) {
+    SCOPED_TRACE(rec.has_blob ? "read()" : "read_table()");
+    const TensorEntry& a = *rec.find("a");
+    at::Tensor param = torch::full({3, 4}, -1.0f).requires_grad_();
+    const void* memory = param.const_data_ptr();
+    const auto version = param._version();
+    r.decode_into(rec, a, param);
+    EXPECT_EQ(param.const_data_ptr(), memory);
+    EXPECT_GT(param._version(), version);
+    EXPECT_TRUE(param.requires_grad());
+    EXPECT_BITWISE_EQ(r.decode(rec, a), param.detach());
+    EXPECT_BITWISE_EQ(tensor_b(), [&] {
+      at::Tensor b = torch::zeros({7}, torch::kBFloat16);
+      r.decode_into(rec, *rec.find("b"), b);
+      return b;
+    }());
+
+    const auto refused = [&](const at::Tensor& target, const std::string& says) {
+      const at::Tensor before = target.defined() ? target.clone() : at::Tensor();
+      try {
+        r.decode_into(rec, a, target);
+        ADD_FAILURE() << "decode_into filled " << says;
+      } catch (const TraceError& e) {
+        ADD_FAILURE() << "a TraceError, not a usage error: " << e.what();
+      } catch (const Error& e) {
+        const std::string m = e.what();
+        EXPECT_NE(m.find("tensor 'a'"), std::string::npos) << m;
+        EXPECT_NE(m.find(says), std::string::npos) << m;
+        EXPECT_NE(m.find("Float and shape [3, 4]"), std::string::npos) << m;
+        EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+      }
+      if (target.defined()) {
+        EXPECT_BITWISE_EQ(before, target);
+      }
+    };
+    refused(torch::zeros({3, 4}, torch::kDouble), "Double [3, 4]");
+    refused(torch::zeros({4, 3}), "Float [4, 3]");
+    refused(torch::zeros({4, 3}).t(), "not contiguous");
+    refused(at::Tensor(), "an undefined tensor");
+  }
+
+  const Record table = r.read_table(0);
+  const TensorEntry& a = *table.find("a");
+  std::string bytes = slurp(path);
+  const std::size_t last = static_cast<std::size_t>(table.blob_at + a.offset + a.stored_bytes - 1);
+  bytes[last] = static_cast<char>(bytes[last] ^ 0x40);
+  spit(path, bytes);
+  at::Tensor target = torch::zeros({3, 4});
+  EXPECT_THROW(r.decode_into(table, a, target), TraceError);
+  EXPECT_THROW(r.decode(table, a), TraceError);
+  fs::remove(path);
+}
+
 // The reader counts nesting in the metadata's structure, not in its text: brackets inside a string
 // are text. Control: Trace.TheWriterRefusesWhatTheReaderWouldRefuse refuses 33 levels.
 TEST(Trace, BracketsInsideAStringAreNotNesting) {

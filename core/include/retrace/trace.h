@@ -216,7 +216,8 @@ struct RecordInfo {
 };
 
 // Reads a trace (final or .incomplete). Opening scans every record once, verifying framing and
-// checksums. Thread-compatible: const methods may run concurrently.
+// checksums (on the intra-op threads when the records are large; the first bad record in file
+// order is the one named). Thread-compatible: const methods may run concurrently.
 class TraceReader {
  public:
   explicit TraceReader(const std::string& path, ReaderOptions options = {});
@@ -248,12 +249,20 @@ class TraceReader {
   // Decodes a stored tensor (CPU), checking sizes against the caps and its digest. Safe to call
   // from several threads at once.
   at::Tensor decode(const Record& record, const TensorEntry& entry) const;
+  // Decodes a stored tensor into `out`, which must be a contiguous CPU tensor of the entry's dtype
+  // and shape (retrace::Error otherwise): e.g. a program's own parameter, restored without new
+  // memory or a copy. The same checks as decode(); a bad tensor (a TraceError) may leave `out`
+  // partly written. Bumps `out`'s version counter, as an in-place write does.
+  void decode_into(const Record& record, const TensorEntry& entry, const at::Tensor& out) const;
 
  private:
   // Walks the records after the file header: fills records_ and header_, checks the index and
   // trailer, and says in warning_ where a truncated trace ends.
   void scan_records();
   Record load(std::uint64_t offset) const;
+  // decode() and decode_into(): into `out`, or (undefined) a new tensor once the stored bytes
+  // declare the entry's size.
+  void decode_to(const Record& record, const TensorEntry& entry, at::Tensor& out) const;
   // keep_blob false: the payload is checked (checksum, metadata, tensor entries) but its tensor
   // bytes are not kept (the scan when the trace is opened). `meta_hash`, when given, receives the
   // XXH3-64 of the metadata bytes (read_table() checks them against it later).

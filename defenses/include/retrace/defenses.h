@@ -152,6 +152,10 @@ std::vector<NamedTensor> optimizer_state(torch::optim::Optimizer& optimizer,
 // Throws retrace::Error when an entry is missing or malformed.
 void load_optimizer_state(torch::optim::Optimizer& optimizer, const std::vector<NamedTensor>& parameters,
                           const std::vector<NamedTensor>& state);
+// The same from tensors the caller gives up: the optimizer keeps them (on the parameter's device
+// already: no copy) instead of clones. For Program::adopt_state.
+void load_optimizer_state(torch::optim::Optimizer& optimizer, const std::vector<NamedTensor>& parameters,
+                          std::vector<NamedTensor>&& state);
 // Copies `state`'s tensors into `targets` by name, in place (retrace::Error when one is missing
 // or has another dtype or shape); gradients of parameters are cleared.
 void copy_state_into(const std::vector<NamedTensor>& targets, const std::vector<NamedTensor>& state);

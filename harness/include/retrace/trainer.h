@@ -30,6 +30,7 @@ class ScenarioProgram : public Program {
   std::string config() const override;
   std::vector<NamedTensor> state() override;
   void load_state(const std::vector<NamedTensor>& state) override;
+  void adopt_state(std::vector<NamedTensor> state) override;  // keeps the optimizer moments given
   std::vector<NamedTensor> batch(std::int64_t step) override;
   StepOutcome step(std::int64_t step, const std::vector<NamedTensor>& batch, StepMonitor* monitor) override;
   std::int64_t default_steps() const override { return spec_.training.steps; }

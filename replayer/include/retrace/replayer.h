@@ -111,6 +111,10 @@ class EnvironmentMismatch : public Error {
 class Replayer {
  public:
   Replayer(const TraceReader& trace, Program& program);
+  // Restores the program to the anchor's snapshot and re-executes. The snapshot is decoded
+  // straight into the program's own state() tensors where they fit (CPU, contiguous, the
+  // recorded dtype and shape) and handed over with Program::adopt_state; a trace found bad
+  // while it is decoded (a TraceError) may leave the program's state partly overwritten.
   ReplayResult run(const ReplayOptions& options = {});
 
  private:
@@ -118,7 +122,15 @@ class Replayer {
   Program& program_;
 };
 
-// Rebuilds the program named in the trace header through the registry.
-std::unique_ptr<Program> program_from_trace(const TraceReader& trace);
+// What a program rebuilt from a trace is for.
+enum class BuildFor : std::uint8_t {
+  kFreshStart,  // it starts from its constructor's state (e.g. diagnose re-running step 1)
+  kReplay,      // Replayer::run restores its state() from a snapshot before any step: built
+                // under a RestoringStateScope, its constructor may skip drawing initial values
+};
+// Rebuilds the program named in the trace header through the registry. With BuildFor::kReplay
+// the program's state() may hold uninitialized memory until Replayer::run restores it: use such a
+// program only for replay.
+std::unique_ptr<Program> program_from_trace(const TraceReader& trace, BuildFor purpose = BuildFor::kFreshStart);
 
 }  // namespace retrace
