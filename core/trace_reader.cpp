@@ -767,7 +767,8 @@ void TraceReader::decode_into(const Record& record, const TensorEntry& e, const 
       << " cannot be decoded into ";
     if (out.defined()) {
       m << c10::toString(out.scalar_type()) << " " << out.sizes() << " on " << out.device()
-        << (out.is_contiguous() ? "" : ", not contiguous");
+        << (out.is_contiguous() ? "" : ", not contiguous") << (out.is_neg() ? ", a negative view" : "")
+        << (out.is_conj() ? ", a conjugate view" : "");
     } else {
       m << "an undefined tensor";
     }

@@ -221,21 +221,17 @@ const at::Tensor& need(const std::map<std::string, at::Tensor>& by_name, const s
   return it->second;
 }
 
-// The recorded moment itself where the caller gave it up (`adopt`), else a clone of it.
-at::Tensor kept(const at::Tensor& t, bool adopt) { return adopt ? t : t.clone(); }
-
+// `by_name`'s tensors are the optimizer's to keep (load_optimizer_state_from cloned what it must).
 template <typename State>
-std::unique_ptr<State> load_adam(const std::map<std::string, at::Tensor>& by_name, const std::string& prefix,
-                                 bool adopt) {
+std::unique_ptr<State> load_adam(const std::map<std::string, at::Tensor>& by_name, const std::string& prefix) {
   auto st = std::make_unique<State>();
   const at::Tensor& step = need(by_name, prefix + "step");
   if (step.numel() != 1 || step.is_floating_point())
     throw Error("the recorded '" + prefix + "step' is not an integer scalar");
   st->step(step.item<std::int64_t>());
-  st->exp_avg(kept(need(by_name, prefix + "exp_avg"), adopt));
-  st->exp_avg_sq(kept(need(by_name, prefix + "exp_avg_sq"), adopt));
-  if (auto it = by_name.find(prefix + "max_exp_avg_sq"); it != by_name.end())
-    st->max_exp_avg_sq(kept(it->second, adopt));
+  st->exp_avg(need(by_name, prefix + "exp_avg"));
+  st->exp_avg_sq(need(by_name, prefix + "exp_avg_sq"));
+  if (auto it = by_name.find(prefix + "max_exp_avg_sq"); it != by_name.end()) st->max_exp_avg_sq(it->second);
   return st;
 }
 
@@ -272,34 +268,42 @@ std::vector<NamedTensor> optimizer_state(torch::optim::Optimizer& optimizer,
 }
 
 namespace {
-// `adopt`: the optimizer may keep `state`'s tensors (the caller gave them up); a tensor moved to
-// the parameter's device, or made contiguous, is a new one either way.
+// `adopt`: `state`'s tensors are given up (moved out of it), and the optimizer keeps each one that
+// nothing else can see: its only handle, the only tensor on its storage, contiguous and the whole
+// of it. Anything else -- every tensor when not `adopt`, a view into a larger tensor, a handle to
+// a tensor someone still holds (another optimizer's live moment in a temporary vector) -- is
+// cloned: the optimizer updates its moments in place. A tensor moved to the parameter's device
+// is a new one, the optimizer's own.
 void load_optimizer_state_from(torch::optim::Optimizer& optimizer, const std::vector<NamedTensor>& parameters,
-                               const std::vector<NamedTensor>& state, bool adopt) {
+                               std::vector<NamedTensor>& state, bool adopt) {
   const OptimizerKind kind = kind_of(optimizer);
   auto& states = optimizer.state();
   states.clear();
   for (const NamedTensor& p : parameters) {
     const std::string prefix = optim_prefix(p.name);
     std::map<std::string, at::Tensor> local;
-    bool owned = adopt;  // every tensor of this parameter's state is the caller's own, given up
-    for (const NamedTensor& n : state) {
-      if (n.name.rfind(prefix, 0) == 0) {
-        at::Tensor t = n.tensor.to(p.tensor.device());
-        // A moment the optimizer updates in place must own its memory: a view into a larger
-        // tensor (or a strided one) is cloned, as the const overload clones every moment.
-        if (!t.is_contiguous() || t.storage_offset() != 0 || t.storage().nbytes() != t.nbytes()) owned = false;
-        local[n.name] = std::move(t);
+    for (NamedTensor& n : state) {
+      // One of this parameter's entries: the prefix and a field name without a dot, so that a
+      // parameter named "fc" does not take "fc.weight"'s entries.
+      if (n.name.rfind(prefix, 0) != 0 || n.name.find('.', prefix.size()) != std::string::npos) continue;
+      at::Tensor t = adopt ? std::move(n.tensor) : n.tensor;
+      if (!t.defined()) continue;
+      if (t.device() != p.tensor.device()) {
+        t = t.to(p.tensor.device());
+      } else if (!adopt || t.use_count() != 1 || t.storage().use_count() != 1 || !t.is_contiguous() ||
+                 t.storage_offset() != 0 || t.storage().nbytes() != t.nbytes()) {
+        t = t.clone();
       }
+      local[n.name] = std::move(t);
     }
     if (local.empty()) continue;
     void* key = p.tensor.unsafeGetTensorImpl();
     switch (kind) {
-      case OptimizerKind::kAdamW: states[key] = load_adam<torch::optim::AdamWParamState>(local, prefix, owned); break;
-      case OptimizerKind::kAdam: states[key] = load_adam<torch::optim::AdamParamState>(local, prefix, owned); break;
+      case OptimizerKind::kAdamW: states[key] = load_adam<torch::optim::AdamWParamState>(local, prefix); break;
+      case OptimizerKind::kAdam: states[key] = load_adam<torch::optim::AdamParamState>(local, prefix); break;
       case OptimizerKind::kSgd: {
         auto st = std::make_unique<torch::optim::SGDParamState>();
-        st->momentum_buffer(kept(need(local, prefix + "momentum_buffer"), owned));
+        st->momentum_buffer(need(local, prefix + "momentum_buffer"));
         states[key] = std::move(st);
         break;
       }
@@ -310,7 +314,8 @@ void load_optimizer_state_from(torch::optim::Optimizer& optimizer, const std::ve
 
 void load_optimizer_state(torch::optim::Optimizer& optimizer, const std::vector<NamedTensor>& parameters,
                           const std::vector<NamedTensor>& state) {
-  load_optimizer_state_from(optimizer, parameters, state, false);
+  std::vector<NamedTensor> handles = state;  // handles only: every tensor is cloned
+  load_optimizer_state_from(optimizer, parameters, handles, false);
 }
 
 void load_optimizer_state(torch::optim::Optimizer& optimizer, const std::vector<NamedTensor>& parameters,

@@ -1,6 +1,8 @@
 #include <retrace/records.h>
 #include <retrace/state_check.h>
 
+#include <retrace/restore.h>
+
 #include <retrace/rng.h>
 #include <retrace/trace.h>
 
@@ -48,7 +50,7 @@ StateCheck::StateCheck(Program& program, std::int64_t step, const std::vector<Na
     skipped_ = "program '" + program_ + "' is not registered (register_program), so it cannot be rebuilt by name";
     return;
   }
-  const std::vector<NamedTensor> start = clone_all(program.state());
+  std::vector<NamedTensor> start = clone_all(program.state());
   const std::vector<NamedTensor> inputs = clone_all(batch);  // an injector may corrupt a batch in place
   const RngState rng = RngState::capture_all();
   try {
@@ -63,7 +65,8 @@ StateCheck::StateCheck(Program& program, std::int64_t step, const std::vector<Na
       not_rebuilt_ = exception_message(e);
     }
     if (copy) {
-      copy->load_state(start);
+      // Restored as replay restores it: into its own tensors where they fit, through adopt_state.
+      restore_as_replay_does(*copy, std::move(start));
       rng.restore();  // construction may have drawn (random init, seeding)
       try {
         outcome_ = copy->step(step, inputs, nullptr);
@@ -95,8 +98,9 @@ StateCheckResult StateCheck::finish(const StepOutcome& outcome, const std::vecto
       "a copy of program '" + program_ + "' rebuilt from its name and config and loaded with the step's start state()";
   const std::string fix =
       "; add it to state() and load_state() (or, if its constructor skips initializing it under "
-      "restoring_state(), initialize it there), or turn the check off (RecorderOptions::state_check, "
-      "retrace record --no-state-check)";
+      "restoring_state(), initialize it there; and load_state() is given the program's own state() tensors "
+      "where they can take the snapshot in place, so it must not clear one before copying into it), or turn "
+      "the check off (RecorderOptions::state_check, retrace record --no-state-check)";
   r.status = StateCheckResult::Status::kFailed;
   if (not_rebuilt_) {
     r.message = at + " failed: rebuilding program '" + program_ +

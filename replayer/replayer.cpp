@@ -1,6 +1,7 @@
 #include <retrace/replayer.h>
 
 #include <retrace/records.h>
+#include <retrace/restore.h>
 
 #include "provenance.h"
 
@@ -178,7 +179,7 @@ struct HostScan {
 HostScan scan_host(const std::vector<NamedTensor>& tensors, bool hash, bool check_finite) {
   HostScan scan;
   scan.digests.resize(tensors.size());
-  std::vector<std::exception_ptr> errors(tensors.size());
+  std::vector<std::exception_ptr> errors(tensors.size()), finite_errors(tensors.size());
   std::atomic<bool> finite{true};
   at::parallel_for(0, static_cast<std::int64_t>(tensors.size()), 1, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end; ++i) {
@@ -188,14 +189,18 @@ HostScan scan_host(const std::vector<NamedTensor>& tensors, bool hash, bool chec
         if (hash) scan.digests[i] = digest(t);
       } catch (...) {
         errors[i] = std::current_exception();  // compare() takes the digest again and throws it
-        continue;
       }
-      if (check_finite && finite.load(std::memory_order_relaxed) && !retrace::all_finite(t))
-        finite.store(false, std::memory_order_relaxed);
+      if (!check_finite) continue;  // every tensor checked, so that what is thrown is the same every run
+      try {
+        if (!retrace::all_finite(t)) finite.store(false, std::memory_order_relaxed);
+      } catch (...) {
+        finite_errors[i] = std::current_exception();
+      }
     }
   });
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     if (errors[i]) scan.digests[i].reset();
+    if (finite_errors[i]) std::rethrow_exception(finite_errors[i]);  // the first in list order
   }
   scan.finite = finite.load();
   return scan;
@@ -491,31 +496,11 @@ class CollectiveTape : public CollectiveReplay {
   std::size_t unconsumed() const { return next_ < order_.size() ? order_.size() - next_ : 0; }
 };
 
-// The tensors of `live` (a program's state()) that a snapshot's entries can be decoded straight
-// into, by name: CPU, contiguous, of the entry's dtype and shape, and not sharing memory with
-// another (two entries decoded into one buffer at once would race). Empty when any two overlap.
-std::map<std::string_view, at::Tensor> decode_targets(const std::vector<NamedTensor>& live) {
-  std::map<std::string_view, at::Tensor> out;
-  std::vector<std::pair<std::uintptr_t, std::uintptr_t>> spans;
-  for (const NamedTensor& n : live) {
-    const at::Tensor& t = n.tensor;
-    if (!t.defined() || !t.is_cpu() || !t.is_contiguous() || t.is_neg() || t.is_conj() || t.nbytes() == 0) continue;
-    const auto begin = reinterpret_cast<std::uintptr_t>(t.const_data_ptr());
-    spans.emplace_back(begin, begin + t.nbytes());
-    out.emplace(n.name, t);
-  }
-  std::sort(spans.begin(), spans.end());
-  for (std::size_t i = 1; i < spans.size(); ++i) {
-    if (spans[i].first < spans[i - 1].second) return {};
-  }
-  return out;
-}
-
 // The record's state.* (or batch.*) tensors, decoded, under the program's names.
 // Decoded on LibTorch's intra-op threads: a snapshot is hundreds of tensors. With `finite`: set
 // to whether every one is finite, each checked right after its decode, while its bytes are still
 // in the cache (a pass over the whole state afterwards read it all from memory again). With
-// `into` (decode_targets()): a tensor whose program name, dtype and shape match one of those is
+// `into` (in_place_targets()): a tensor whose program name, dtype and shape match one of those is
 // decoded into it, and the result holds that tensor (no new memory, no copy in load_state).
 std::vector<NamedTensor> named_tensors(const TraceReader& trace, const Record& rec,
                                        std::optional<std::string_view> (*program_name)(std::string_view),
@@ -660,11 +645,11 @@ std::optional<Record> end_holding_state(const TraceReader& trace, const std::map
 // The anchor: the latest full snapshot at or before `latest` whose state is all finite (a
 // snapshot that already holds NaN/Inf cannot show where they came from); failing that, the
 // latest full snapshot. Its state is decoded into the program's own tensors where they fit
-// (decode_targets): the program's state is overwritten, the anchor's tensors are its own.
+// (in_place_targets): the program's state is overwritten, the anchor's tensors are its own.
 Anchor find_anchor(const TraceReader& trace, const std::map<std::int64_t, StepRecords>& steps, std::int64_t latest,
                    Program& program) {
   const std::vector<NamedTensor> live = program.state();
-  const std::map<std::string_view, at::Tensor> into = decode_targets(live);
+  const std::map<std::string_view, at::Tensor> into = in_place_targets(live);
   std::optional<Anchor> nonfinite;  // its state not kept: a later candidate is decoded over it
   for (auto it = steps.upper_bound(latest); it != steps.begin();) {
     --it;

@@ -19,6 +19,7 @@
 #include <retrace/observer.h>
 #include <retrace/program.h>
 #include <retrace/records.h>
+#include <retrace/restore.h>
 #include <retrace/rng.h>
 #include <retrace/sequential.h>
 #include <retrace/snapshot.h>

@@ -89,8 +89,8 @@ TEST(Defenses, ClippingNeverTurnsAnInfGradientIntoZeroOrNaN) {
 
 // load_optimizer_state from tensors given up (Program::adopt_state) keeps them as the moments;
 // from a const state it clones, so that a caller's snapshot (rollback's) is never updated in
-// place. A moment that does not own its memory (a view into a larger tensor) is cloned either
-// way. Both ways train on to the same bits. Controls: the clones' memory differs from the
+// place. A moment that does not own its memory (a view into a larger tensor) or that something
+// else still holds (another optimizer's live moment) is cloned either way. Both ways train on to the same bits. Controls: the clones' memory differs from the
 // given tensors', and the larger tensor a view was taken from is unchanged by the next step.
 TEST(Defenses, LoadOptimizerStateKeepsMomentsGivenUpAndClonesTheRest) {
   torch::manual_seed(7);
@@ -154,6 +154,19 @@ TEST(Defenses, LoadOptimizerStateKeepsMomentsGivenUpAndClonesTheRest) {
   EXPECT_NE(memory_of(weight_avg), larger.const_data_ptr());
   train(opt);
   EXPECT_BITWISE_EQ(larger_before, larger);
+  EXPECT_EQ(differing(reference, params), 0);
+
+  // Given up, but still another optimizer's live moments (a temporary of handles to them):
+  // cloned, and the other optimizer's moments are untouched by this one's step.
+  torch::optim::AdamW other(model->parameters(), torch::optim::AdamWOptions(0.01));
+  load_optimizer_state(other, params, copy(moments));
+  const std::vector<NamedTensor> other_before = copy(optimizer_state(other, params));
+  const void* other_avg = given(weight_avg, optimizer_state(other, params));
+  copy_state_into(params, params_then);
+  load_optimizer_state(opt, params, optimizer_state(other, params));
+  EXPECT_NE(memory_of(weight_avg), other_avg);
+  train(opt);
+  EXPECT_EQ(differing(other_before, optimizer_state(other, params)), 0);
   EXPECT_EQ(differing(reference, params), 0);
 }
 

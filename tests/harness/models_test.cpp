@@ -5,6 +5,7 @@
 #include <retrace/models.h>
 #include <retrace/program.h>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -49,19 +50,24 @@ TEST(Models, ABadConfigIsOneErrorNamingTheField) {
 // Built for a replay (RestoringStateScope: the snapshot will overwrite every parameter), a model
 // skips drawing its initial values but has the same parameters -- names, dtypes, shapes, each
 // requiring grad, each its own memory -- and, given the usual model's values, the same loss and
-// gradients bitwise (with dropout, the generator seeded alike). Control: the scope ends with its
-// block, so a model built after it is the usual one, bitwise the first.
+// gradients bitwise (with dropout, the generator seeded alike), having drawn less from the global
+// generator. Control: the scope ends with its block, so a model built after it is the usual one,
+// bitwise the first.
 template <class Model, class Config>
 void expect_restorable(const Config& config) {
   torch::manual_seed(3);
   auto usual = std::make_shared<Model>(config);
+  const at::Tensor drawn_usually = at::detail::getDefaultCPUGenerator().get_state();
   std::shared_ptr<Model> restored;
   {
     const RestoringStateScope restoring;
     EXPECT_TRUE(restoring_state());
+    torch::manual_seed(3);
     restored = std::make_shared<Model>(config);
   }
   EXPECT_FALSE(restoring_state());
+  // The draws were skipped: from the same seed, the generator ends elsewhere.
+  EXPECT_FALSE(at::equal(drawn_usually, at::detail::getDefaultCPUGenerator().get_state()));
   torch::manual_seed(3);
   auto again = std::make_shared<Model>(config);
 

@@ -214,8 +214,9 @@ TEST(Replay, FullModeStoresTheStateOnceBetweenSteps) {
 // is decoded again after the earlier candidates were decoded over it. Here a NaN tensor the
 // program does not hold is added to both stored snapshots (step_begin 1's, and step_end 1's
 // that step_begin 2 points at); step 2 replays bitwise from its own. Negative control (by hand):
-// without the second decode the program holds step 1's snapshot, the last one decoded, and the
-// replay of step 2 diverges.
+// without the second decode the anchor's state is empty and the replay fails (the program's
+// parameters are missing from it); the perturbed copy below shows that the anchor's content
+// decides the verdict.
 TEST(Replay, WhenEverySnapshotHoldsNonFiniteStateTheLatestIsRestored) {
   RecorderOptions options;
   options.mode = RecordMode::kFull;
