@@ -179,7 +179,7 @@ struct HostScan {
 HostScan scan_host(const std::vector<NamedTensor>& tensors, bool hash, bool check_finite) {
   HostScan scan;
   scan.digests.resize(tensors.size());
-  std::vector<std::exception_ptr> errors(tensors.size()), finite_errors(tensors.size());
+  std::vector<std::exception_ptr> finite_errors(tensors.size());
   std::atomic<bool> finite{true};
   at::parallel_for(0, static_cast<std::int64_t>(tensors.size()), 1, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end; ++i) {
@@ -188,7 +188,7 @@ HostScan scan_host(const std::vector<NamedTensor>& tensors, bool hash, bool chec
       try {
         if (hash) scan.digests[i] = digest(t);
       } catch (...) {
-        errors[i] = std::current_exception();  // compare() takes the digest again and throws it
+        // No digest: compare() takes it again and throws the error where it is compared.
       }
       if (!check_finite) continue;  // every tensor checked, so that what is thrown is the same every run
       try {
@@ -199,7 +199,6 @@ HostScan scan_host(const std::vector<NamedTensor>& tensors, bool hash, bool chec
     }
   });
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    if (errors[i]) scan.digests[i].reset();
     if (finite_errors[i]) std::rethrow_exception(finite_errors[i]);  // the first in list order
   }
   scan.finite = finite.load();
@@ -508,7 +507,6 @@ std::vector<NamedTensor> named_tensors(const TraceReader& trace, const Record& r
                                        const std::map<std::string_view, at::Tensor>* into = nullptr) {
   std::vector<NamedTensor> out;
   std::vector<const TensorEntry*> entries;
-  std::vector<bool> in_place;
   for (const TensorEntry& e : rec.tensors) {
     if (const auto name = program_name(e.name)) {
       at::Tensor target;
@@ -518,7 +516,6 @@ std::vector<NamedTensor> named_tensors(const TraceReader& trace, const Record& r
           target = it->second;
         }
       }
-      in_place.push_back(target.defined());
       out.push_back({std::string(*name), std::move(target)});
       entries.push_back(&e);
     }
@@ -530,7 +527,7 @@ std::vector<NamedTensor> named_tensors(const TraceReader& trace, const Record& r
   at::parallel_for(0, static_cast<std::int64_t>(out.size()), 4, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end; ++i) {
       try {
-        if (in_place[i]) {
+        if (out[i].tensor.defined()) {  // an in-place target (each i is this thread's alone)
           trace.decode_into(rec, *entries[i], out[i].tensor);
         } else {
           out[i].tensor = trace.decode(rec, *entries[i]);
