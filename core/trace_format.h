@@ -21,6 +21,10 @@ constexpr std::size_t kRecordHeaderBytes = 24;
 constexpr char kTrailerMagic[8] = {'R', 'T', 'R', 'C', 'I', 'D', 'X', '\0'};
 constexpr std::size_t kTrailerBytes = 16;
 constexpr int kMaxRank = 64;
+// From this version on, a record's payload checksum covers u32 meta_len and the metadata only,
+// and every stored tensor entry carries `checksum`, the XXH3-64 of its stored bytes (16 lowercase
+// hex digits); the stored entries lie back to back in table order and fill the blob.
+constexpr std::uint32_t kTensorChecksumVersion = 4;
 
 struct RecordHeader {
   std::uint32_t magic;

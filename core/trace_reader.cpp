@@ -144,6 +144,19 @@ void check_index(const Record& r, const std::vector<RecordInfo>& records, const 
   }
 }
 
+// True when `text` is `digits` lowercase hex digits.
+bool lower_hex(const std::string& text, std::size_t digits) {
+  return text.size() == digits && text.find_first_not_of("0123456789abcdef") == std::string::npos;
+}
+
+// The 16 hex digits of `hex` from `from` (lower_hex checked them).
+std::uint64_t hex64(const std::string& hex, std::size_t from) {
+  std::uint64_t v = 0;
+  for (std::size_t i = from; i < from + 16; ++i)
+    v = v << 4 | static_cast<std::uint64_t>(hex[i] <= '9' ? hex[i] - '0' : hex[i] - 'a' + 10);
+  return v;
+}
+
 // What a tensor entry is checked against: the trace, the reader's caps, the record.
 struct TableContext {
   const std::string& path;
@@ -191,17 +204,11 @@ TensorEntry table_entry(const Source& f, const TableContext& c) {
     bad(TraceError::Kind::kMalformed, c.path, c.offset, "tensor '" + e.name + "' raw_bytes does not match its shape");
   }
   const std::string hex = f.text("digest");
-  if (hex.size() != 32 || hex.find_first_not_of("0123456789abcdef") != std::string::npos) {
+  if (!lower_hex(hex, 32)) {
     bad(TraceError::Kind::kMalformed, c.path, c.offset, "tensor '" + e.name + "' has a malformed digest");
   }
-  const auto hex64 = [&](std::size_t from) {
-    std::uint64_t v = 0;
-    for (std::size_t i = from; i < from + 16; ++i)
-      v = v << 4 | static_cast<std::uint64_t>(hex[i] <= '9' ? hex[i] - '0' : hex[i] - 'a' + 10);
-    return v;
-  };
-  e.digest.hi = hex64(0);
-  e.digest.lo = hex64(16);
+  e.digest.hi = hex64(hex, 0);
+  e.digest.lo = hex64(hex, 16);
   const std::int64_t alg = f.integer("digest_algorithm");
   if (alg < 1 || alg > 2)
     bad(TraceError::Kind::kMalformed, c.path, c.offset, "tensor '" + e.name + "' has an unknown digest algorithm");
@@ -217,6 +224,14 @@ TensorEntry table_entry(const Source& f, const TableContext& c) {
   if (e.has_data()) {
     e.offset = f.count("offset");
     e.stored_bytes = f.count("stored_bytes");
+    if (c.version >= kTensorChecksumVersion) {
+      const std::string sum = f.text("checksum");
+      if (!lower_hex(sum, 16)) {
+        bad(TraceError::Kind::kMalformed, c.path, c.offset,
+            "tensor '" + e.name + "' has a malformed checksum (16 lowercase hex digits)");
+      }
+      e.checksum = hex64(sum, 0);
+    }
   }
   if (e.has_data() && (e.offset > c.blob_size || e.stored_bytes > c.blob_size - e.offset)) {
     bad(TraceError::Kind::kMalformed, c.path, c.offset, "tensor '" + e.name + "' data lies outside its record");
@@ -284,8 +299,8 @@ class SimdEntry {
   }
 
  private:
-  static constexpr std::string_view kKeys[] = {"name",      "dtype", "shape",  "digest",      "digest_algorithm",
-                                               "raw_bytes", "codec", "offset", "stored_bytes"};
+  static constexpr std::string_view kKeys[] = {"name",      "dtype", "shape",  "digest",       "digest_algorithm",
+                                               "raw_bytes", "codec", "offset", "stored_bytes", "checksum"};
   static constexpr int kSlots = sizeof kKeys / sizeof kKeys[0];
 
   static int slot(std::string_view key) {
@@ -444,6 +459,8 @@ namespace {
 // Opening checks records on LibTorch's intra-op threads when their payloads add up to this much
 // (below it, starting the threads costs more than they save).
 constexpr std::uint64_t kParallelScanBytes = std::uint64_t{8} << 20;
+// From format version 4 opening reads metadata only, whose cost goes with the number of records.
+constexpr std::size_t kParallelScanRecords = 64;
 }  // namespace
 
 void TraceReader::scan_records() {
@@ -512,9 +529,10 @@ void TraceReader::scan_records() {
     tail_error = std::current_exception();
   }
 
-  // 2. Every record checked whole (checksum, metadata, tensor table; its tensor bytes not kept). A
-  //    large trace is checked on the intra-op threads, each taking the largest record left (a
-  //    trace's records differ in size by 1000x); one record after another, a small one.
+  // 2. Every record checked (checksum, metadata, tensor table; its tensor bytes hashed before
+  //    version 4, never kept). A large trace is checked on the intra-op threads, each taking the
+  //    largest record left (a trace's records differ in size by 1000x); one record after another,
+  //    a small one.
   const std::size_t n = places.size();
   std::vector<Record> loaded(n);
   std::vector<std::uint64_t> hashes(n, 0);
@@ -523,7 +541,9 @@ void TraceReader::scan_records() {
   // malformed in a way only 3. sees).
   std::exception_ptr record_error;
   std::size_t bad_record = n;
-  if (n > 1 && payload_bytes >= kParallelScanBytes && at::get_num_threads() > 1) {
+  const bool large = version_ >= kTensorChecksumVersion ? n >= kParallelScanRecords
+                                                        : payload_bytes >= kParallelScanBytes;
+  if (n > 1 && large && at::get_num_threads() > 1) {
     const auto on_intra_op_threads = [](const auto& loop) {
       at::parallel_for(0, at::get_num_threads(), 1, [&](std::int64_t, std::int64_t) { loop(); });
     };
@@ -649,7 +669,12 @@ Record TraceReader::load_record(std::uint64_t offset, bool keep_blob, std::uint6
   std::uint32_t meta_len = 0;
   const bool has_meta_len = h.length >= 4;
   if (has_meta_len) take(&meta_len, 4);
-  const bool meta_in_bounds = has_meta_len && meta_len <= options_.max_meta_bytes && meta_len <= h.length - 4;
+  const bool meta_fits = has_meta_len && meta_len <= h.length - 4;
+  const bool meta_in_bounds = meta_fits && meta_len <= options_.max_meta_bytes;
+  // From version 4 the checksum covers meta_len and the metadata (the whole payload when meta_len
+  // does not fit in it): each stored tensor's bytes are under its entry's checksum, which decode()
+  // checks. Opening then reads no tensor bytes.
+  const bool blob_unsummed = version_ >= kTensorChecksumVersion && meta_fits;
   std::string meta;
   std::uint64_t blob_size = 0, blob_at = 0;
   std::string blob;
@@ -659,12 +684,20 @@ Record TraceReader::load_record(std::uint64_t offset, bool keep_blob, std::uint6
     take(meta.data(), meta_len);
     blob_size = h.length - 4 - meta_len;
     blob_at = pos;
-    if (keep_blob) {
+    if (blob_unsummed) {
+      check_sum();  // before reading the blob
+      if (keep_blob) {
+        blob.resize(static_cast<std::size_t>(blob_size));
+        read_exactly(*file_, blob.data(), blob.size(), pos, path_);
+      }
+    } else if (keep_blob) {
       blob.resize(static_cast<std::size_t>(blob_size));
       take(blob.data(), blob.size());
     } else {
       hash_rest(blob_size);
     }
+  } else if (blob_unsummed) {
+    hash_rest(meta_len);  // over the reader's cap: checked, not kept
   } else {
     hash_rest(h.length - (has_meta_len ? 4 : 0));
   }
@@ -724,6 +757,26 @@ Record TraceReader::parse_record(std::uint64_t offset, std::uint16_t type, const
       r.meta.erase("tensors");  // Record::tensors holds them
     }
   }
+  // Version 4: the stored tensors lie back to back in table order and fill the blob, so that
+  // every byte of it is under one tensor's checksum.
+  if (version_ >= kTensorChecksumVersion) {
+    std::uint64_t next = 0;
+    for (const TensorEntry& e : r.tensors) {
+      if (!e.has_data()) continue;
+      if (e.offset != next) {
+        bad(TraceError::Kind::kMalformed, path_, offset,
+            "tensor '" + e.name + "' is stored at blob offset " + std::to_string(e.offset) + ", not at " +
+                std::to_string(next) + " where the stored tensor before it ends (format version " +
+                std::to_string(version_) + " stores them back to back)");
+      }
+      next += e.stored_bytes;
+    }
+    if (next != blob_size) {
+      bad(TraceError::Kind::kMalformed, path_, offset,
+          "the record's stored tensors cover " + std::to_string(next) + " of its " + std::to_string(blob_size) +
+              " blob bytes");
+    }
+  }
   return r;
 }
 
@@ -781,15 +834,9 @@ void TraceReader::decode_into(const Record& record, const TensorEntry& e, const 
   target.unsafeGetTensorImpl()->bump_version();
 }
 
-void TraceReader::decode_to(const Record& record, const TensorEntry& e, at::Tensor& out) const {
-  if (!e.has_data()) {
-    throw Error(path_ + ": tensor '" + e.name + "' in the record at byte offset " + std::to_string(record.offset) +
-                " holds only a digest (recorded in digest mode)");
-  }
+const char* TraceReader::stored_bytes(const Record& record, const TensorEntry& e, std::unique_ptr<char[]>& once) const {
   // A record read without its tensor bytes (read_table): this tensor's bytes, from the file,
-  // within the record's blob as its header declares it. A host digest (XXH3-128) or a zstd
-  // frame's own checksum then checks them; anything else (a device digest, Blosc) has no check of
-  // its own, and the tensor is decoded from the whole record read again, its checksum verified.
+  // within the record's blob as its header declares it.
   std::uint64_t blob_bytes = record.blob.size();
   if (!record.has_blob) {
     // The record's length as opening checked it (records() is in file order), else its header's.
@@ -812,16 +859,47 @@ void TraceReader::decode_to(const Record& record, const TensorEntry& e, at::Tens
     throw Error(path_ + ": tensor '" + e.name + "' lies outside the bytes of the record at byte offset " +
                 std::to_string(record.offset));
   }
-  std::unique_ptr<char[]> once;  // a tensor too large for the thread's kept buffer
-  char* staged = nullptr;        // not zeroed: the read fills it
-  if (!record.has_blob) {
-    const bool self_checked = e.digest.algorithm == DigestAlgorithm::kXxh3_128 || e.codec == TensorCodec::kZstd ||
-                              e.codec == TensorCodec::kZstdShuffle;
-    if (!self_checked) return decode_to(load(record.offset), e, out);
-    staged = staging_room(static_cast<std::size_t>(e.stored_bytes), once);
-    read_exactly(*file_, staged, static_cast<std::size_t>(e.stored_bytes), record.blob_at + e.offset, path_);
+  if (record.has_blob) return record.blob.data() + e.offset;
+  char* staged = staging_room(static_cast<std::size_t>(e.stored_bytes), once);  // not zeroed: the read fills it
+  read_exactly(*file_, staged, static_cast<std::size_t>(e.stored_bytes), record.blob_at + e.offset, path_);
+  return staged;
+}
+
+void TraceReader::check_checksum(const Record& record, const TensorEntry& e, const char* bytes) const {
+  if (version_ >= kTensorChecksumVersion &&
+      XXH3_64bits(bytes, static_cast<std::size_t>(e.stored_bytes)) != e.checksum) {
+    bad(TraceError::Kind::kChecksum, path_, record.offset,
+        "tensor '" + e.name + "' stored bytes do not match their checksum");
   }
-  const char* src = record.has_blob ? record.blob.data() + e.offset : staged;
+}
+
+namespace {
+[[noreturn]] void digest_only(const std::string& path, const Record& record, const TensorEntry& e) {
+  throw Error(path + ": tensor '" + e.name + "' in the record at byte offset " + std::to_string(record.offset) +
+              " holds only a digest (recorded in digest mode)");
+}
+}  // namespace
+
+void TraceReader::check_stored(const Record& record, const TensorEntry& e) const {
+  if (!e.has_data()) digest_only(path_, record, e);
+  if (version_ < kTensorChecksumVersion) return;  // opening checked them under the record's checksum
+  std::unique_ptr<char[]> once;
+  check_checksum(record, e, stored_bytes(record, e, once));
+}
+
+void TraceReader::decode_to(const Record& record, const TensorEntry& e, at::Tensor& out) const {
+  if (!e.has_data()) digest_only(path_, record, e);
+  // From the file (a record read without its tensor bytes), its own checksum (version 4) checks
+  // a tensor's bytes; in an older trace a host digest (XXH3-128) or a zstd frame's own checksum
+  // does, and anything else (a device digest, Blosc) has no check of its own: the tensor is then
+  // decoded from the whole record read again, its record checksum verified.
+  if (!record.has_blob && version_ < kTensorChecksumVersion && e.digest.algorithm != DigestAlgorithm::kXxh3_128 &&
+      e.codec != TensorCodec::kZstd && e.codec != TensorCodec::kZstdShuffle) {
+    return decode_to(load(record.offset), e, out);
+  }
+  std::unique_ptr<char[]> once;  // a tensor too large for the thread's kept buffer
+  const char* src = stored_bytes(record, e, once);
+  check_checksum(record, e, src);
   const std::optional<std::uint64_t> declared = declared_payload_size(src, e.stored_bytes, e.codec);
   if (!declared || *declared != e.raw_bytes) {
     bad(TraceError::Kind::kMalformed, path_, record.offset,

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -258,6 +259,7 @@ std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta, const st
     TensorEntry& e = entries[enc.entry];
     if (!enc.source->digest && !enc.source->digest_later && enc.source->tensor.is_cpu()) e.digest = digest(enc.host);
     enc.size = encode_tensor_payload_into(enc.host, e.codec, options_.zstd_level, blob + enc.slot, enc.bound);
+    e.checksum = XXH3_64bits(blob + enc.slot, enc.size);  // while the piece is still in the cache
   };
   if (helpers == 0) {
     // One thread, in entry order, each piece right after the last: the blob is one piece. (A slot
@@ -341,8 +343,10 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
                "\",\"digest_algorithm\":" + std::to_string(static_cast<int>(e.digest.algorithm)) +
                ",\"raw_bytes\":" + std::to_string(e.raw_bytes);
       if (e.has_data()) {  // digest-only entries leave codec, offset and stored_bytes at 0
+        char checksum[17];
+        std::snprintf(checksum, sizeof checksum, "%016llx", static_cast<unsigned long long>(e.checksum));
         table += ",\"codec\":" + std::to_string(static_cast<int>(e.codec)) + ",\"offset\":" + std::to_string(e.offset) +
-                 ",\"stored_bytes\":" + std::to_string(e.stored_bytes);
+                 ",\"stored_bytes\":" + std::to_string(e.stored_bytes) + ",\"checksum\":\"" + checksum + '"';
       }
       table += '}';
     }
@@ -356,22 +360,17 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
                 " bytes, over the format's 4 GiB limit; record fewer tensors per step (RecorderOptions::mode digest; "
                 "retrace record --mode digest)");
   }
-  // The payload is u32 meta_len, the metadata, the blob: its checksum is taken over the three
-  // pieces where they lie (XXH3's streaming digest is the one-shot one), and the record goes out
-  // as two writes -- the header with the metadata, then the blob -- without copying the blob.
+  // The payload is u32 meta_len, the metadata, the blob. Its checksum covers the first two (the
+  // blob's pieces are each under their entry's checksum, in the metadata), and the record goes
+  // out as two writes -- the header with the metadata, then the blob -- without copying the blob.
   const auto meta_len = static_cast<std::uint32_t>(meta_text.size());
   RecordHeader h{kRecordMagic, static_cast<std::uint16_t>(type), 0, static_cast<std::uint32_t>(payload_size), 0, 0};
-  const std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> hash(XXH3_createState(), &XXH3_freeState);
-  if (!hash) throw std::bad_alloc();
-  XXH3_64bits_reset_withSeed(hash.get(), payload_checksum_seed(h.type, h.flags, h.length));
-  XXH3_64bits_update(hash.get(), &meta_len, 4);
-  XXH3_64bits_update(hash.get(), meta_text.data(), meta_text.size());
-  for (const io::ConstBytes& piece : blob) XXH3_64bits_update(hash.get(), piece.data, piece.size);
-  h.payload_checksum = XXH3_64bits_digest(hash.get());
   std::string head(kRecordHeaderBytes + 4, '\0');
-  encode_header(h, reinterpret_cast<unsigned char*>(head.data()));
   std::memcpy(head.data() + kRecordHeaderBytes, &meta_len, 4);
   head += meta_text;
+  h.payload_checksum = XXH3_64bits_withSeed(head.data() + kRecordHeaderBytes, 4 + meta_text.size(),
+                                            payload_checksum_seed(h.type, h.flags, h.length));
+  encode_header(h, reinterpret_cast<unsigned char*>(head.data()));
   file_->append(head.data(), head.size());
   if (!blob.empty()) file_->append_all(blob);
 }

@@ -55,7 +55,7 @@ std::map<std::pair<std::int64_t, std::int64_t>, Seen> collectives_of(const Trace
   std::map<std::pair<std::int64_t, std::int64_t>, Seen> out;
   for (std::size_t i = 0; i < trace.records().size(); ++i) {
     if (trace.records()[i].type != RecordType::kCollective) continue;
-    const Record rec = trace.read(i);
+    const Record rec = trace.read_table(i);
     Seen s;
     s.record = CollectiveRecord::decode(rec, trace.path());
     const auto key = std::make_pair(s.record.step, s.record.seq);
@@ -137,10 +137,10 @@ RankTrace read_rank(const TraceReader& t, int rank) {
     const RecordInfo& info = t.records()[i];
     if (info.type == RecordType::kStepBegin) r.last_step = std::max(r.last_step, info.step);
     if (info.type == RecordType::kStepEnd) {
-      if (StepEndRecord::decode(t.read(i), t.path()).skipped) r.skipped.insert(info.step);
+      if (StepEndRecord::decode(t.read_table(i), t.path()).skipped) r.skipped.insert(info.step);
     }
     if (info.type == RecordType::kEvent) {
-      const EventRecord e = EventRecord::decode(t.read(i), t.path());
+      const EventRecord e = EventRecord::decode(t.read_table(i), t.path());
       if (e.exception && !r.exception) r.exception = e.exception;  // the first one is what stopped it
     }
   }

@@ -433,14 +433,14 @@ Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options
   for (std::size_t i = 0; i < trace.records().size() && d.failing_step < 0; ++i) {
     const RecordType type = trace.records()[i].type;
     if (type == RecordType::kEvent) {
-      const std::optional<ExceptionEvent> e = EventRecord::decode(trace.read(i), path).exception;
+      const std::optional<ExceptionEvent> e = EventRecord::decode(trace.read_table(i), path).exception;
       if (!e || !e->raised_by_step) continue;
       d.failing_step = e->step;
       loss = norm = std::numeric_limits<double>::quiet_NaN();
       d.failure_kind = "raised";
       d.failure = "step " + std::to_string(e->step) + " raised: " + e->what;
     } else if (type == RecordType::kStepEnd) {
-      const StepEndRecord rec = StepEndRecord::decode(trace.read(i), path);
+      const StepEndRecord rec = StepEndRecord::decode(trace.read_table(i), path);
       if (rec.finite || rec.skipped) continue;  // fine, or handled
       d.failing_step = rec.step;
       loss = rec.loss;
@@ -477,7 +477,7 @@ Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options
     at_failure = state_before(d.failing_step);
     for (std::size_t i = 0; i < trace.records().size(); ++i) {
       if (trace.records()[i].type != RecordType::kStepEnd) continue;
-      const StepEndRecord rec = StepEndRecord::decode(trace.read(i), path);
+      const StepEndRecord rec = StepEndRecord::decode(trace.read_table(i), path);
       if (rec.step != d.failing_step) continue;
       loss = rec.loss;
       norm = rec.grad_norm;

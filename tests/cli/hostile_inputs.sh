@@ -56,6 +56,12 @@ cp "$data/golden-v1.trace" "$dir/flipped.trace"
 size=$(stat -c %s "$dir/flipped.trace"); off=$((size / 2))
 byte=$(od -An -tu1 -j"$off" -N1 "$dir/flipped.trace" | tr -d ' ')
 printf "\\x$(printf %02x $((byte ^ 4)))" | dd of="$dir/flipped.trace" bs=1 seek="$off" conv=notrunc status=none
+# One flipped bit in a stored tensor of a version-4 trace, whose open reads no tensor bytes: the
+# last byte of the step_begin record's tensors, just before the third record's magic ("RREC").
+cp "$data/golden-v4.trace" "$dir/flipped-tensor.trace"
+off=$(($(grep -obUa RREC "$dir/flipped-tensor.trace" | sed -n 3p | cut -d: -f1) - 1))
+byte=$(od -An -tu1 -j"$off" -N1 "$dir/flipped-tensor.trace" | tr -d ' ')
+printf "\\x$(printf %02x $((byte ^ 4)))" | dd of="$dir/flipped-tensor.trace" bs=1 seek="$off" conv=notrunc status=none
 mkdir "$dir/emptydir"
 # The header record twice (a duplicate record): the file header, the header record, the header
 # record again, then the rest of the trace.
@@ -183,6 +189,7 @@ case_ "a trace cut inside its file header" 2 -- inspect "$dir/short.trace"
 case_ "a trace from a future format version" 2 -- inspect "$dir/future.trace"
 case_ "a record declaring a 4 GiB payload" 2 -- inspect "$dir/hugelen.trace"
 case_ "one flipped bit mid-file" 2 -- inspect "$dir/flipped.trace"
+case_ "one flipped bit in a stored tensor (format 4)" 2 -- inspect "$dir/flipped-tensor.trace"
 case_ "a trace of a program this binary lacks" 2 -- replay "$data/golden-v1.trace"
 case_ "diagnose without a source" 2 -- diagnose
 case_ "diagnose a trace of another program" 2 -- diagnose "$data/golden-v1.trace"

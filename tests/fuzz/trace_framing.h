@@ -35,9 +35,12 @@ struct FramedTrace {
 // magic, a length past the end) the rest is kept as `tail`. Checksums are not verified.
 FramedTrace split_trace(const unsigned char* data, std::size_t size);
 
-// Writes `trace` back with every record length, metadata length and checksum recomputed. When
+// Writes `trace` back with every record length, metadata length and checksum recomputed (from
+// format version 4, read from the file header, and with `fix_tensor_checksums`: each stored tensor
+// entry's `checksum` too, for the bytes its offset and stored_bytes name; the metadata is
+// rewritten only if one changed). When
 // `fix_index` is set, an index record that parses as JSON gets its `records` list rebuilt from
 // the records before it, and the trailer points at the last index record.
-std::string seal_trace(const FramedTrace& trace, bool fix_index);
+std::string seal_trace(const FramedTrace& trace, bool fix_index, bool fix_tensor_checksums = true);
 
 }  // namespace retrace::fuzz

@@ -6,11 +6,14 @@
 #include <retrace/trace.h>
 
 #include "core/tensor_codec.h"
+#include "fuzz/trace_framing.h"
 
 #include <torch/torch.h>
+#include <xxhash.h>
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -39,6 +42,43 @@ void spit(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
+
+// The trace `bytes` as the same records in format version `version` (its header's
+// format_version too), sealed again: a version-3 trace's record checksum covers its tensor bytes.
+// Its tensor entries keep their `checksum`, a key older versions ignore.
+std::string as_version(const std::string& bytes, std::uint32_t version) {
+  fuzz::FramedTrace t = fuzz::split_trace(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size());
+  std::memcpy(t.file_header.data() + 8, &version, 4);
+  nlohmann::json header = nlohmann::json::parse(t.records.at(0).meta);
+  header["format_version"] = version;
+  t.records[0].meta = header.dump();
+  return fuzz::seal_trace(t, /*fix_index=*/true);
+}
+
+// The POSIX file system, counting the bytes read through it.
+class CountingReads : public io::FileSystem {
+ public:
+  std::uint64_t bytes = 0;
+  std::unique_ptr<io::ReadableFile> open(const std::string& path) override {
+    struct File : io::ReadableFile {
+      CountingReads* fs;
+      std::unique_ptr<io::ReadableFile> f;
+      void read_at(std::uint64_t offset, void* out, std::size_t n) const override {
+        fs->bytes += n;
+        f->read_at(offset, out, n);
+      }
+      std::uint64_t size() const override { return f->size(); }
+    };
+    auto file = std::make_unique<File>();
+    file->fs = this;
+    file->f = io::posix_file_system().open(path);
+    return file;
+  }
+  std::unique_ptr<io::WritableFile> create(const std::string& p) override { return io::posix_file_system().create(p); }
+  void rename(const std::string& a, const std::string& b) override { io::posix_file_system().rename(a, b); }
+  void sync_directory(const std::string& d) override { io::posix_file_system().sync_directory(d); }
+  void remove(const std::string& p) override { io::posix_file_system().remove(p); }
+};
 
 // The tensors of the small and golden traces: known answers.
 at::Tensor tensor_a() { return torch::arange(12, torch::kFloat).view({3, 4}); }
@@ -383,18 +423,12 @@ TEST(Trace, GoldenVersion2TraceReads) {
   EXPECT_EQ(r.read(0).find("b")->codec, TensorCodec::kBloscBitshuffleLz4);
 }
 
-// Version 3: the small trace plus a collective record (a data-parallel rank's).
+// Version 3 on: the small trace plus a collective record (a data-parallel rank's).
 void write_small_v3(const std::string& path) { write_small(path, {}, /*collective=*/true); }
 
-TEST(Trace, GoldenVersion3TraceReads) {
-  static_assert(kTraceFormatVersion == 3, "a new format version needs its own golden file and test");
-  const char* dir = std::getenv("RETRACE_TEST_DATA");
-  ASSERT_NE(dir, nullptr) << "RETRACE_TEST_DATA is set by ctest";
-  const std::string golden = std::string(dir) + "/golden-v3.trace";
-  if (std::getenv("RETRACE_WRITE_GOLDEN")) write_small_v3(golden);
-  ASSERT_TRUE(fs::exists(golden)) << golden;
-  const TraceReader r(golden);
-  EXPECT_EQ(r.header()["format_version"], 3);
+// The golden collective trace of `version` (3 or 4) reads as written.
+void check_small_v3(const TraceReader& r, const std::string& golden, int version) {
+  EXPECT_EQ(r.header()["format_version"], version);
   ASSERT_EQ(r.records().size(), 4u);
   EXPECT_EQ(r.records()[2].type, RecordType::kCollective);
   EXPECT_EQ(r.records()[2].step, 1);
@@ -406,15 +440,41 @@ TEST(Trace, GoldenVersion3TraceReads) {
   EXPECT_TRUE(c.values);
   EXPECT_FALSE(rec.find("input.0")->has_data());
   EXPECT_BITWISE_EQ(tensor_a() * 2, r.decode(rec, *rec.find("output.0")));
+  const Record table = r.read_table(0);  // its tensors decoded from the file, one by one
+  EXPECT_BITWISE_EQ(tensor_a(), r.decode(table, *table.find("a")));
+  EXPECT_BITWISE_EQ(tensor_b(), r.decode(table, *table.find("b")));
+}
+
+TEST(Trace, GoldenVersion3TraceReads) {
+  const char* dir = std::getenv("RETRACE_TEST_DATA");
+  ASSERT_NE(dir, nullptr) << "RETRACE_TEST_DATA is set by ctest";
+  const std::string golden = std::string(dir) + "/golden-v3.trace";  // frozen
+  ASSERT_TRUE(fs::exists(golden)) << golden;
+  check_small_v3(TraceReader(golden), golden, 3);
+}
+
+// Version 4: the same records, each stored tensor with the checksum of its bytes, the record
+// checksum over the metadata.
+TEST(Trace, GoldenVersion4TraceReads) {
+  static_assert(kTraceFormatVersion == 4, "a new format version needs its own golden file and test");
+  const char* dir = std::getenv("RETRACE_TEST_DATA");
+  ASSERT_NE(dir, nullptr) << "RETRACE_TEST_DATA is set by ctest";
+  const std::string golden = std::string(dir) + "/golden-v4.trace";
+  if (std::getenv("RETRACE_WRITE_GOLDEN")) write_small_v3(golden);
+  ASSERT_TRUE(fs::exists(golden)) << golden;
+  const TraceReader r(golden);
+  check_small_v3(r, golden, 4);
+  const Record begin = r.read(0);
+  const TensorEntry& a = *begin.find("a");
+  EXPECT_EQ(a.checksum, XXH3_64bits(slurp(golden).data() + begin.blob_at + a.offset, a.stored_bytes));
 }
 
 // The collective record arrived with format version 3: a version-2 file that holds one is malformed.
 TEST(Trace, CollectiveRecordInAVersion2FileIsMalformed) {
   const std::string path = temp_path("v2collective");
   write_small_v3(path);
-  std::string bytes = slurp(path);
-  bytes[8] = 2;  // the file header's version is outside every record checksum
-  spit(path, bytes);
+  const std::string written = slurp(path);
+  spit(path, as_version(written, 2));  // its records sealed as version 2 seals them
   try {
     const TraceReader r(path);
     ADD_FAILURE() << "a collective record accepted in a version-2 file";
@@ -423,7 +483,9 @@ TEST(Trace, CollectiveRecordInAVersion2FileIsMalformed) {
     EXPECT_NE(std::string(e.what()).find("record type 6 (collective) in a format version 2 trace"), std::string::npos)
         << e.what();
   }
-  // Control: the same file with its own version reads.
+  // Controls: the same file as version 3, and with its own version, reads.
+  spit(path, as_version(written, 3));
+  EXPECT_NO_THROW(TraceReader{path});
   write_small_v3(path);
   EXPECT_NO_THROW(TraceReader{path});
   fs::remove(path);
@@ -433,9 +495,8 @@ TEST(Trace, CollectiveRecordInAVersion2FileIsMalformed) {
 TEST(Trace, BloscCodecInAVersion1FileIsMalformed) {
   const std::string path = temp_path("v1blosc");
   write_small(path);
-  std::string bytes = slurp(path);
-  bytes[8] = 1;  // the file header's version is outside every record checksum
-  spit(path, bytes);
+  const std::string written = slurp(path);
+  spit(path, as_version(written, 1));  // its records sealed as version 1 seals them
   try {
     const TraceReader r(path);
     r.read(0);
@@ -444,18 +505,21 @@ TEST(Trace, BloscCodecInAVersion1FileIsMalformed) {
     EXPECT_EQ(e.kind(), TraceError::Kind::kMalformed);
     EXPECT_NE(std::string(e.what()).find("format version 1 does not define"), std::string::npos) << e.what();
   }
+  spit(path, as_version(written, 2));  // control
+  EXPECT_NO_THROW(TraceReader(path).read(0));
   fs::remove(path);
 }
 
 // A trace of `records` step_begin records of noise (Blosc keeps nearly all of it), record i of i x
-// 256 KiB: the later the larger, so that opening on several threads, largest first, checks the
-// later records first; over the size from which it does.
+// 4 KiB: the later the larger, so that opening on several threads, largest first, checks the
+// later records first; over the record count (version 4) and the size (version 3) from which it
+// does.
 void write_large(const std::string& path, int records) {
   TraceWriter w(path, {{"program", {{"name", "test"}, {"config", "large"}}}});
   at::manual_seed(7);
   for (int i = 1; i <= records; ++i) {
     w.append(RecordType::kStepBegin, {{"step", i}, {"full", true}},
-             {{"state.w", at::randn({i << 16}), true, std::nullopt}});
+             {{"state.w", at::randn({i << 10}), true, std::nullopt}});
   }
   w.close();
 }
@@ -472,80 +536,206 @@ std::optional<std::pair<TraceError::Kind, std::uint64_t>> open_error(const std::
 
 // Opening a large trace checks its records on the intra-op threads, largest first; what it finds
 // is what a check of one record after another finds: the same records, and of several bad ones
-// the first in file order, before a truncated tail or a bad trailer after them.
+// the first in file order, before a truncated tail or a bad trailer after them. In both record
+// checksum layouts: version 4 (metadata) and 3 (the whole payload).
 TEST(Trace, OpeningOnSeveralThreadsFindsWhatOneThreadFinds) {
+  constexpr int kRecords = 80;
   const std::string path = temp_path("large"), bad = temp_path("large_bad");
-  write_large(path, 12);
+  write_large(path, kRecords);
+  const std::string written = slurp(path);
   const int threads = at::get_num_threads();
-  std::vector<RecordInfo> by_one, by_two;
-  at::set_num_threads(1);
-  by_one = TraceReader(path).records();
-  at::set_num_threads(2);
-  {
-    const TraceReader r(path);
-    EXPECT_TRUE(r.complete());
-    EXPECT_FALSE(r.truncated());
-    by_two = r.records();
-    const Record last = r.read_table(11);
-    EXPECT_EQ(r.decode(last, last.tensors.at(0)).numel(), 12 << 16);
-  }
-  ASSERT_EQ(by_one.size(), 12u);
-  ASSERT_EQ(by_two.size(), by_one.size());
-  for (std::size_t i = 0; i < by_one.size(); ++i) {
-    EXPECT_EQ(by_two[i].offset, by_one[i].offset);
-    EXPECT_EQ(by_two[i].step, static_cast<std::int64_t>(i) + 1);
-    EXPECT_EQ(by_two[i].length, by_one[i].length);
-  }
-  const std::string bytes = slurp(path);
-  const auto flipped = [&](std::initializer_list<std::size_t> records) {
-    std::string copy = bytes;
-    for (std::size_t i : records) copy[by_one[i].offset + 24 + by_one[i].length / 2] ^= 0x10;  // a tensor byte
-    return copy;
-  };
-  for (int n : {1, 2}) {
-    SCOPED_TRACE(std::to_string(n) + " threads");
-    at::set_num_threads(n);
-    // The later of two bad records is the larger, checked first on two threads: the earlier one
-    // is named all the same.
-    spit(bad, flipped({9, 3}));
-    auto e = open_error(bad);
-    ASSERT_TRUE(e);
-    EXPECT_EQ(e->first, TraceError::Kind::kChecksum);
-    EXPECT_EQ(e->second, by_one[3].offset);
-    spit(bad, flipped({9}));
-    e = open_error(bad);
-    ASSERT_TRUE(e);
-    EXPECT_EQ(e->second, by_one[9].offset);
-    // A bad record before a truncated tail is an error, not a clean end.
-    spit(bad, flipped({5}).substr(0, by_one[11].offset + 100));
-    e = open_error(bad);
-    ASSERT_TRUE(e);
-    EXPECT_EQ(e->second, by_one[5].offset);
-    // Control: the same tail without the bad record is a clean end after 11 records.
-    spit(bad, bytes.substr(0, by_one[11].offset + 100));
-    EXPECT_FALSE(open_error(bad));
-    const TraceReader cut(bad);
-    EXPECT_TRUE(cut.truncated());
-    EXPECT_EQ(cut.records().size(), 11u);
-    EXPECT_NE(cut.warning().find("all 11 complete records are readable"), std::string::npos) << cut.warning();
-    // A bad record before a damaged trailer is the one named; the trailer alone is named after.
-    std::string trailer = flipped({7});
-    trailer[trailer.size() - 1] ^= 1;
-    spit(bad, trailer);
-    e = open_error(bad);
-    ASSERT_TRUE(e);
-    EXPECT_EQ(e->second, by_one[7].offset);
-    trailer = bytes;
-    trailer[trailer.size() - 1] ^= 1;
-    spit(bad, trailer);
-    e = open_error(bad);
-    ASSERT_TRUE(e);
-    EXPECT_EQ(e->first, TraceError::Kind::kMalformed);
-    EXPECT_EQ(e->second, bytes.size() - 16);
+  for (const std::uint32_t version : {4u, 3u}) {
+    SCOPED_TRACE("format version " + std::to_string(version));
+    const std::string bytes = version == kTraceFormatVersion ? written : as_version(written, version);
+    spit(path, bytes);
+    std::vector<RecordInfo> by_one, by_two;
+    at::set_num_threads(1);
+    by_one = TraceReader(path).records();
+    at::set_num_threads(2);
+    {
+      const TraceReader r(path);
+      EXPECT_TRUE(r.complete());
+      EXPECT_FALSE(r.truncated());
+      by_two = r.records();
+      const Record last = r.read_table(kRecords - 1);
+      EXPECT_EQ(r.decode(last, last.tensors.at(0)).numel(), kRecords << 10);
+    }
+    ASSERT_EQ(by_one.size(), static_cast<std::size_t>(kRecords));
+    ASSERT_EQ(by_two.size(), by_one.size());
+    for (std::size_t i = 0; i < by_one.size(); ++i) {
+      EXPECT_EQ(by_two[i].offset, by_one[i].offset);
+      EXPECT_EQ(by_two[i].step, static_cast<std::int64_t>(i) + 1);
+      EXPECT_EQ(by_two[i].length, by_one[i].length);
+    }
+    const auto flipped = [&](std::initializer_list<std::size_t> records) {
+      std::string copy = bytes;
+      for (std::size_t i : records) copy[by_one[i].offset + 24 + 4 + 3] ^= 0x10;  // a metadata byte
+      return copy;
+    };
+    for (int n : {1, 2}) {
+      SCOPED_TRACE(std::to_string(n) + " threads");
+      at::set_num_threads(n);
+      // The later of two bad records is the larger, checked first on two threads: the earlier one
+      // is named all the same.
+      spit(bad, flipped({60, 20}));
+      auto e = open_error(bad);
+      ASSERT_TRUE(e);
+      EXPECT_EQ(e->first, TraceError::Kind::kChecksum);
+      EXPECT_EQ(e->second, by_one[20].offset);
+      spit(bad, flipped({60}));
+      e = open_error(bad);
+      ASSERT_TRUE(e);
+      EXPECT_EQ(e->second, by_one[60].offset);
+      // A bad record before a truncated tail is an error, not a clean end.
+      spit(bad, flipped({50}).substr(0, by_one[kRecords - 1].offset + 100));
+      e = open_error(bad);
+      ASSERT_TRUE(e);
+      EXPECT_EQ(e->second, by_one[50].offset);
+      // Control: the same tail without the bad record is a clean end before the last record.
+      spit(bad, bytes.substr(0, by_one[kRecords - 1].offset + 100));
+      EXPECT_FALSE(open_error(bad));
+      const TraceReader cut(bad);
+      EXPECT_TRUE(cut.truncated());
+      EXPECT_EQ(cut.records().size(), static_cast<std::size_t>(kRecords - 1));
+      EXPECT_NE(cut.warning().find("all 79 complete records are readable"), std::string::npos) << cut.warning();
+      // A bad record before a damaged trailer is the one named; the trailer alone is named after.
+      std::string trailer = flipped({70});
+      trailer[trailer.size() - 1] ^= 1;
+      spit(bad, trailer);
+      e = open_error(bad);
+      ASSERT_TRUE(e);
+      EXPECT_EQ(e->second, by_one[70].offset);
+      trailer = bytes;
+      trailer[trailer.size() - 1] ^= 1;
+      spit(bad, trailer);
+      e = open_error(bad);
+      ASSERT_TRUE(e);
+      EXPECT_EQ(e->first, TraceError::Kind::kMalformed);
+      EXPECT_EQ(e->second, bytes.size() - 16);
+    }
   }
   at::set_num_threads(threads);
   fs::remove(path);
   fs::remove(bad);
+}
+
+// Version 4: opening reads each record's header and metadata and none of its tensor bytes; a
+// stored tensor's bytes are checked by their own checksum when decoded, from read() or read_table(),
+// and a changed byte fails that tensor alone. Control: the same trace as version 3 (the record
+// checksum over the tensor bytes) reads them all when opened and refuses the changed byte there.
+TEST(Trace, Version4OpensWithoutReadingTensorBytesAndChecksEachWhenDecoded) {
+  const std::string path = temp_path("lazy");
+  write_large(path, 40);
+  const std::string v4 = slurp(path);
+  const auto bytes_read_opening = [&](const std::string& bytes) {
+    spit(path, bytes);
+    CountingReads counting;
+    ReaderOptions options;
+    options.fs = &counting;
+    const TraceReader r(path, options);
+    EXPECT_EQ(r.records().size(), 40u);
+    return counting.bytes;
+  };
+  const std::uint64_t v4_read = bytes_read_opening(v4);
+  EXPECT_LT(v4_read * 100, v4.size()) << v4_read << " of " << v4.size() << " bytes read";
+  const std::string v3 = as_version(v4, 3);
+  EXPECT_GE(bytes_read_opening(v3), v3.size() - 16) << "version 3 reads every record whole";
+
+  spit(path, v4);
+  std::uint64_t at = 0;
+  {
+    const TraceReader r(path);
+    const Record table = r.read_table(19);
+    const TensorEntry& e = table.tensors.at(0);
+    at = table.blob_at + e.offset + e.stored_bytes / 2;
+  }
+  std::string changed = v4;
+  changed[at] ^= 0x08;
+  spit(path, changed);
+  const TraceReader r(path);  // opens: the metadata is intact
+  ASSERT_EQ(r.records().size(), 40u);
+  for (const Record& rec : {r.read(19), r.read_table(19)}) {
+    SCOPED_TRACE(rec.has_blob ? "read()" : "read_table()");
+    try {
+      r.decode(rec, rec.tensors.at(0));
+      ADD_FAILURE() << "a changed tensor byte decoded";
+    } catch (const TraceError& e) {
+      EXPECT_EQ(e.kind(), TraceError::Kind::kChecksum);
+      EXPECT_EQ(e.offset(), rec.offset);
+      EXPECT_NE(std::string(e.what()).find("tensor 'state.w' stored bytes do not match their checksum"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  const Record next = r.read(20);  // control: the other records' tensors decode
+  EXPECT_EQ(r.decode(next, next.tensors.at(0)).numel(), 21 << 10);
+  std::string changed_v3 = v3;
+  changed_v3[at] ^= 0x08;  // the same byte: the records lie where they lay
+  spit(path, changed_v3);
+  const auto e = open_error(path);
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->first, TraceError::Kind::kChecksum);
+  EXPECT_EQ(e->second, r.records()[19].offset);
+  fs::remove(path);
+}
+
+// Version 4: the stored tensors lie back to back in table order and fill the blob, so that no
+// byte of it escapes every checksum; an entry must carry its checksum, in 16 lowercase hex digits.
+// Each case is sealed again with right checksums (fuzz/trace_framing.h); control: the trace sealed
+// again unchanged reads.
+TEST(Trace, Version4StoredTensorsFillTheBlobAndEachHasAChecksum) {
+  const std::string path = temp_path("tiling");
+  write_small(path);
+  const std::string bytes = slurp(path);
+  const fuzz::FramedTrace framed =
+      fuzz::split_trace(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size());
+  ASSERT_EQ(framed.records.size(), 5u);  // header, step_begin, segment, step_end, index
+  const auto refusal = [&](const std::function<void(fuzz::FramedRecord&)>& change,
+                           bool fix_checksums = true) -> std::string {
+    fuzz::FramedTrace t = framed;
+    change(t.records[1]);
+    spit(path, fuzz::seal_trace(t, /*fix_index=*/true, fix_checksums));
+    try {
+      const TraceReader r(path);
+      return "";
+    } catch (const TraceError& e) {
+      EXPECT_EQ(e.kind(), TraceError::Kind::kMalformed) << e.what();
+      return e.what();
+    }
+  };
+  const auto with_table = [](fuzz::FramedRecord& r, const std::function<void(nlohmann::json&)>& change) {
+    nlohmann::json meta = nlohmann::json::parse(r.meta);
+    change(meta["tensors"]);
+    r.meta = meta.dump();
+  };
+  EXPECT_EQ(refusal([](fuzz::FramedRecord&) {}), "");  // control
+  std::string msg = refusal([](fuzz::FramedRecord& r) { r.blob += 'x'; });
+  EXPECT_NE(msg.find("the record's stored tensors cover"), std::string::npos) << msg;
+  msg = refusal([&](fuzz::FramedRecord& r) {
+    with_table(r, [](nlohmann::json& table) {  // b read again from a's first bytes, a's rest unread
+      table[1]["offset"] = 0;
+      table[1]["stored_bytes"] = table[0]["stored_bytes"];
+    });
+  });
+  EXPECT_NE(msg.find("tensor 'b' is stored at blob offset 0"), std::string::npos) << msg;
+  msg = refusal([&](fuzz::FramedRecord& r) {
+    with_table(r, [](nlohmann::json& table) {
+      std::swap(table[0], table[1]);  // each where it lies, out of table order
+    });
+  });
+  EXPECT_NE(msg.find("tensor 'b' is stored at blob offset"), std::string::npos) << msg;
+  for (const char* checksum : {"", "0123456789ABCDEF", "0123456789abcde", "0123456789abcdef0"}) {
+    SCOPED_TRACE(checksum);
+    msg = refusal(
+        [&](fuzz::FramedRecord& r) { with_table(r, [&](nlohmann::json& table) { table[0]["checksum"] = checksum; }); },
+        /*fix_checksums=*/false);
+    EXPECT_NE(msg.find("tensor 'a' has a malformed checksum"), std::string::npos) << msg;
+  }
+  msg =
+      refusal([&](fuzz::FramedRecord& r) { with_table(r, [](nlohmann::json& table) { table[0].erase("checksum"); }); },
+              /*fix_checksums=*/false);
+  EXPECT_NE(msg.find("'checksum' is missing"), std::string::npos) << msg;
+  fs::remove(path);
 }
 
 // Every prefix of a trace either fails with a TraceError (inside the file header or header
@@ -626,7 +816,7 @@ TEST(Trace, EveryBitFlipIsDetected) {
 // read_table() reads a record's metadata and table, none of its tensor bytes; decode() then
 // reads a tensor's bytes from the file. Control: tensor bytes changed in the file after the trace
 // was opened are refused by decode() from the table (the record read whole still holds the old
-// ones) and by read() (the record's checksum); read_table() does not read them, so it still
+// ones) and from the record read whole again (the tensor's checksum); read_table() does not read them, so it still
 // serves the table, and decode() from that table refuses them again. A metadata byte changed
 // since the trace was opened fails read_table() with a checksum error.
 TEST(Trace, ReadTableDecodesEachTensorFromTheFileAndSeesBytesChangedSince) {
@@ -650,7 +840,8 @@ TEST(Trace, ReadTableDecodesEachTensorFromTheFileAndSeesBytesChangedSince) {
   spit(path, bytes);  // the same file, rewritten in place: the reader's descriptor sees it
   EXPECT_THROW(r.decode(table, a), TraceError);
   EXPECT_BITWISE_EQ(tensor_a(), r.decode(whole, *whole.find("a")));
-  EXPECT_THROW(r.read(0), TraceError);
+  const Record reread = r.read(0);  // its metadata is intact; the tensor's own checksum refuses its bytes
+  EXPECT_THROW(r.decode(reread, *reread.find("a")), TraceError);
   const Record again = r.read_table(0);
   EXPECT_THROW(r.decode(again, *again.find("a")), TraceError);
   // The metadata: the tensor's name in the table ("a" -> "b"), same length.
@@ -670,10 +861,11 @@ TEST(Trace, ReadTableDecodesEachTensorFromTheFileAndSeesBytesChangedSince) {
   fs::remove(path);
 }
 
-// A stored tensor that checks nothing itself -- a device digest (a CUDA trace's) in a Blosc
-// buffer (no checksum) -- is decoded from a table-only record through its whole record, whose
-// checksum then sees bytes changed since. Control: the same change under a host digest is caught
-// by the digest (ReadTableDecodesEachTensorFromTheFileAndSeesBytesChangedSince).
+// A stored tensor whose codec and digest check nothing -- a device digest (a CUDA trace's) in a
+// Blosc buffer (no checksum) -- is checked by its own checksum when decoded from a table-only
+// record (version 4); in a version-3 trace it is decoded through its whole record, whose checksum
+// then sees bytes changed since. Control: the same change under a host digest is caught by the
+// digest (ReadTableDecodesEachTensorFromTheFileAndSeesBytesChangedSince).
 TEST(Trace, ReadTableDecodesAnUncheckedTensorThroughItsWholeRecord) {
   const std::string path = temp_path("table_device");
   {
@@ -683,16 +875,21 @@ TEST(Trace, ReadTableDecodesAnUncheckedTensorThroughItsWholeRecord) {
              {{"dev", t, true, Digest{1, 2, DigestAlgorithm::kDeviceLanes}}});
     w.close();
   }
-  const TraceReader r(path);
-  const Record table = r.read_table(0);
-  const TensorEntry& e = *table.find("dev");
-  ASSERT_EQ(e.codec, TensorCodec::kBloscBitshuffleLz4);
-  EXPECT_BITWISE_EQ(torch::arange(4096, torch::kFloat), r.decode(table, e));
-  std::string bytes = slurp(path);
-  const std::size_t last = static_cast<std::size_t>(table.blob_at + e.offset + e.stored_bytes - 1);
-  bytes[last] = static_cast<char>(bytes[last] ^ 0x40);
-  spit(path, bytes);
-  EXPECT_THROW(r.decode(table, e), TraceError);
+  const std::string written = slurp(path);
+  for (const std::uint32_t version : {4u, 3u}) {
+    SCOPED_TRACE("format version " + std::to_string(version));
+    spit(path, version == kTraceFormatVersion ? written : as_version(written, version));
+    const TraceReader r(path);
+    const Record table = r.read_table(0);
+    const TensorEntry& e = *table.find("dev");
+    ASSERT_EQ(e.codec, TensorCodec::kBloscBitshuffleLz4);
+    EXPECT_BITWISE_EQ(torch::arange(4096, torch::kFloat), r.decode(table, e));
+    std::string bytes = slurp(path);
+    const std::size_t last = static_cast<std::size_t>(table.blob_at + e.offset + e.stored_bytes - 1);
+    bytes[last] = static_cast<char>(bytes[last] ^ 0x40);
+    spit(path, bytes);
+    EXPECT_THROW(r.decode(table, e), TraceError);
+  }
   fs::remove(path);
 }
 

@@ -31,9 +31,10 @@ namespace retrace {
 // File magic, then kTraceFormatVersion as u32.
 inline constexpr char kTraceMagic[8] = {'R', 'E', 'T', 'R', 'A', 'C', 'E', '\0'};
 // Bumped on any change an older reader could misread. Readers accept versions <= their own.
-// Version 2 added codec 3 (Blosc); version 3 the collective record (data-parallel runs). Older
-// traces read unchanged.
-inline constexpr std::uint32_t kTraceFormatVersion = 3;
+// Version 2 added codec 3 (Blosc); version 3 the collective record (data-parallel runs); version 4
+// a checksum of each stored tensor's bytes, the record checksum then covering the metadata only
+// (opening a trace reads no tensor bytes). Older traces read unchanged.
+inline constexpr std::uint32_t kTraceFormatVersion = 4;
 
 enum class RecordType : std::uint16_t {
   kHeader = 1,      // exactly one, first: writer, environment, program
@@ -65,6 +66,9 @@ struct TensorEntry {
   std::uint64_t raw_bytes = 0;     // numel * element size
   std::uint64_t offset = 0;        // into the record's blob
   std::uint64_t stored_bytes = 0;  // compressed size
+  // XXH3-64 of the stored bytes (format version 4+; 0 in older traces, whose record checksum
+  // covers them): decode() checks it before decoding.
+  std::uint64_t checksum = 0;
   bool has_data() const { return codec != TensorCodec::kDigestOnly; }
 };
 
@@ -215,9 +219,13 @@ struct RecordInfo {
   std::string phase;
 };
 
-// Reads a trace (final or .incomplete). Opening scans every record once, verifying framing and
-// checksums (on the intra-op threads when the records are large; the first bad record in file
-// order is the one named). Thread-compatible: const methods may run concurrently.
+// Reads a trace (final or .incomplete). Opening scans every record once, verifying framing,
+// checksums, metadata and tensor tables (on the intra-op threads when the records are large; the
+// first bad record in file order is the one named). In a version-4 trace the record checksum
+// covers the metadata and each stored tensor has a checksum of its own, so opening reads no tensor
+// bytes: decode() checks a tensor's bytes when it reads them. In older traces the record checksum
+// covers the tensor bytes too, and opening reads them all. Thread-compatible: const methods may
+// run concurrently.
 class TraceReader {
  public:
   explicit TraceReader(const std::string& path, ReaderOptions options = {});
@@ -237,17 +245,23 @@ class TraceReader {
   bool complete() const { return complete_; }
   std::uint64_t file_size() const { return file_size_; }
 
-  // Loads record i of records(): verifies its checksum, parses meta and tensor entries.
+  // Loads record i of records() with its stored tensor bytes: verifies its checksum, parses meta
+  // and tensor entries. (In a version-4 trace the tensor bytes are checked when decoded.)
   Record read(std::size_t i) const;
   // Loads record i's metadata and tensor table without its stored tensor bytes: for callers that
-  // compare digests and decode few of its tensors, if any. Opening checked the whole record; this
+  // compare digests and decode few of its tensors, if any. Opening checked the record; this
   // reads only the metadata again and checks it against the hash taken then (a record changed
   // since is a kChecksum TraceError), so its cost is the metadata's, not the record's. decode()
-  // then reads a tensor's bytes from the file and checks them against the tensor's codec and
-  // digest (or the whole record's checksum, for a tensor that checks nothing itself).
+  // then reads a tensor's bytes from the file and checks them against the tensor's checksum
+  // (version 4), else its codec and digest (or the whole record's checksum, for a tensor of an
+  // older trace that checks nothing itself).
   Record read_table(std::size_t i) const;
-  // Decodes a stored tensor (CPU), checking sizes against the caps and its digest. Safe to call
-  // from several threads at once.
+  // Checks a stored tensor's bytes against their checksum without decoding them (version 4; in an
+  // older trace opening checked them under the record's checksum): a kChecksum TraceError names
+  // the tensor and the record. `retrace inspect` checks every stored tensor this way.
+  void check_stored(const Record& record, const TensorEntry& entry) const;
+  // Decodes a stored tensor (CPU), checking its stored bytes' checksum (version 4), sizes against
+  // the caps, and its digest. Safe to call from several threads at once.
   at::Tensor decode(const Record& record, const TensorEntry& entry) const;
   // Decodes a stored tensor into `out`, which must be a contiguous CPU tensor of the entry's dtype
   // and shape (retrace::Error otherwise): e.g. a program's own parameter, restored without new
@@ -263,6 +277,12 @@ class TraceReader {
   // decode() and decode_into(): into `out`, or (undefined) a new tensor once the stored bytes
   // declare the entry's size.
   void decode_to(const Record& record, const TensorEntry& entry, at::Tensor& out) const;
+  // The bytes of a stored tensor of `record` are inside it (else a retrace::Error); returns where
+  // they are: in record.blob, or, for a record read without them, read from the file into
+  // `staging` (a thread's kept buffer, or `once`).
+  const char* stored_bytes(const Record& record, const TensorEntry& entry, std::unique_ptr<char[]>& once) const;
+  // Version 4: `bytes` (the entry's stored bytes) match its checksum, else a kChecksum TraceError.
+  void check_checksum(const Record& record, const TensorEntry& entry, const char* bytes) const;
   // keep_blob false: the payload is checked (checksum, metadata, tensor entries) but its tensor
   // bytes are not kept (the scan when the trace is opened). `meta_hash`, when given, receives the
   // XXH3-64 of the metadata bytes (read_table() checks them against it later).
