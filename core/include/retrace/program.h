@@ -82,7 +82,10 @@ class Program {
   // scaler and schedule state. Tensors may alias live state; callers copy what they keep.
   virtual std::vector<NamedTensor> state() = 0;
   // Restores state() exactly (bitwise); entries absent from `state` that the program holds
-  // (e.g. optimizer moments before the first step) are cleared.
+  // (e.g. optimizer moments before the first step) are cleared. `state` may hold the program's
+  // own tensors: a replay decodes a snapshot straight into them where they fit
+  // (in_place_targets, restore.h) and passes them back, so copying an entry onto itself must be
+  // harmless (docs/replay.md).
   virtual void load_state(const std::vector<NamedTensor>& state) = 0;
   // load_state() from tensors the caller gives up: the program may keep them as its own instead
   // of copying them (the replayer hands over the snapshot it decoded, 1.2 GB for GPT-2 small with

@@ -152,8 +152,11 @@ std::vector<NamedTensor> optimizer_state(torch::optim::Optimizer& optimizer,
 // Throws retrace::Error when an entry is missing or malformed.
 void load_optimizer_state(torch::optim::Optimizer& optimizer, const std::vector<NamedTensor>& parameters,
                           const std::vector<NamedTensor>& state);
-// The same from tensors the caller gives up: the optimizer keeps them (on the parameter's device
-// already: no copy) instead of clones. For Program::adopt_state.
+// The same from tensors the caller gives up: the optimizer keeps a moment as it is, instead of a
+// clone, when nothing else holds or views it (its tensor's only handle, the only tensor on its
+// storage, contiguous over all of it, on the parameter's device); any other is cloned, or copied to
+// the parameter's device.
+// For Program::adopt_state (docs/replay.md).
 void load_optimizer_state(torch::optim::Optimizer& optimizer, const std::vector<NamedTensor>& parameters,
                           std::vector<NamedTensor>&& state);
 // Copies `state`'s tensors into `targets` by name, in place (retrace::Error when one is missing
