@@ -142,7 +142,7 @@ int run_inspect(const std::vector<std::string>& args) {
   std::vector<std::string> described;  // the text listing's words for each record
   std::size_t exported = 0;
   for (std::size_t i = 0; i < trace.records().size(); ++i) {
-    const Record r = trace.read(i);
+    const Record r = trace.read_table(i);  // each stored tensor then read, checked (and decoded) alone
     described.push_back(describe(r, trace_path));
     const RecordInfo& info = trace.records()[i];
     nlohmann::json tensors = nlohmann::json::array();

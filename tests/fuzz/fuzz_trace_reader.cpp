@@ -72,8 +72,15 @@ void read_everything(const std::string& path) {
       if (!entry.has_data()) continue;
       check(entry.offset <= record.blob.size() && entry.stored_bytes <= record.blob.size() - entry.offset,
             "a stored tensor's bytes lie inside its record's blob");
+      bool checked = true;  // check_stored() passes wherever decode() does (from read() and read_table())
+      try {
+        reader.check_stored(record, entry);
+      } catch (const retrace::Error&) {
+        checked = false;
+      }
       try {
         const at::Tensor t = reader.decode(record, entry);
+        check(checked, "check_stored() refused a tensor that decode() decodes");
         check(t.defined() && t.is_cpu() && t.is_contiguous(), "decode() returns a contiguous CPU tensor");
         check(t.scalar_type() == entry.dtype && t.sizes().vec() == entry.shape,
               "decode() returns the declared dtype and shape");
@@ -102,10 +109,17 @@ void read_everything(const std::string& path) {
         whole = reader.decode(record, entry);
       } catch (const retrace::Error&) {
       }
+      bool checked = true;
+      try {
+        reader.check_stored(table, table.tensors[k]);
+      } catch (const retrace::Error&) {
+        checked = false;
+      }
       try {
         from_file = reader.decode(table, table.tensors[k]);
       } catch (const retrace::Error&) {
       }
+      check(!from_file.defined() || checked, "check_stored() from read_table() refused a tensor decode() decodes");
       check(whole.defined() == from_file.defined(), "decode() of read() and of read_table() refuse alike");
       if (whole.defined()) {
         check(whole.nbytes() == from_file.nbytes() &&
@@ -191,8 +205,9 @@ bool mutate_tensor_entry(FramedRecord& r, std::minstd_rand& rng) {
     return false;
   nlohmann::json& e = meta["tensors"][rng() % meta["tensors"].size()];
   if (!e.is_object()) return false;
-  static const char* const kKeys[] = {
-      "shape", "shape", "dtype", "raw_bytes", "offset", "stored_bytes", "codec", "digest_algorithm", "digest", "name"};
+  static const char* const kKeys[] = {"shape",  "shape",        "dtype",   "raw_bytes",
+                                      "offset", "stored_bytes", "codec",   "digest_algorithm",
+                                      "digest", "name",         "checksum"};
   const std::string key = kKeys[rng() % (sizeof kKeys / sizeof kKeys[0])];
   const auto unsigned_field = [&e](const char* k) -> std::uint64_t {
     const auto it = e.find(k);
@@ -223,9 +238,10 @@ bool mutate_tensor_entry(FramedRecord& r, std::minstd_rand& rng) {
         e[key] = kDtypeNames[rng() % (sizeof kDtypeNames / sizeof kDtypeNames[0])];
       } else if (key == "codec" || key == "digest_algorithm") {
         e[key] = static_cast<int>(rng() % 5) - 1;
-      } else if (key == "digest") {
+      } else if (key == "digest" || key == "checksum") {
         const auto it = e.find(key);
-        std::string hex = it != e.end() && it->is_string() ? it->get<std::string>() : std::string(32, '0');
+        std::string hex = it != e.end() && it->is_string() ? it->get<std::string>()
+                                                           : std::string(key == "digest" ? 32 : 16, '0');
         if (!hex.empty()) hex[rng() % hex.size()] = "0123456789abcdefG"[rng() % 17];
         e[key] = hex;
       } else if (key == "name") {
@@ -324,7 +340,10 @@ extern "C" std::size_t LLVMFuzzerCustomMutator(std::uint8_t* data, std::size_t s
   FramedTrace t = retrace::fuzz::split_trace(data, size);
   if (t.records.empty()) return LLVMFuzzerMutate(data, size, max_size);
   const bool fix_index = mutate_records(t, rng);
-  std::string out = retrace::fuzz::seal_trace(t, fix_index);
+  // A quarter of the time the tensors' own checksums (format 4) are left as the mutation left them:
+  // a stale or malformed one must be refused; otherwise they are made right, so that a changed
+  // blob reaches the codecs behind them.
+  std::string out = retrace::fuzz::seal_trace(t, fix_index, /*fix_tensor_checksums=*/rng() % 4 != 0);
   if (rng() % 16 == 0) out.resize(rng() % (out.size() + 1));  // a crash while writing
   return emit(out, data, max_size);
 }
