@@ -134,6 +134,36 @@ TEST(DistReplay, TheServedResultIsTheTraces) {
   fs::remove(copy);
 }
 
+// The statistics a collective record carries of its result (NaN/Inf count, max |x| over the
+// finite elements), which the recorder takes in one vectorized pass over the bits, are what ATen
+// computes from the result the full-mode trace stored. Control: the same comparison against the
+// result scaled by 2 fails, so it can.
+TEST(DistRecord, TheResultsStatisticsMatchATenOnTheStoredResult) {
+  int checked = 0;
+  for (const std::string& path : {two_ranks().rank0, two_ranks().rank1}) {
+    const TraceReader trace(path);
+    for (std::size_t i = 0; i < trace.records().size(); ++i) {
+      if (trace.records()[i].type != RecordType::kCollective) continue;
+      const Record rec = trace.read_table(i);
+      const CollectiveRecord c = CollectiveRecord::decode(rec, path);
+      if (!c.values) continue;
+      std::vector<at::Tensor> outputs;  // every output.i, as the statistics span them
+      for (const TensorEntry& e : rec.tensors) {
+        if (e.name.rfind("output.", 0) == 0) outputs.push_back(trace.decode(rec, e).flatten().to(at::kDouble));
+      }
+      ASSERT_FALSE(outputs.empty());
+      const at::Tensor out = at::cat(outputs);
+      const at::Tensor finite = at::isfinite(out);
+      const double abs_max = at::where(finite, out.abs(), at::zeros({}, out.options())).max().item<double>();
+      EXPECT_EQ(c.output.nonfinite, out.numel() - finite.sum().item<std::int64_t>()) << path << " #" << i;
+      EXPECT_EQ(c.output.abs_max, abs_max) << path << " #" << i;
+      EXPECT_NE(c.output.abs_max, (out * 2).abs().max().item<double>()) << "control";
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, 6) << "3 steps x 2 ranks, one all-reduce each";
+}
+
 // --- attribution, on synthetic rank traces ---------------------------------------------------------
 
 struct Fake {
