@@ -4,6 +4,7 @@
 #include <retrace/records.h>
 
 #include "fuzz/trace_framing.h"
+#include "support/watched_reads.h"
 
 #include <gtest/gtest.h>
 
@@ -309,32 +310,13 @@ TEST(Records, MetadataReadsAlikeWhicheverParserReadsIt) {
 
 // The reader goes through io::FileSystem like the writer: a failing read is a kIo TraceError
 // naming the byte offset, and opening a missing file or a folder says so.
-class FailingReads : public io::FileSystem {
+class FailingReads : public WatchedReads {
  public:
-  explicit FailingReads(int fail_at) : fail_at_(fail_at) {}
+  explicit FailingReads(int fail_at)
+      : WatchedReads([this, fail_at](std::uint64_t, std::size_t) {
+          if (++reads == fail_at) throw io::IoError("read", "the.trace", EIO);
+        }) {}
   int reads = 0;
-  std::unique_ptr<io::ReadableFile> open(const std::string& path) override {
-    struct File : io::ReadableFile {
-      FailingReads* fs;
-      std::unique_ptr<io::ReadableFile> f;
-      void read_at(std::uint64_t offset, void* out, std::size_t n) const override {
-        if (++fs->reads == fs->fail_at_) throw io::IoError("read", "the.trace", EIO);
-        f->read_at(offset, out, n);
-      }
-      std::uint64_t size() const override { return f->size(); }
-    };
-    auto file = std::make_unique<File>();
-    file->fs = this;
-    file->f = io::posix_file_system().open(path);
-    return file;
-  }
-  std::unique_ptr<io::WritableFile> create(const std::string& p) override { return io::posix_file_system().create(p); }
-  void rename(const std::string& a, const std::string& b) override { io::posix_file_system().rename(a, b); }
-  void sync_directory(const std::string& d) override { io::posix_file_system().sync_directory(d); }
-  void remove(const std::string& p) override { io::posix_file_system().remove(p); }
-
- private:
-  int fail_at_;
 };
 
 TEST(Records, TheReaderReadsThroughTheFileSystemAndEveryFailingReadIsTyped) {

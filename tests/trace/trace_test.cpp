@@ -7,10 +7,12 @@
 
 #include "core/tensor_codec.h"
 #include "fuzz/trace_framing.h"
+#include "support/watched_reads.h"
 
 #include <torch/torch.h>
 #include <xxhash.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -55,29 +57,11 @@ std::string as_version(const std::string& bytes, std::uint32_t version) {
   return fuzz::seal_trace(t, /*fix_index=*/true);
 }
 
-// The POSIX file system, counting the bytes read through it.
-class CountingReads : public io::FileSystem {
+// The POSIX file system, counting the bytes read through it (from the opening's threads too).
+class CountingReads : public WatchedReads {
  public:
-  std::uint64_t bytes = 0;
-  std::unique_ptr<io::ReadableFile> open(const std::string& path) override {
-    struct File : io::ReadableFile {
-      CountingReads* fs;
-      std::unique_ptr<io::ReadableFile> f;
-      void read_at(std::uint64_t offset, void* out, std::size_t n) const override {
-        fs->bytes += n;
-        f->read_at(offset, out, n);
-      }
-      std::uint64_t size() const override { return f->size(); }
-    };
-    auto file = std::make_unique<File>();
-    file->fs = this;
-    file->f = io::posix_file_system().open(path);
-    return file;
-  }
-  std::unique_ptr<io::WritableFile> create(const std::string& p) override { return io::posix_file_system().create(p); }
-  void rename(const std::string& a, const std::string& b) override { io::posix_file_system().rename(a, b); }
-  void sync_directory(const std::string& d) override { io::posix_file_system().sync_directory(d); }
-  void remove(const std::string& p) override { io::posix_file_system().remove(p); }
+  CountingReads() : WatchedReads([this](std::uint64_t, std::size_t n) { bytes += n; }) {}
+  std::atomic<std::uint64_t> bytes{0};
 };
 
 // The tensors of the small and golden traces: known answers.
@@ -634,7 +618,7 @@ TEST(Trace, Version4OpensWithoutReadingTensorBytesAndChecksEachWhenDecoded) {
     options.fs = &counting;
     const TraceReader r(path, options);
     EXPECT_EQ(r.records().size(), 40u);
-    return counting.bytes;
+    return counting.bytes.load();
   };
   const std::uint64_t v4_read = bytes_read_opening(v4);
   EXPECT_LT(v4_read * 100, v4.size()) << v4_read << " of " << v4.size() << " bytes read";
