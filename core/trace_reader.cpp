@@ -684,16 +684,10 @@ Record TraceReader::load_record(std::uint64_t offset, bool keep_blob, std::uint6
     take(meta.data(), meta_len);
     blob_size = h.length - 4 - meta_len;
     blob_at = pos;
-    if (blob_unsummed) {
-      check_sum();  // before reading the blob
-      if (keep_blob) {
-        blob.resize(static_cast<std::size_t>(blob_size));
-        read_exactly(*file_, blob.data(), blob.size(), pos, path_);
-      }
-    } else if (keep_blob) {
+    if (!blob_unsummed && keep_blob) {  // (unsummed: read after the checksum, below)
       blob.resize(static_cast<std::size_t>(blob_size));
       take(blob.data(), blob.size());
-    } else {
+    } else if (!blob_unsummed) {
       hash_rest(blob_size);
     }
   } else if (blob_unsummed) {
@@ -707,6 +701,10 @@ Record TraceReader::load_record(std::uint64_t offset, bool keep_blob, std::uint6
   if (!meta_in_bounds) {
     bad(TraceError::Kind::kMalformed, path_, offset,
         "metadata length " + std::to_string(meta_len) + " is out of bounds");
+  }
+  if (blob_unsummed && keep_blob) {  // each stored tensor's checksum covers its bytes (decode_to)
+    blob.resize(static_cast<std::size_t>(blob_size));
+    read_exactly(*file_, blob.data(), blob.size(), blob_at, path_);
   }
   // Seeded with the payload checksum: the hash names this record's metadata, not just its text.
   if (meta_hash) *meta_hash = XXH3_64bits_withSeed(meta.data(), meta.size(), h.payload_checksum);

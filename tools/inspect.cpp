@@ -157,8 +157,9 @@ int run_inspect(const std::vector<std::string>& args) {
                          {"codec", to_string(e.codec)}});
       // Every stored tensor's bytes are checked against their checksum (a version-4 trace's open
       // reads none of them); --export decodes them, which checks them too.
-      if (export_dir.empty() && e.has_data()) trace.check_stored(r, e);
-      if (!export_dir.empty() && e.has_data()) {
+      if (e.has_data() && export_dir.empty()) {
+        trace.check_stored(r, e);
+      } else if (e.has_data()) {
         const std::vector<char> bytes = torch::pickle_save(trace.decode(r, e));
         const std::string file = export_dir + "/" + std::to_string(i) + "_" + to_string(r.type) + "_step" +
                                  std::to_string(info.step) + "_" + safe(info.segment) +

@@ -52,6 +52,17 @@ retrace::ReaderOptions fuzz_caps() {
 int g_fd = -1;
 std::string g_path;
 
+// Whether check_stored() accepts the entry's bytes; it must wherever decode() decodes them.
+bool passes_check(const retrace::TraceReader& reader, const retrace::Record& record,
+                  const retrace::TensorEntry& entry) {
+  try {
+    reader.check_stored(record, entry);
+    return true;
+  } catch (const retrace::Error&) {
+    return false;
+  }
+}
+
 void read_everything(const std::string& path) {
   const retrace::ReaderOptions caps = fuzz_caps();
   retrace::TraceReader reader(path, caps);  // a retrace::Error here ends the input
@@ -72,12 +83,7 @@ void read_everything(const std::string& path) {
       if (!entry.has_data()) continue;
       check(entry.offset <= record.blob.size() && entry.stored_bytes <= record.blob.size() - entry.offset,
             "a stored tensor's bytes lie inside its record's blob");
-      bool checked = true;  // check_stored() passes wherever decode() does (from read() and read_table())
-      try {
-        reader.check_stored(record, entry);
-      } catch (const retrace::Error&) {
-        checked = false;
-      }
+      const bool checked = passes_check(reader, record, entry);
       try {
         const at::Tensor t = reader.decode(record, entry);
         check(checked, "check_stored() refused a tensor that decode() decodes");
@@ -109,12 +115,7 @@ void read_everything(const std::string& path) {
         whole = reader.decode(record, entry);
       } catch (const retrace::Error&) {
       }
-      bool checked = true;
-      try {
-        reader.check_stored(table, table.tensors[k]);
-      } catch (const retrace::Error&) {
-        checked = false;
-      }
+      const bool checked = passes_check(reader, table, table.tensors[k]);
       try {
         from_file = reader.decode(table, table.tensors[k]);
       } catch (const retrace::Error&) {
