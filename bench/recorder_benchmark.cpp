@@ -91,6 +91,9 @@ void BM_RecorderOverhead(benchmark::State& state, const char* variant, const cha
   if (which == "full" || which == "full_2_encode_threads") options.mode = RecordMode::kFull;
   if (which == "full_2_encode_threads") options.writer.encode_threads = 2;  // "full": the default (1 on 2 cores)
   if (which == "ring4") options.ring = 4;
+  // The small records by the writer thread, as before 2026-12-03 (SmallRecords: with no core to
+  // spare, kAuto writes them on the training thread).
+  if (which == "digest_writer_thread") options.small_records = SmallRecords::kWriterThread;
   ScenarioProgram plain(parse_scenario_text(scenario, "bench"));
   ScenarioProgram recorded(parse_scenario_text(scenario, "bench"));
   Recorder recorder(bench_path(which), recorded, options);
@@ -139,9 +142,15 @@ void BM_RecorderOverhead(benchmark::State& state, const char* variant, const cha
   state.counters["KiB_per_step"] = s.bytes / 1024.0 / static_cast<double>(recorded_step_no);
   state.counters["plain_ms"] = 1e3 * t_plain / state.iterations() / run_length;
   state.counters["recorded_over_plain"] = t_recorded / t_plain;
+  state.counters["by_caller"] =
+      static_cast<double>(s.records_by_caller) / static_cast<double>(std::max<std::int64_t>(s.records, 1));
   std::filesystem::remove(recorder.path());
 }
 BENCHMARK_CAPTURE(BM_RecorderOverhead, digest, "digest", kBenchScenario)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(3.0);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, digest_writer_thread, "digest_writer_thread", kBenchScenario)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->MinTime(3.0);

@@ -1,22 +1,26 @@
 #include <retrace/digest.h>
 
-#include "bytes.h"
 #include "cuda_hooks.h"
 
 #include <retrace/error.h>
 
+#include <c10/util/SmallVector.h>
+
 #include <xxhash.h>
 
 #include <algorithm>
-#include <cstdio>
 
 namespace retrace {
 
 std::string Digest::hex() const {
-  char buf[33];
-  std::snprintf(buf, sizeof buf, "%016llx%016llx", static_cast<unsigned long long>(hi),
-                static_cast<unsigned long long>(lo));
-  return buf;
+  // By hand, not snprintf: the recorder writes a digest's hex for every tensor of every record.
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out(32, '0');
+  for (int i = 0; i < 16; ++i) {
+    out[static_cast<std::size_t>(15 - i)] = kHex[(hi >> (4 * i)) & 0xf];
+    out[static_cast<std::size_t>(31 - i)] = kHex[(lo >> (4 * i)) & 0xf];
+  }
+  return out;
 }
 
 Digest digest_bytes(const void* data, std::size_t size) {
@@ -27,14 +31,28 @@ Digest digest_bytes(const void* data, std::size_t size) {
 namespace {
 
 // dtype, rank and sizes: tensors with equal bytes but another dtype or shape digest differently.
-std::vector<std::uint8_t> header_bytes(const at::Tensor& t) {
-  detail::ByteWriter w;
-  w.put(static_cast<std::uint8_t>(1));  // header layout version
-  w.put(static_cast<std::uint8_t>(t.scalar_type()));
-  w.put(static_cast<std::uint32_t>(t.dim()));
-  for (std::int64_t s : t.sizes()) w.put(s);
-  return w.take();
-}
+// Laid out as detail::ByteWriter writes them (u8 layout version, u8 dtype, u32 rank, i64 per
+// size, little-endian), in a buffer on the stack for tensors of up to 8 dimensions: the recorder
+// digests hundreds of tensors a step, and a heap vector each cost more than hashing a small one.
+class HeaderBytes {
+ public:
+  explicit HeaderBytes(const at::Tensor& t) {
+    put(static_cast<std::uint8_t>(1));  // header layout version
+    put(static_cast<std::uint8_t>(t.scalar_type()));
+    put(static_cast<std::uint32_t>(t.dim()));
+    for (std::int64_t s : t.sizes()) put(s);
+  }
+  const std::uint8_t* data() const { return bytes_.data(); }
+  std::size_t size() const { return bytes_.size(); }
+
+ private:
+  template <typename T>
+  void put(T value) {
+    const auto* p = reinterpret_cast<const std::uint8_t*>(&value);
+    bytes_.append(p, p + sizeof(T));  // little-endian hosts only (x86-64, arm64)
+  }
+  c10::SmallVector<std::uint8_t, 2 + 4 + 8 * 8> bytes_;
+};
 
 }  // namespace
 
@@ -58,7 +76,7 @@ at::Tensor digestable(const at::Tensor& tensor) {
 PendingDigest digest_async(const at::Tensor& tensor) {
   if (!tensor.defined() || !tensor.is_cuda()) return PendingDigest(digest(tensor));
   const at::Tensor t = digestable(tensor);
-  const std::vector<std::uint8_t> header = header_bytes(t);
+  const HeaderBytes header(t);
   return PendingDigest(detail::cuda_digest_async(t, digest_bytes(header.data(), header.size())));
 }
 
@@ -80,7 +98,7 @@ std::vector<PendingDigest> digest_async_many(const std::vector<at::Tensor>& tens
       if (!t.defined() || !t.is_cuda() || t.device().index() != device) continue;
       index.push_back(i);
       contiguous.push_back(digestable(t));
-      const std::vector<std::uint8_t> header = header_bytes(contiguous.back());
+      const HeaderBytes header(contiguous.back());
       headers.push_back(digest_bytes(header.data(), header.size()));
     }
     std::vector<std::function<Digest()>> pending = detail::cuda_digest_async_many(contiguous, headers);
@@ -94,7 +112,7 @@ std::vector<PendingDigest> digest_async_many(const std::vector<at::Tensor>& tens
 
 Digest digest(const at::Tensor& tensor) {
   at::Tensor t = digestable(tensor);
-  const std::vector<std::uint8_t> header = header_bytes(t);
+  const HeaderBytes header(t);
   if (t.is_cuda()) return detail::cuda_digest(t, digest_bytes(header.data(), header.size()));
   if (!t.is_cpu()) t = t.cpu();
   // The header (dtype, rank, sizes) seeds the hash of the bytes.

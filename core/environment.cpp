@@ -10,9 +10,22 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/version.h>
 
+#include <algorithm>
+#include <thread>
+
+#include <sched.h>
 #include <unistd.h>
 
 namespace retrace {
+
+int usable_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const int cores = ::sched_getaffinity(0, sizeof set, &set) == 0
+                        ? CPU_COUNT(&set)
+                        : static_cast<int>(std::thread::hardware_concurrency());
+  return std::max(cores, 1);
+}
 
 Environment Environment::current() {
   Environment e;

@@ -4,6 +4,7 @@
 #include "tensor_codec.h"
 #include "trace_format.h"
 
+#include <retrace/environment.h>
 #include <retrace/records.h>
 
 #include <retrace/version.h>
@@ -13,16 +14,14 @@
 #include <c10/core/thread_pool.h>
 
 #include <algorithm>
+#include <charconv>
 #include <condition_variable>
-#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <memory>
 #include <mutex>
 #include <new>
-#include <thread>
 
-#include <sched.h>
 #include <xxhash.h>
 
 namespace retrace {
@@ -88,6 +87,44 @@ void check_readable(RecordType type, const nlohmann::json& meta, const std::vect
   }
 }
 
+// The tensor table's pieces, appended without a temporary string each: a digest-mode record's
+// table is hundreds of entries, written on the training thread (recorder.cpp) since 2026-12-03.
+template <typename T>
+void append_number(std::string& out, T value) {
+  char buf[24];
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, value);
+  out.append(buf, end);
+}
+
+// 16 lowercase hex digits, zero-padded (Digest::hex's halves, a stored tensor's checksum).
+void append_hex(std::string& out, std::uint64_t value) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  char buf[16];
+  for (int i = 15; i >= 0; --i, value >>= 4) buf[i] = kHex[value & 0xf];
+  out.append(buf, sizeof buf);
+}
+
+// A JSON string literal, byte for byte what nlohmann::json::dump() writes: names that need no
+// escaping (printable ASCII without '"' and '\\', every name the recorder makes) are copied; any
+// other goes through nlohmann.
+void append_json_string(std::string& out, const std::string& text) {
+  const bool plain = std::all_of(text.begin(), text.end(), [](char c) {
+    return static_cast<unsigned char>(c) >= 0x20 && static_cast<unsigned char>(c) < 0x7f && c != '"' && c != '\\';
+  });
+  if (!plain) {
+    try {
+      out += nlohmann::json(text).dump();
+    } catch (const nlohmann::json::exception& e) {
+      throw Error(std::string("retrace::TraceWriter: a tensor name is not valid UTF-8 (") + e.what() +
+                  "); name tensors in UTF-8");
+    }
+    return;
+  }
+  out += '"';
+  out += text;
+  out += '"';
+}
+
 void check_meta_size(RecordType type, std::size_t meta_bytes) {
   const ReaderOptions reader;
   if (meta_bytes > reader.max_meta_bytes) {
@@ -140,13 +177,7 @@ int resolve_encode_threads(int requested) {
                 std::to_string(requested) + " (retrace record --encode-threads)");
   }
   if (requested > 0) return requested;
-  // The cores this process may run on (a container's or taskset's), not the machine's.
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  const int cores = ::sched_getaffinity(0, sizeof set, &set) == 0
-                        ? CPU_COUNT(&set)
-                        : static_cast<int>(std::thread::hardware_concurrency());
-  return std::clamp(cores / 4, 1, 8);
+  return std::clamp(usable_cores() / 4, 1, 8);
 }
 
 char* TraceWriter::blob_room(std::size_t bytes) {
@@ -326,27 +357,36 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
     if (meta_in.is_object() && meta_in.contains("tensors"))
       throw Error("retrace::TraceWriter: 'tensors' is reserved in record metadata");
     std::string table = meta_text.size() > 2 ? ",\"tensors\":[" : "\"tensors\":[";
-    table.reserve(table.size() + tensors.size() * 160);
+    table.reserve(table.size() + tensors.size() * 192);
     for (std::size_t i = 0; i < tensors.size(); ++i) {
       const TensorEntry& e = tensors[i];
       if (i) table += ',';
       table += "{\"name\":";
-      table += nlohmann::json(e.name).dump();  // escapes what needs escaping
+      append_json_string(table, e.name);
       table += ",\"dtype\":\"";
       table += dtype_name(e.dtype);
       table += "\",\"shape\":[";
       for (std::size_t d = 0; d < e.shape.size(); ++d) {
         if (d) table += ',';
-        table += std::to_string(e.shape[d]);
+        append_number(table, e.shape[d]);
       }
-      table += "],\"digest\":\"" + e.digest.hex() +
-               "\",\"digest_algorithm\":" + std::to_string(static_cast<int>(e.digest.algorithm)) +
-               ",\"raw_bytes\":" + std::to_string(e.raw_bytes);
+      table += "],\"digest\":\"";
+      append_hex(table, e.digest.hi);
+      append_hex(table, e.digest.lo);
+      table += "\",\"digest_algorithm\":";
+      append_number(table, static_cast<int>(e.digest.algorithm));
+      table += ",\"raw_bytes\":";
+      append_number(table, e.raw_bytes);
       if (e.has_data()) {  // digest-only entries leave codec, offset and stored_bytes at 0
-        char checksum[17];
-        std::snprintf(checksum, sizeof checksum, "%016llx", static_cast<unsigned long long>(e.checksum));
-        table += ",\"codec\":" + std::to_string(static_cast<int>(e.codec)) + ",\"offset\":" + std::to_string(e.offset) +
-                 ",\"stored_bytes\":" + std::to_string(e.stored_bytes) + ",\"checksum\":\"" + checksum + '"';
+        table += ",\"codec\":";
+        append_number(table, static_cast<int>(e.codec));
+        table += ",\"offset\":";
+        append_number(table, e.offset);
+        table += ",\"stored_bytes\":";
+        append_number(table, e.stored_bytes);
+        table += ",\"checksum\":\"";
+        append_hex(table, e.checksum);
+        table += '"';
       }
       table += '}';
     }

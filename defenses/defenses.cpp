@@ -3,6 +3,7 @@
 #include <retrace/error.h>
 #include <retrace/number.h>
 
+#include <ATen/EmptyTensor.h>
 #include <torch/nn/module.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adam.h>
@@ -207,7 +208,11 @@ std::string gradient_name(const std::string& param) { return "grad." + bare(para
 template <typename State>
 void save_adam(const State& st, const std::string& prefix, std::vector<NamedTensor>& out) {
   const TensorKind k = TensorKind::kOptimizerState;
-  out.push_back({prefix + "step", at::scalar_tensor(st.step(), at::kLong), k});
+  // A 0-dim int64 tensor made without dispatch (at::scalar_tensor dispatches twice): the recorder
+  // calls state() twice a step, and a model has a step count per parameter.
+  at::Tensor step = at::detail::empty_cpu({}, at::kLong, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  *step.data_ptr<std::int64_t>() = st.step();
+  out.push_back({prefix + "step", std::move(step), k});
   out.push_back({prefix + "exp_avg", st.exp_avg(), k});
   out.push_back({prefix + "exp_avg_sq", st.exp_avg_sq(), k});
   if (st.max_exp_avg_sq().defined() && st.max_exp_avg_sq().numel() > 0)

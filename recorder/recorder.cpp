@@ -180,8 +180,8 @@ std::size_t job_bytes(const std::vector<TensorToWrite>& tensors) {
 
 class BackgroundWriter {
  public:
-  BackgroundWriter(std::unique_ptr<TraceWriter> writer, std::size_t cap)
-      : writer_(std::move(writer)), cap_(cap), thread_([this] { loop(); }) {}
+  BackgroundWriter(std::unique_ptr<TraceWriter> writer, std::size_t cap, SmallRecords small)
+      : writer_(std::move(writer)), cap_(cap), small_(small), thread_([this] { loop(); }) {}
   ~BackgroundWriter() { stop(); }
 
   void push(RecordType type, nlohmann::json meta, std::vector<TensorToWrite> tensors, RecorderStats& stats) {
@@ -198,6 +198,19 @@ class BackgroundWriter {
       popped_.wait(lock, [&] { return queued_ == 0 || queued_ + job.bytes <= cap_ || error_; });
       stats.backpressure_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       rethrow_locked();
+    }
+    if (queue_.empty() && !in_hand_ && by_caller() && small(job)) {
+      // The writer has nothing queued or in hand (so the order holds): write it here, now.
+      ++stats.records;
+      ++stats.records_by_caller;
+      try {
+        writer_->append(job.type, std::move(job.meta), job.tensors);
+      } catch (...) {
+        error_ = std::current_exception();
+        throw;
+      }
+      written_bytes_ = writer_->bytes_written();
+      return;
     }
     queued_ += job.bytes;
     queue_.push_back(std::move(job));
@@ -257,6 +270,27 @@ class BackgroundWriter {
     if (error_) std::rethrow_exception(error_);
   }
 
+  bool by_caller() const {
+    if (small_ != SmallRecords::kAuto) return small_ == SmallRecords::kRecordingThread;
+    static const int cores = usable_cores();
+    return at::get_num_threads() >= cores;  // the writer thread would have no core of its own
+  }
+
+  // A small record (SmallRecords): nothing to wait for (no device copy or digest in flight) and
+  // at most kSmallBytes of host bytes to compress or hash.
+  static bool small(const Job& job) {
+    std::size_t bytes = 0;
+    for (const TensorToWrite& t : job.tensors) {
+      if (t.ready || t.digest_later) return false;
+      if (t.store_data || !t.digest) {
+        if (!t.tensor.defined() || !t.tensor.is_cpu()) return false;
+        bytes += t.tensor.nbytes();
+      }
+    }
+    return bytes <= kSmallBytes;
+  }
+  static constexpr std::size_t kSmallBytes = 64 * 1024;
+
   void loop() {
     for (;;) {
       Job job;
@@ -266,6 +300,7 @@ class BackgroundWriter {
         if (queue_.empty()) return;  // stopping and drained
         job = std::move(queue_.front());
         queue_.pop_front();
+        in_hand_ = true;
       }
       try {
         if (job.done) {
@@ -290,6 +325,7 @@ class BackgroundWriter {
       }
       std::lock_guard<std::mutex> lock(mutex_);
       queued_ -= job.bytes;
+      in_hand_ = false;
       written_bytes_ = writer_->bytes_written();
       popped_.notify_all();
     }
@@ -297,10 +333,12 @@ class BackgroundWriter {
 
   std::unique_ptr<TraceWriter> writer_;
   std::size_t cap_;
+  SmallRecords small_;
   std::mutex mutex_;
   std::condition_variable pushed_, popped_;
   std::deque<Job> queue_;
   std::size_t queued_ = 0;
+  bool in_hand_ = false;  // the writer thread is writing a job (or serving a flush)
   std::uint64_t written_bytes_ = 0;
   bool stopping_ = false;
   std::exception_ptr error_;
@@ -467,8 +505,9 @@ Recorder::Recorder(const std::string& path, const Program& program, RecorderOpti
                                      options.write_ahead};
   impl_->ranks = program.ranks();
   if (impl_->ranks.distributed()) header.ranks = impl_->ranks;
-  impl_->writer = std::make_unique<BackgroundWriter>(
-      std::make_unique<TraceWriter>(path, header.to_meta(), options.writer), options.queue_bytes);
+  impl_->writer =
+      std::make_unique<BackgroundWriter>(std::make_unique<TraceWriter>(path, header.to_meta(), options.writer),
+                                         options.queue_bytes, options.small_records);
   if (options.ring > 0 && options.dump_on_signal && g_signal_recorder == nullptr && ::pipe(g_signal_pipe) == 0) {
     g_signal_recorder = this;
     g_signal_write_end.store(g_signal_pipe[1]);

@@ -23,6 +23,14 @@ TEST(Digest, EqualContentsInDistinctStoragesDigestEqual) {
   EXPECT_EQ(digest(a).hex().size(), 32u);
 }
 
+// hex(): 32 lowercase digits, hi then lo, each half zero-padded (what traces and reports print).
+TEST(Digest, HexIsHiThenLoInLowercaseZeroPaddedHalves) {
+  EXPECT_EQ((Digest{0x0123456789abcdefULL, 0xfedcba9876543210ULL, DigestAlgorithm::kXxh3_128}.hex()),
+            "fedcba98765432100123456789abcdef");
+  EXPECT_EQ((Digest{1, 0, DigestAlgorithm::kXxh3_128}.hex()), "00000000000000000000000000000001");
+  EXPECT_EQ((Digest{0, 0xa, DigestAlgorithm::kXxh3_128}.hex()), "000000000000000a0000000000000000");
+}
+
 TEST(Digest, EverySingleBitFlipChangesTheDigest) {
   for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble, at::kInt, at::kByte}) {
     SCOPED_TRACE(c10::toString(dtype));

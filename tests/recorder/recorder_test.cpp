@@ -1,21 +1,25 @@
-// The recorder: I/O faults at every file operation, backpressure, and an exception leaving a
-// step dumps the flight ring.
+// The recorder: I/O faults at every file operation, backpressure, an exception leaving a step
+// dumps the flight ring, and small records written by either thread make the same trace.
 #include "../support/recording.h"
 
+#include <retrace/environment.h>
 #include <retrace/error.h>
 #include <retrace/recorder.h>
 #include <retrace/trace.h>
 #include <retrace/trainer.h>
 
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <mutex>
 #include <sys/wait.h>
 #include <thread>
 #include <unistd.h>
@@ -109,54 +113,66 @@ class FaultyFileSystem : public io::FileSystem {
 
 TEST(IoFaults, EveryFailingOperationIsReportedAndNoPartialTraceLooksFinished) {
   register_builtin_programs();
-  int runs = 0;
-  for (int n = 1; n < 500; ++n) {
-    SCOPED_TRACE("failing operation " + std::to_string(n));
-    FaultyFileSystem faulty(n);
-    RecorderOptions options;
-    options.mode = RecordMode::kFull;
-    options.writer.fs = &faulty;
-    ScenarioProgram program(parse_scenario_text(kGpt, "io"));
-    const std::string path = temp_path("io_" + std::to_string(n));
-    std::string error;
-    try {
-      Recorder recorder(path, program, options);
-      record_run(program, recorder, 2);
-      recorder.close();
-    } catch (const Error& e) {
-      error = e.what();
-    }
-    ++runs;
-    if (!faulty.fired()) {  // every operation of a whole run succeeded: done
-      EXPECT_TRUE(error.empty()) << error;
-      EXPECT_TRUE(TraceReader(path).complete());
-      fs::remove(path);
-      break;
-    }
-    EXPECT_NE(error.find("injected"), std::string::npos) << "the failure was not reported: '" << error << "'";
-    EXPECT_EQ(error.find('\n'), std::string::npos) << error;
-    if (fs::exists(path)) {
-      // Only a failing directory fsync comes after the rename: the file is then whole.
-      const TraceReader finished(path);
-      EXPECT_TRUE(finished.complete()) << "a partial trace was presented as finished";
-      EXPECT_FALSE(finished.truncated());
-      fs::remove(path);
-    }
-    if (fs::exists(path + ".incomplete")) {
+  // Full mode with its small records by either thread (SmallRecords), and digest mode with nearly
+  // every record written by the training thread itself: a failing write is reported alike.
+  const std::vector<std::pair<RecordMode, SmallRecords>> cases = {
+      {RecordMode::kFull, SmallRecords::kWriterThread},
+      {RecordMode::kFull, SmallRecords::kRecordingThread},
+      {RecordMode::kDigest, SmallRecords::kRecordingThread}};
+  for (const auto& [mode, small] : cases) {
+    SCOPED_TRACE(std::string(mode == RecordMode::kFull ? "full" : "digest") +
+                 (small == SmallRecords::kWriterThread ? ", small records by the writer thread"
+                                                       : ", small records by the training thread"));
+    int runs = 0;
+    for (int n = 1; n < 500; ++n) {
+      SCOPED_TRACE("failing operation " + std::to_string(n));
+      FaultyFileSystem faulty(n);
+      RecorderOptions options;
+      options.mode = mode;
+      options.small_records = small;
+      options.writer.fs = &faulty;
+      ScenarioProgram program(parse_scenario_text(kGpt, "io"));
+      const std::string path = temp_path("io_" + std::to_string(n));
+      std::string error;
       try {
-        // Whole content (the failure was the final fsync or the rename) or a truncated tail,
-        // either way still named .incomplete; reading it must not crash.
-        const TraceReader left(path + ".incomplete");
-        if (left.complete()) {
-          EXPECT_TRUE(error.find("fsync") != std::string::npos || error.find("rename") != std::string::npos) << error;
-        }
-      } catch (const Error&) {
-        // A typed error (e.g. the header itself was cut) is an acceptable answer too.
+        Recorder recorder(path, program, options);
+        record_run(program, recorder, 2);
+        recorder.close();
+      } catch (const Error& e) {
+        error = e.what();
       }
-      fs::remove(path + ".incomplete");
+      ++runs;
+      if (!faulty.fired()) {  // every operation of a whole run succeeded: done
+        EXPECT_TRUE(error.empty()) << error;
+        EXPECT_TRUE(TraceReader(path).complete());
+        fs::remove(path);
+        break;
+      }
+      EXPECT_NE(error.find("injected"), std::string::npos) << "the failure was not reported: '" << error << "'";
+      EXPECT_EQ(error.find('\n'), std::string::npos) << error;
+      if (fs::exists(path)) {
+        // Only a failing directory fsync comes after the rename: the file is then whole.
+        const TraceReader finished(path);
+        EXPECT_TRUE(finished.complete()) << "a partial trace was presented as finished";
+        EXPECT_FALSE(finished.truncated());
+        fs::remove(path);
+      }
+      if (fs::exists(path + ".incomplete")) {
+        try {
+          // Whole content (the failure was the final fsync or the rename) or a truncated tail,
+          // either way still named .incomplete; reading it must not crash.
+          const TraceReader left(path + ".incomplete");
+          if (left.complete()) {
+            EXPECT_TRUE(error.find("fsync") != std::string::npos || error.find("rename") != std::string::npos) << error;
+          }
+        } catch (const Error&) {
+          // A typed error (e.g. the header itself was cut) is an acceptable answer too.
+        }
+        fs::remove(path + ".incomplete");
+      }
     }
+    EXPECT_GT(runs, 10);  // a two-step run does dozens of file operations
   }
-  EXPECT_GT(runs, 10);  // a two-step full-mode run does dozens of file operations
 }
 
 // The same faults under OnWriteError::kContinue: training runs every step whatever fails,
@@ -315,6 +331,156 @@ TEST(Recorder, ExceptionLeavingAStepDumpsTheRing) {
   EXPECT_TRUE(noted);
   EXPECT_EQ(ring, 2);  // steps 2 and 3
   fs::remove(path);
+}
+
+
+// Every record of trace `a` equals trace `b`'s, in the same order: type, metadata and tensor table
+// (names, digests, codecs, offsets, stored sizes, checksums). The headers (host, time) may differ.
+void expect_same_records(const std::string& a, const std::string& b) {
+  const TraceReader ta(a), tb(b);
+  ASSERT_EQ(ta.records().size(), tb.records().size());
+  for (std::size_t i = 0; i < ta.records().size(); ++i) {
+    SCOPED_TRACE("record " + std::to_string(i));
+    const Record ra = ta.read(i), rb = tb.read(i);
+    ASSERT_EQ(ra.type, rb.type);
+    ASSERT_EQ(ra.meta, rb.meta);
+    ASSERT_EQ(ra.tensors.size(), rb.tensors.size());
+    for (std::size_t k = 0; k < ra.tensors.size(); ++k) {
+      const TensorEntry &ea = ra.tensors[k], &eb = rb.tensors[k];
+      EXPECT_EQ(ea.name, eb.name);
+      EXPECT_EQ(ea.digest, eb.digest) << ea.name;
+      EXPECT_EQ(ea.codec, eb.codec) << ea.name;
+      EXPECT_EQ(ea.offset, eb.offset) << ea.name;
+      EXPECT_EQ(ea.stored_bytes, eb.stored_bytes) << ea.name;
+      EXPECT_EQ(ea.checksum, eb.checksum) << ea.name;
+    }
+    EXPECT_EQ(ra.blob, rb.blob);
+  }
+}
+
+// The POSIX file system with the writer thread's first append held until open() (or 60 s).
+class GatedFileSystem : public io::FileSystem {
+ public:
+  void open_gate() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    open_ = true;
+    opened_.notify_all();
+  }
+  std::unique_ptr<io::WritableFile> create(const std::string& path) override {
+    struct Gated : io::WritableFile {
+      GatedFileSystem* fs;
+      std::unique_ptr<io::WritableFile> f;
+      std::thread::id owner = std::this_thread::get_id();
+      void wait() {
+        if (std::this_thread::get_id() == owner) return;  // the header, and the recording thread's
+        std::unique_lock<std::mutex> lock(fs->mutex_);
+        fs->opened_.wait_for(lock, std::chrono::seconds(60), [&] { return fs->open_; });
+      }
+      void append(const void* d, std::size_t n) override {
+        wait();
+        f->append(d, n);
+      }
+      void append_all(const std::vector<io::ConstBytes>& pieces) override {
+        wait();
+        f->append_all(pieces);
+      }
+      void sync() override { f->sync(); }
+      void close() override { f->close(); }
+      std::uint64_t size() const override { return f->size(); }
+    };
+    auto gated = std::make_unique<Gated>();
+    gated->fs = this;
+    gated->f = io::posix_file_system().create(path);
+    return gated;
+  }
+  void rename(const std::string& a, const std::string& b) override { io::posix_file_system().rename(a, b); }
+  void sync_directory(const std::string& d) override { io::posix_file_system().sync_directory(d); }
+  void remove(const std::string& p) override { io::posix_file_system().remove(p); }
+  std::unique_ptr<io::ReadableFile> open(const std::string& p) override { return io::posix_file_system().open(p); }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable opened_;
+  bool open_ = false;
+};
+
+struct GatedRecording {
+  std::string path;
+  RecorderStats after_step_1;  // the writer thread still held
+  RecorderStats end;
+};
+
+// Four steps of kGpt; the writer thread's first append (step 1's state, stored in full: not a small
+// record) is held until step 1 has ended, so every record of step 1 is pushed while the writer has
+// one in hand. Then the gate opens and the writer catches up before step 2.
+GatedRecording record_gated(const std::string& name, RecorderOptions options) {
+  register_builtin_programs();
+  GatedFileSystem gate;
+  options.writer.fs = &gate;
+  ScenarioProgram program(parse_scenario_text(kGpt, name));
+  GatedRecording r;
+  r.path = temp_path(name);
+  Recorder recorder(r.path, program, options);
+  for (std::int64_t n = 1; n <= 4; ++n) {
+    const std::vector<NamedTensor> batch = program.batch(n);
+    ObserverScope scope(recorder);
+    recorder.begin_step(n, program.state(), batch, program.lr(), 1.0);
+    const StepOutcome outcome = program.step(n, batch, &recorder);
+    recorder.end_step(n, outcome, program.state());
+    if (n == 1) {
+      r.after_step_1 = recorder.stats();
+      gate.open_gate();
+      recorder.flush();
+    }
+  }
+  recorder.close();
+  r.end = recorder.stats();
+  return r;
+}
+
+// SmallRecords: the recording thread writes a small record only when the writer thread has nothing
+// queued or in hand. Step 1's small records come while the writer holds the step's state: they
+// must queue behind it (none written by the recording thread yet), and the whole trace must be
+// record for record what the writer thread alone writes. Control: the writer thread alone writes
+// every record itself.
+TEST(Recorder, SmallRecordsWrittenByTheRecordingThreadKeepTheTraceAsTheWriterThreadWritesIt) {
+  RecorderOptions options;
+  options.ring = 2;  // the ring's copies must not change what is written either
+  options.small_records = SmallRecords::kWriterThread;
+  const GatedRecording by_writer = record_gated("small-by-writer", options);
+  EXPECT_EQ(by_writer.end.records_by_caller, 0);
+
+  options.small_records = SmallRecords::kRecordingThread;
+  const GatedRecording by_caller = record_gated("small-by-caller", options);
+  EXPECT_EQ(by_caller.end.records, by_writer.end.records);
+  EXPECT_GT(by_caller.after_step_1.records, 1);
+  EXPECT_EQ(by_caller.after_step_1.records_by_caller, 0) << "a small record jumped the writer's queue";
+  // After step 1 the writer is idle between records: steps 2 to 4 are all small (digest mode).
+  EXPECT_EQ(by_caller.end.records_by_caller, by_caller.end.records - by_caller.after_step_1.records);
+  expect_same_records(by_writer.path, by_caller.path);
+  EXPECT_TRUE(replay(by_caller.path).reproduced);
+  fs::remove(by_writer.path);
+  fs::remove(by_caller.path);
+}
+
+// kAuto writes small records on the recording thread when LibTorch's intra-op threads take every
+// core this process may run on, and on the writer thread when one is left over.
+TEST(Recorder, SmallRecordsAutoWritesOnTheRecordingThreadOnlyWithNoCoreToSpare) {
+  const int threads = at::get_num_threads();
+  const int cores = usable_cores();
+  RecorderOptions options;  // kAuto
+  at::set_num_threads(cores);
+  const Recorded busy = record(kGpt, "small-auto-busy", options, 2);
+  EXPECT_GT(busy.stats.records_by_caller, 0);
+  fs::remove(busy.path);
+  if (cores > 1) {
+    at::set_num_threads(cores - 1);
+    const Recorded spare = record(kGpt, "small-auto-spare", options, 2);
+    EXPECT_EQ(spare.stats.records_by_caller, 0);
+    fs::remove(spare.path);
+  }
+  at::set_num_threads(threads);
+  if (cores == 1) GTEST_SKIP() << "one usable core: the writer thread never has one of its own";
 }
 
 }  // namespace

@@ -311,6 +311,47 @@ TEST(Trace, OddSizesAndEveryDtypeRoundTrip) {
   }
 }
 
+// The writer writes the tensor table's JSON itself (names copied as they are where nothing needs
+// escaping). Names with quotes, backslashes, control characters, DEL and UTF-8, digest-only and
+// stored, read back as written, and every digest and size with them. A name that is not UTF-8 is
+// refused with a retrace::Error naming it, and nothing of that record is written.
+TEST(Trace, TensorNamesOfAnyTextRoundTripThroughTheTable) {
+  const std::string path = temp_path("names");
+  const std::vector<std::string> names = {
+      "plain.name_0/x:y",         "quote\"in", "back\\slash", "tab\tnew\nline", std::string("nul\0byte", 8), "del\x7f",
+      "caf\xc3\xa9 \xe2\x9c\x93", ""};
+  const at::Tensor t = torch::arange(12, torch::kFloat).reshape({3, 4});
+  {
+    TraceWriter w(path, nlohmann::json::object());
+    std::vector<TensorToWrite> list;
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      if (i % 2) list.push_back({names[i], t + static_cast<double>(i), true, std::nullopt});
+      else
+        list.push_back(
+            TensorToWrite::digest_only(names[i], t + static_cast<double>(i), digest(t + static_cast<double>(i))));
+    }
+    w.append(RecordType::kEvent, {{"event", "names"}}, list);
+    EXPECT_THROW(
+        w.append(RecordType::kEvent, {{"event", "bad"}}, {TensorToWrite::digest_only("not \xff utf-8", t, digest(t))}),
+        std::exception);
+    w.close();
+  }
+  const TraceReader r(path);
+  ASSERT_EQ(r.records().size(), 1u);  // the refused record left nothing
+  const Record rec = r.read(0);
+  ASSERT_EQ(rec.tensors.size(), names.size());
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    SCOPED_TRACE(i);
+    const at::Tensor expected = t + static_cast<double>(i);
+    EXPECT_EQ(rec.tensors[i].name, names[i]);
+    EXPECT_EQ(rec.tensors[i].digest, digest(expected));
+    EXPECT_EQ(rec.tensors[i].shape, (std::vector<std::int64_t>{3, 4}));
+    EXPECT_EQ(rec.tensors[i].raw_bytes, 48u);
+    if (i % 2) EXPECT_BITWISE_EQ(expected, r.decode(rec, rec.tensors[i]));
+  }
+  fs::remove(path);
+}
+
 // A large tensor, so that Blosc splits it into several blocks, round trips bitwise
 // in both compressions; the fast one is no more than a little larger than the small one.
 TEST(Trace, LargeBf16WeightsRoundTripInBothCompressions) {

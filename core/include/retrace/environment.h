@@ -35,4 +35,8 @@ struct Environment {
   std::vector<EnvironmentDifference> differences(const Environment& now) const;
 };
 
+// The cores this process may run on: its CPU affinity (a container's or taskset's), not the
+// machine's; hardware_concurrency() where the affinity cannot be read. At least 1.
+int usable_cores();
+
 }  // namespace retrace

@@ -11,7 +11,9 @@
 // for crashes that leave no chance to dump (SIGSEGV, SIGKILL).
 //
 // Records are compressed and written by a background thread behind a bounded queue; a full
-// queue blocks the training thread (backpressure), never drops a record.
+// queue blocks the training thread (backpressure), never drops a record. Small records (a
+// digest-mode segment, step_begin or step_end) may instead be written by the recording thread
+// itself, in the same order (SmallRecords).
 
 #include <retrace/collectives.h>
 #include <retrace/observer.h>
@@ -38,6 +40,20 @@ RecordMode parse_record_mode(const std::string& text);
 // Either way, failing to create the trace (its file and header) throws from the constructor.
 enum class OnWriteError { kStop, kContinue };
 
+// Where a small record is written: one with nothing on a device to wait for and at most 64 KiB
+// of host bytes to hash or compress (every record of digest mode after the first step on the
+// CPU). Larger records always go to the writer thread, and the trace's order is the calls' order
+// either way: a small record is written by the recording thread only when the writer has
+// nothing queued and nothing in hand.
+//   kAuto:            by the recording thread when the writer thread would have no core of its
+//                     own (LibTorch's intra-op threads, at::get_num_threads(), take every core
+//                     this process may run on, usable_cores()); else by the writer thread. With
+//                     no core to spare, waking the writer for a few KiB cost the step more than
+//                     writing them: it preempts an intra-op thread mid-op (bench/README.md).
+//   kWriterThread:    always by the writer thread.
+//   kRecordingThread: by the recording thread whenever the writer is idle.
+enum class SmallRecords { kAuto, kWriterThread, kRecordingThread };
+
 struct RecorderOptions {
   RecordMode mode = RecordMode::kDigest;
   int every = 0;  // digest mode: also a full step-begin snapshot every k steps (0: never)
@@ -46,6 +62,7 @@ struct RecorderOptions {
   std::size_t queue_bytes = std::size_t{256} << 20;  // bound on bytes queued for, or being written by, the writer
   bool dump_on_signal = true;                        // with ring > 0: dump on SIGTERM/SIGINT, then die by the signal
   OnWriteError on_write_error = OnWriteError::kStop;
+  SmallRecords small_records = SmallRecords::kAuto;
   // record_run's state round-trip self-check (state_check.h): once, at step kStateCheckStep, a
   // copy of the program rebuilt by name and config from the step's start state() must end the
   // step bitwise as the live program does; else record_run throws StateCheckError after that
@@ -58,6 +75,7 @@ struct RecorderOptions {
 struct RecorderStats {
   std::int64_t steps = 0;
   std::int64_t records = 0;
+  std::int64_t records_by_caller = 0;   // of those, written by the recording thread (SmallRecords)
   std::int64_t backpressure_waits = 0;  // times the training thread waited for the writer
   double backpressure_seconds = 0;
   std::int64_t ring_dumps = 0;
