@@ -53,6 +53,7 @@ void BM_DataParallelRecording(benchmark::State& state, const char* variant) {
   if (!peer) {
     std::filesystem::create_directories(dir);
     ::setenv("WORLD_SIZE", "2", 1);
+    ::setenv("LOCAL_WORLD_SIZE", "2", 1);  // both ranks on this host, as torchrun says
     ::setenv("RANK", "0", 1);
     ::setenv("RETRACE_RUN_ID", "bench", 1);
     const std::string filter = std::string("--benchmark_filter=BM_DataParallelRecording/") + variant + "/";
@@ -84,6 +85,8 @@ void BM_DataParallelRecording(benchmark::State& state, const char* variant) {
     auto recorded = join(dir, "recorded");
     RecorderOptions options;
     if (std::string(variant) == "ring4") options.ring = 4;
+    // The small records by the writer thread, as before 2026-12-03 (SmallRecords).
+    if (std::string(variant) == "digest_writer_thread") options.small_records = SmallRecords::kWriterThread;
     options.state_check = false;
     Recorder recorder(dir + "/rank" + (peer ? "1" : "0") + ".trace", *recorded, options);
     std::int64_t step = 0;
@@ -115,17 +118,24 @@ void BM_DataParallelRecording(benchmark::State& state, const char* variant) {
     state.counters["plain_ms"] = 1e3 * t_plain / static_cast<double>(state.iterations());
     state.counters["recorded_over_plain"] = t_recorded / t_plain;
     state.counters["KiB_per_step"] = recorder.stats().bytes / 1024.0 / static_cast<double>(step);
+    state.counters["by_caller"] = static_cast<double>(recorder.stats().records_by_caller) /
+                                  static_cast<double>(std::max<std::int64_t>(recorder.stats().records, 1));
   }
   if (!peer) {
     int status = 0;
     ::waitpid(child, &status, 0);
     ::unsetenv("RANK");
     ::unsetenv("WORLD_SIZE");
+    ::unsetenv("LOCAL_WORLD_SIZE");
     for (const auto& e : std::filesystem::directory_iterator(dir)) ::unlink(e.path().c_str());
     ::rmdir(dir.c_str());
   }
 }
 BENCHMARK_CAPTURE(BM_DataParallelRecording, digest, "digest")
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(kIterations);
+BENCHMARK_CAPTURE(BM_DataParallelRecording, digest_writer_thread, "digest_writer_thread")
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->Iterations(kIterations);

@@ -18,6 +18,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <atomic>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -178,10 +179,30 @@ std::size_t job_bytes(const std::vector<TensorToWrite>& tensors) {
 
 // --- background writer -----------------------------------------------------------------------
 
+// The processes of this job on this host (torchrun's and `retrace record --ranks`'s LOCAL_WORLD_SIZE; 1
+// when unset): data-parallel ranks started with cores / ranks intra-op threads each fill the
+// cores together, though each one alone would leave some free.
+int local_processes() {
+  const char* text = std::getenv("LOCAL_WORLD_SIZE");
+  if (text == nullptr || *text == '\0') return 1;
+  int n = 0;
+  const char* end = text + std::strlen(text);
+  const auto [at, ec] = std::from_chars(text, end, n);
+  if (ec != std::errc() || at != end || n < 1 || n > 65536) {
+    throw Error(std::string("retrace::Recorder: LOCAL_WORLD_SIZE is '") + text +
+                "', not a count of processes; set it to the number of this job's processes on this host (1 to "
+                "65536), or unset it");
+  }
+  return n;
+}
+
 class BackgroundWriter {
  public:
-  BackgroundWriter(std::unique_ptr<TraceWriter> writer, std::size_t cap, SmallRecords small)
-      : writer_(std::move(writer)), cap_(cap), small_(small), thread_([this] { loop(); }) {}
+  // `local_processes`: the processes of this job that share this host's cores (LOCAL_WORLD_SIZE).
+  BackgroundWriter(std::unique_ptr<TraceWriter> writer, std::size_t cap, SmallRecords small, int local_processes)
+      : writer_(std::move(writer)), cap_(cap), small_(small), local_processes_(local_processes), thread_([this] {
+          loop();
+        }) {}
   ~BackgroundWriter() { stop(); }
 
   void push(RecordType type, nlohmann::json meta, std::vector<TensorToWrite> tensors, RecorderStats& stats) {
@@ -273,7 +294,8 @@ class BackgroundWriter {
   bool by_caller() const {
     if (small_ != SmallRecords::kAuto) return small_ == SmallRecords::kRecordingThread;
     static const int cores = usable_cores();
-    return at::get_num_threads() >= cores;  // the writer thread would have no core of its own
+    // The writer thread would have no core of its own.
+    return static_cast<std::int64_t>(at::get_num_threads()) * local_processes_ >= cores;
   }
 
   // A small record (SmallRecords): nothing to wait for (no device copy or digest in flight) and
@@ -334,6 +356,7 @@ class BackgroundWriter {
   std::unique_ptr<TraceWriter> writer_;
   std::size_t cap_;
   SmallRecords small_;
+  int local_processes_;
   std::mutex mutex_;
   std::condition_variable pushed_, popped_;
   std::deque<Job> queue_;
@@ -505,9 +528,9 @@ Recorder::Recorder(const std::string& path, const Program& program, RecorderOpti
                                      options.write_ahead};
   impl_->ranks = program.ranks();
   if (impl_->ranks.distributed()) header.ranks = impl_->ranks;
-  impl_->writer =
-      std::make_unique<BackgroundWriter>(std::make_unique<TraceWriter>(path, header.to_meta(), options.writer),
-                                         options.queue_bytes, options.small_records);
+  impl_->writer = std::make_unique<BackgroundWriter>(
+      std::make_unique<TraceWriter>(path, header.to_meta(), options.writer), options.queue_bytes, options.small_records,
+      options.small_records == SmallRecords::kAuto ? local_processes() : 1);
   if (options.ring > 0 && options.dump_on_signal && g_signal_recorder == nullptr && ::pipe(g_signal_pipe) == 0) {
     g_signal_recorder = this;
     g_signal_write_end.store(g_signal_pipe[1]);

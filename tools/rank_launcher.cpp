@@ -75,8 +75,8 @@ int launch_ranks(int ranks, const std::vector<std::string>& args) {
   for (char** e = environ; *e; ++e) {
     const std::string kv = *e;
     const std::string key = kv.substr(0, kv.find('='));
-    if (key == "RANK" || key == "WORLD_SIZE" || key == "LOCAL_RANK" || key == "RETRACE_STORE" ||
-        key == "RETRACE_RUN_ID" || key == "OMP_NUM_THREADS")
+    if (key == "RANK" || key == "WORLD_SIZE" || key == "LOCAL_RANK" || key == "LOCAL_WORLD_SIZE" ||
+        key == "RETRACE_STORE" || key == "RETRACE_RUN_ID" || key == "OMP_NUM_THREADS")
       continue;
     base.push_back(kv);
   }
@@ -87,6 +87,7 @@ int launch_ranks(int ranks, const std::vector<std::string>& args) {
     env.push_back("RANK=" + std::to_string(r));
     env.push_back("LOCAL_RANK=" + std::to_string(r));
     env.push_back("WORLD_SIZE=" + std::to_string(ranks));
+    env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(ranks));  // all on this host (torchrun's name)
     env.push_back("RETRACE_STORE=" + dir + "/store");
     env.push_back("RETRACE_RUN_ID=" + run_id.str());
     env.push_back("OMP_NUM_THREADS=" + std::to_string(threads));

@@ -463,11 +463,15 @@ TEST(Recorder, SmallRecordsWrittenByTheRecordingThreadKeepTheTraceAsTheWriterThr
   fs::remove(by_caller.path);
 }
 
-// kAuto writes small records on the recording thread when LibTorch's intra-op threads take every
-// core this process may run on, and on the writer thread when one is left over.
+// kAuto writes small records on the recording thread when LibTorch's intra-op threads, times this
+// job's processes on the host (LOCAL_WORLD_SIZE), take every core this process may run on, and on
+// the writer thread when one is left over. A LOCAL_WORLD_SIZE that is not a count is an error.
 TEST(Recorder, SmallRecordsAutoWritesOnTheRecordingThreadOnlyWithNoCoreToSpare) {
   const int threads = at::get_num_threads();
   const int cores = usable_cores();
+  const char* local = std::getenv("LOCAL_WORLD_SIZE");
+  const std::string saved_local = local ? local : "";
+  ::unsetenv("LOCAL_WORLD_SIZE");
   RecorderOptions options;  // kAuto
   at::set_num_threads(cores);
   const Recorded busy = record(kGpt, "small-auto-busy", options, 2);
@@ -478,6 +482,33 @@ TEST(Recorder, SmallRecordsAutoWritesOnTheRecordingThreadOnlyWithNoCoreToSpare) 
     const Recorded spare = record(kGpt, "small-auto-spare", options, 2);
     EXPECT_EQ(spare.stats.records_by_caller, 0);
     fs::remove(spare.path);
+    // Ranks of one job filling the cores together (cores - 1 threads each, two on this host).
+    ::setenv("LOCAL_WORLD_SIZE", "2", 1);
+    const Recorded ranks = record(kGpt, "small-auto-ranks", options, 2);
+    EXPECT_GT(ranks.stats.records_by_caller, 0);
+    fs::remove(ranks.path);
+  }
+  for (const char* bad : {"two", "0", "-1", "2x", "99999999999"}) {
+    SCOPED_TRACE(bad);
+    ::setenv("LOCAL_WORLD_SIZE", bad, 1);
+    try {
+      record(kGpt, "small-auto-bad", options, 1);
+      ADD_FAILURE() << "LOCAL_WORLD_SIZE=" << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("LOCAL_WORLD_SIZE is '" + std::string(bad) + "'"), std::string::npos)
+          << e.what();
+    }
+    fs::remove(temp_path("small-auto-bad") + ".incomplete");
+  }
+  // Control: a policy that does not look at the cores does not read it.
+  options.small_records = SmallRecords::kWriterThread;
+  const Recorded fixed = record(kGpt, "small-fixed-bad-env", options, 1);
+  EXPECT_EQ(fixed.stats.records_by_caller, 0);
+  fs::remove(fixed.path);
+  if (saved_local.empty()) {
+    ::unsetenv("LOCAL_WORLD_SIZE");
+  } else {
+    ::setenv("LOCAL_WORLD_SIZE", saved_local.c_str(), 1);
   }
   at::set_num_threads(threads);
   if (cores == 1) GTEST_SKIP() << "one usable core: the writer thread never has one of its own";

@@ -46,10 +46,13 @@ enum class OnWriteError { kStop, kContinue };
 // either way: a small record is written by the recording thread only when the writer has
 // nothing queued and nothing in hand.
 //   kAuto:            by the recording thread when the writer thread would have no core of its
-//                     own (LibTorch's intra-op threads, at::get_num_threads(), take every core
-//                     this process may run on, usable_cores()); else by the writer thread. With
-//                     no core to spare, waking the writer for a few KiB cost the step more than
-//                     writing them: it preempts an intra-op thread mid-op (bench/README.md).
+//                     own: LibTorch's intra-op threads (at::get_num_threads()) times this job's
+//                     processes on the host (LOCAL_WORLD_SIZE, set by torchrun and by `retrace
+//                     record --ranks`; 1 when unset) reach the cores this process may run on
+//                     (usable_cores()). Else by the writer thread. With no core to spare, waking
+//                     the writer for a few KiB cost the step more than writing them: it preempts
+//                     an intra-op thread mid-op (bench/README.md). A LOCAL_WORLD_SIZE that is not
+//                     a count makes the Recorder constructor throw.
 //   kWriterThread:    always by the writer thread.
 //   kRecordingThread: by the recording thread whenever the writer is idle.
 enum class SmallRecords { kAuto, kWriterThread, kRecordingThread };
