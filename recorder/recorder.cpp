@@ -198,11 +198,16 @@ int local_processes() {
 
 class BackgroundWriter {
  public:
-  // `local_processes`: the processes of this job that share this host's cores (LOCAL_WORLD_SIZE).
+  // `local_processes`: the processes of this job on this host (LOCAL_WORLD_SIZE). They share this
+  // process's cores only when its affinity spans the machine: a rank pinned to cores of its own
+  // (numactl, torchrun's binding) shares none.
   BackgroundWriter(std::unique_ptr<TraceWriter> writer, std::size_t cap, SmallRecords small, int local_processes)
-      : writer_(std::move(writer)), cap_(cap), small_(small), local_processes_(local_processes), thread_([this] {
-          loop();
-        }) {}
+      : writer_(std::move(writer)),
+        cap_(cap),
+        small_(small),
+        cores_(usable_cores()),
+        local_processes_(cores_ >= static_cast<int>(std::thread::hardware_concurrency()) ? local_processes : 1),
+        thread_([this] { loop(); }) {}
   ~BackgroundWriter() { stop(); }
 
   void push(RecordType type, nlohmann::json meta, std::vector<TensorToWrite> tensors, RecorderStats& stats) {
@@ -228,6 +233,7 @@ class BackgroundWriter {
         writer_->append(job.type, std::move(job.meta), job.tensors);
       } catch (...) {
         error_ = std::current_exception();
+        written_bytes_ = writer_->bytes_written();
         throw;
       }
       written_bytes_ = writer_->bytes_written();
@@ -293,9 +299,8 @@ class BackgroundWriter {
 
   bool by_caller() const {
     if (small_ != SmallRecords::kAuto) return small_ == SmallRecords::kRecordingThread;
-    static const int cores = usable_cores();
     // The writer thread would have no core of its own.
-    return static_cast<std::int64_t>(at::get_num_threads()) * local_processes_ >= cores;
+    return static_cast<std::int64_t>(at::get_num_threads()) * local_processes_ >= cores_;
   }
 
   // A small record (SmallRecords): nothing to wait for (no device copy or digest in flight) and
@@ -324,39 +329,46 @@ class BackgroundWriter {
         queue_.pop_front();
         in_hand_ = true;
       }
+      // A flush is answered after the bookkeeping below: whoever flushed finds the writer idle, so
+      // its next small record can be written by the recording thread (SmallRecords).
+      std::exception_ptr flush_failed;
       try {
         if (job.done) {
-          std::exception_ptr failed;
           {
             std::lock_guard<std::mutex> lock(mutex_);
-            failed = error_;
+            flush_failed = error_;  // an earlier record failed: the flush did not happen
           }
-          if (failed) {
-            job.done->set_exception(failed);  // an earlier record failed: the flush did not happen
-          } else {
-            if (job.sync) writer_->sync();
-            job.done->set_value();
-          }
+          if (!flush_failed && job.sync) writer_->sync();
         } else if (!error_) {
           writer_->append(job.type, std::move(job.meta), job.tensors);
         }
       } catch (...) {
         std::lock_guard<std::mutex> lock(mutex_);
         error_ = std::current_exception();
-        if (job.done) job.done->set_exception(error_);
+        flush_failed = error_;
       }
-      std::lock_guard<std::mutex> lock(mutex_);
-      queued_ -= job.bytes;
-      in_hand_ = false;
-      written_bytes_ = writer_->bytes_written();
-      popped_.notify_all();
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        queued_ -= job.bytes;
+        in_hand_ = false;
+        written_bytes_ = writer_->bytes_written();
+        popped_.notify_all();
+      }
+      if (job.done) {
+        if (flush_failed) {
+          job.done->set_exception(flush_failed);
+        } else {
+          job.done->set_value();
+        }
+      }
     }
   }
 
   std::unique_ptr<TraceWriter> writer_;
   std::size_t cap_;
   SmallRecords small_;
-  int local_processes_;
+  int cores_;            // usable_cores() when the recorder was made
+  int local_processes_;  // sharing those cores
   std::mutex mutex_;
   std::condition_variable pushed_, popped_;
   std::deque<Job> queue_;
@@ -528,9 +540,11 @@ Recorder::Recorder(const std::string& path, const Program& program, RecorderOpti
                                      options.write_ahead};
   impl_->ranks = program.ranks();
   if (impl_->ranks.distributed()) header.ranks = impl_->ranks;
-  impl_->writer = std::make_unique<BackgroundWriter>(
-      std::make_unique<TraceWriter>(path, header.to_meta(), options.writer), options.queue_bytes, options.small_records,
-      options.small_records == SmallRecords::kAuto ? local_processes() : 1);
+  // Before the trace's file exists: a bad LOCAL_WORLD_SIZE leaves nothing behind.
+  const int sharing = options.small_records == SmallRecords::kAuto ? local_processes() : 1;
+  impl_->writer =
+      std::make_unique<BackgroundWriter>(std::make_unique<TraceWriter>(path, header.to_meta(), options.writer),
+                                         options.queue_bytes, options.small_records, sharing);
   if (options.ring > 0 && options.dump_on_signal && g_signal_recorder == nullptr && ::pipe(g_signal_pipe) == 0) {
     g_signal_recorder = this;
     g_signal_write_end.store(g_signal_pipe[1]);

@@ -20,6 +20,7 @@
 #include <fstream>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <sys/wait.h>
 #include <thread>
 #include <unistd.h>
@@ -134,10 +135,12 @@ TEST(IoFaults, EveryFailingOperationIsReportedAndNoPartialTraceLooksFinished) {
       ScenarioProgram program(parse_scenario_text(kGpt, "io"));
       const std::string path = temp_path("io_" + std::to_string(n));
       std::string error;
+      RecorderStats stats;
       try {
         Recorder recorder(path, program, options);
         record_run(program, recorder, 2);
         recorder.close();
+        stats = recorder.stats();
       } catch (const Error& e) {
         error = e.what();
       }
@@ -145,6 +148,12 @@ TEST(IoFaults, EveryFailingOperationIsReportedAndNoPartialTraceLooksFinished) {
       if (!faulty.fired()) {  // every operation of a whole run succeeded: done
         EXPECT_TRUE(error.empty()) << error;
         EXPECT_TRUE(TraceReader(path).complete());
+        // The policy under test was in effect: the training thread wrote records, or none.
+        if (small == SmallRecords::kRecordingThread) {
+          EXPECT_GT(stats.records_by_caller, 0);
+        } else {
+          EXPECT_EQ(stats.records_by_caller, 0);
+        }
         fs::remove(path);
         break;
       }
@@ -466,51 +475,75 @@ TEST(Recorder, SmallRecordsWrittenByTheRecordingThreadKeepTheTraceAsTheWriterThr
 // kAuto writes small records on the recording thread when LibTorch's intra-op threads, times this
 // job's processes on the host (LOCAL_WORLD_SIZE), take every core this process may run on, and on
 // the writer thread when one is left over. A LOCAL_WORLD_SIZE that is not a count is an error.
+// Puts LibTorch's intra-op thread count and LOCAL_WORLD_SIZE back, however the test leaves.
+class ThreadsAndLocalWorldSize {
+ public:
+  ThreadsAndLocalWorldSize() : threads_(at::get_num_threads()) {
+    const char* local = std::getenv("LOCAL_WORLD_SIZE");
+    if (local) local_ = local;
+  }
+  ~ThreadsAndLocalWorldSize() {
+    if (local_) {
+      ::setenv("LOCAL_WORLD_SIZE", local_->c_str(), 1);
+    } else {
+      ::unsetenv("LOCAL_WORLD_SIZE");
+    }
+    at::set_num_threads(threads_);
+  }
+
+ private:
+  int threads_;
+  std::optional<std::string> local_;
+};
+
 TEST(Recorder, SmallRecordsAutoWritesOnTheRecordingThreadOnlyWithNoCoreToSpare) {
-  const int threads = at::get_num_threads();
+  const ThreadsAndLocalWorldSize restore;
   const int cores = usable_cores();
-  const char* local = std::getenv("LOCAL_WORLD_SIZE");
-  const std::string saved_local = local ? local : "";
   ::unsetenv("LOCAL_WORLD_SIZE");
   RecorderOptions options;  // kAuto
   at::set_num_threads(cores);
   const Recorded busy = record(kGpt, "small-auto-busy", options, 2);
   EXPECT_GT(busy.stats.records_by_caller, 0);
   fs::remove(busy.path);
+  const bool whole_machine = cores >= static_cast<int>(std::thread::hardware_concurrency());
   if (cores > 1) {
     at::set_num_threads(cores - 1);
     const Recorded spare = record(kGpt, "small-auto-spare", options, 2);
     EXPECT_EQ(spare.stats.records_by_caller, 0);
     fs::remove(spare.path);
-    // Ranks of one job filling the cores together (cores - 1 threads each, two on this host).
+    // Ranks of one job filling the cores together (cores - 1 threads each, two on this host),
+    // when this process may run on every core (else the ranks are pinned apart).
     ::setenv("LOCAL_WORLD_SIZE", "2", 1);
     const Recorded ranks = record(kGpt, "small-auto-ranks", options, 2);
-    EXPECT_GT(ranks.stats.records_by_caller, 0);
+    if (whole_machine) {
+      EXPECT_GT(ranks.stats.records_by_caller, 0);
+    } else {
+      EXPECT_EQ(ranks.stats.records_by_caller, 0);
+    }
     fs::remove(ranks.path);
   }
   for (const char* bad : {"two", "0", "-1", "2x", "99999999999"}) {
     SCOPED_TRACE(bad);
     ::setenv("LOCAL_WORLD_SIZE", bad, 1);
+    const std::string path = temp_path("small-auto-bad");
     try {
-      record(kGpt, "small-auto-bad", options, 1);
+      register_builtin_programs();
+      ScenarioProgram program(parse_scenario_text(kGpt, "small-auto-bad"));
+      Recorder recorder(path, program, options);
       ADD_FAILURE() << "LOCAL_WORLD_SIZE=" << bad << " was accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("LOCAL_WORLD_SIZE is '" + std::string(bad) + "'"), std::string::npos)
           << e.what();
+      EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
     }
-    fs::remove(temp_path("small-auto-bad") + ".incomplete");
+    EXPECT_FALSE(fs::exists(path + ".incomplete")) << "the refused recorder left a trace file";
+    fs::remove(path + ".incomplete");
   }
   // Control: a policy that does not look at the cores does not read it.
   options.small_records = SmallRecords::kWriterThread;
   const Recorded fixed = record(kGpt, "small-fixed-bad-env", options, 1);
   EXPECT_EQ(fixed.stats.records_by_caller, 0);
   fs::remove(fixed.path);
-  if (saved_local.empty()) {
-    ::unsetenv("LOCAL_WORLD_SIZE");
-  } else {
-    ::setenv("LOCAL_WORLD_SIZE", saved_local.c_str(), 1);
-  }
-  at::set_num_threads(threads);
   if (cores == 1) GTEST_SKIP() << "one usable core: the writer thread never has one of its own";
 }
 

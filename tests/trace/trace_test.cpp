@@ -314,7 +314,7 @@ TEST(Trace, OddSizesAndEveryDtypeRoundTrip) {
 // The writer writes the tensor table's JSON itself (names copied as they are where nothing needs
 // escaping). Names with quotes, backslashes, control characters, DEL and UTF-8, digest-only and
 // stored, read back as written, and every digest and size with them. A name that is not UTF-8 is
-// refused with a retrace::Error naming it, and nothing of that record is written.
+// refused with a retrace::Error saying so, and nothing of that record is written.
 TEST(Trace, TensorNamesOfAnyTextRoundTripThroughTheTable) {
   const std::string path = temp_path("names");
   const std::vector<std::string> names = {

@@ -41,15 +41,16 @@ RecordMode parse_record_mode(const std::string& text);
 enum class OnWriteError { kStop, kContinue };
 
 // Where a small record is written: one with nothing on a device to wait for and at most 64 KiB
-// of host bytes to hash or compress (every record of digest mode after the first step on the
-// CPU). Larger records always go to the writer thread, and the trace's order is the calls' order
+// of host bytes to hash or compress (on the CPU, every record of digest mode after the first step
+// but its full snapshots: `every`, write-ahead, ring dumps). Larger records always go to the writer thread, and the trace's order is the calls' order
 // either way: a small record is written by the recording thread only when the writer has
 // nothing queued and nothing in hand.
 //   kAuto:            by the recording thread when the writer thread would have no core of its
 //                     own: LibTorch's intra-op threads (at::get_num_threads()) times this job's
 //                     processes on the host (LOCAL_WORLD_SIZE, set by torchrun and by `retrace
-//                     record --ranks`; 1 when unset) reach the cores this process may run on
-//                     (usable_cores()). Else by the writer thread. With no core to spare, waking
+//                     record --ranks`; 1 when unset, or when this process's affinity does not
+//                     span the machine) reach the cores this process may run on (usable_cores()).
+//                     Else by the writer thread. With no core to spare, waking
 //                     the writer for a few KiB cost the step more than writing them: it preempts
 //                     an intra-op thread mid-op (bench/README.md). A LOCAL_WORLD_SIZE that is not
 //                     a count makes the Recorder constructor throw.
