@@ -13,6 +13,15 @@
 
 namespace retrace::detail {
 
+// 16 lowercase hex digits of `value`, zero-padded, appended to `out` (a digest's halves, a
+// stored tensor's checksum).
+inline void append_hex(std::string& out, std::uint64_t value) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  char buf[16];
+  for (int i = 15; i >= 0; --i, value >>= 4) buf[i] = kHex[value & 0xf];
+  out.append(buf, sizeof buf);
+}
+
 class ByteWriter {
  public:
   template <typename T>

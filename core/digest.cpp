@@ -1,5 +1,6 @@
 #include <retrace/digest.h>
 
+#include "bytes.h"
 #include "cuda_hooks.h"
 
 #include <retrace/error.h>
@@ -13,13 +14,10 @@
 namespace retrace {
 
 std::string Digest::hex() const {
-  // By hand, not snprintf: the recorder writes a digest's hex for every tensor of every record.
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out(32, '0');
-  for (int i = 0; i < 16; ++i) {
-    out[static_cast<std::size_t>(15 - i)] = kHex[(hi >> (4 * i)) & 0xf];
-    out[static_cast<std::size_t>(31 - i)] = kHex[(lo >> (4 * i)) & 0xf];
-  }
+  std::string out;
+  out.reserve(32);
+  detail::append_hex(out, hi);
+  detail::append_hex(out, lo);
   return out;
 }
 

@@ -1,5 +1,6 @@
 #include <retrace/trace.h>
 
+#include "bytes.h"
 #include "largest_first.h"
 #include "tensor_codec.h"
 #include "trace_format.h"
@@ -94,14 +95,6 @@ void append_number(std::string& out, T value) {
   char buf[24];
   const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, value);
   out.append(buf, end);
-}
-
-// 16 lowercase hex digits, zero-padded (Digest::hex's halves, a stored tensor's checksum).
-void append_hex(std::string& out, std::uint64_t value) {
-  static constexpr char kHex[] = "0123456789abcdef";
-  char buf[16];
-  for (int i = 15; i >= 0; --i, value >>= 4) buf[i] = kHex[value & 0xf];
-  out.append(buf, sizeof buf);
 }
 
 // A JSON string literal, byte for byte what nlohmann::json::dump() writes: names that need no
@@ -371,8 +364,8 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
         append_number(table, e.shape[d]);
       }
       table += "],\"digest\":\"";
-      append_hex(table, e.digest.hi);
-      append_hex(table, e.digest.lo);
+      detail::append_hex(table, e.digest.hi);
+      detail::append_hex(table, e.digest.lo);
       table += "\",\"digest_algorithm\":";
       append_number(table, static_cast<int>(e.digest.algorithm));
       table += ",\"raw_bytes\":";
@@ -385,7 +378,7 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
         table += ",\"stored_bytes\":";
         append_number(table, e.stored_bytes);
         table += ",\"checksum\":\"";
-        append_hex(table, e.checksum);
+        detail::append_hex(table, e.checksum);
         table += '"';
       }
       table += '}';

@@ -225,23 +225,22 @@ class BackgroundWriter {
       stats.backpressure_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       rethrow_locked();
     }
+    ++stats.records;
     if (queue_.empty() && !in_hand_ && by_caller() && small(job)) {
-      // The writer has nothing queued or in hand (so the order holds): write it here, now.
-      ++stats.records;
+      // The writer has nothing queued or in hand (so the order holds): write it here, now. A
+      // failure is kept for later calls, as the writer thread keeps its own (error_ was clear).
       ++stats.records_by_caller;
       try {
         writer_->append(job.type, std::move(job.meta), job.tensors);
       } catch (...) {
         error_ = std::current_exception();
-        written_bytes_ = writer_->bytes_written();
-        throw;
       }
       written_bytes_ = writer_->bytes_written();
+      rethrow_locked();
       return;
     }
     queued_ += job.bytes;
     queue_.push_back(std::move(job));
-    ++stats.records;
     pushed_.notify_one();
   }
 
@@ -331,21 +330,21 @@ class BackgroundWriter {
       }
       // A flush is answered after the bookkeeping below: whoever flushed finds the writer idle, so
       // its next small record can be written by the recording thread (SmallRecords).
-      std::exception_ptr flush_failed;
+      std::exception_ptr failed;
       try {
         if (job.done) {
           {
             std::lock_guard<std::mutex> lock(mutex_);
-            flush_failed = error_;  // an earlier record failed: the flush did not happen
+            failed = error_;  // an earlier record failed: the flush did not happen
           }
-          if (!flush_failed && job.sync) writer_->sync();
+          if (!failed && job.sync) writer_->sync();
         } else if (!error_) {
           writer_->append(job.type, std::move(job.meta), job.tensors);
         }
       } catch (...) {
         std::lock_guard<std::mutex> lock(mutex_);
         error_ = std::current_exception();
-        flush_failed = error_;
+        failed = error_;
       }
       {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -355,8 +354,8 @@ class BackgroundWriter {
         popped_.notify_all();
       }
       if (job.done) {
-        if (flush_failed) {
-          job.done->set_exception(flush_failed);
+        if (failed) {
+          job.done->set_exception(failed);
         } else {
           job.done->set_value();
         }

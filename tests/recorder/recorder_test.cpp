@@ -30,12 +30,22 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// The POSIX file system, each operation passed through; the file systems below change what they
+// need (create, and the fault injector's rename and directory fsync).
+class PosixPassThrough : public io::FileSystem {
+ public:
+  void rename(const std::string& a, const std::string& b) override { io::posix_file_system().rename(a, b); }
+  void sync_directory(const std::string& d) override { io::posix_file_system().sync_directory(d); }
+  void remove(const std::string& p) override { io::posix_file_system().remove(p); }
+  std::unique_ptr<io::ReadableFile> open(const std::string& p) override { return io::posix_file_system().open(p); }
+};
+
 // I/O faults (LevelDB's fault-injecting Env is the model): the Nth file operation -- create,
 // append, sync, rename, directory sync -- fails with EIO or ENOSPC, an append failing halfway
 // (a short write). For N = 1, 2, ... until a run completes: the failure surfaces as one clear
 // retrace::Error, no partial file is ever presented as a finished trace, and whatever is left in
 // PATH.incomplete reads as a (truncated) trace or fails with a typed error -- never a crash.
-class FaultyFileSystem : public io::FileSystem {
+class FaultyFileSystem : public PosixPassThrough {
  public:
   explicit FaultyFileSystem(int fail_at) : fail_at_(fail_at) {}
   int operations() const { return count_; }
@@ -94,8 +104,6 @@ class FaultyFileSystem : public io::FileSystem {
     hit("directory fsync");
     io::posix_file_system().sync_directory(d);
   }
-  void remove(const std::string& p) override { io::posix_file_system().remove(p); }
-  std::unique_ptr<io::ReadableFile> open(const std::string& p) override { return io::posix_file_system().open(p); }
 
  private:
   bool next() { return ++count_ == fail_at_; }
@@ -261,7 +269,7 @@ TEST(IoFaults, UnderContinueTrainingGoesOnAndSyncedStepsSurviveLosingUnsyncedDat
 // step slowed by a loaded machine fall behind the writer, and then the test saw no wait.) The
 // header is written on the thread that made the file system and is not held; the hold is a
 // bound far above the gap between two pushes of one step (one segment's forward), not a timing.
-class SlowFileSystem : public io::FileSystem {
+class SlowFileSystem : public PosixPassThrough {
  public:
   std::unique_ptr<io::WritableFile> create(const std::string& path) override {
     struct Slow : io::WritableFile {
@@ -283,10 +291,6 @@ class SlowFileSystem : public io::FileSystem {
     slow->f = io::posix_file_system().create(path);
     return slow;
   }
-  void rename(const std::string& a, const std::string& b) override { io::posix_file_system().rename(a, b); }
-  void sync_directory(const std::string& d) override { io::posix_file_system().sync_directory(d); }
-  void remove(const std::string& p) override { io::posix_file_system().remove(p); }
-  std::unique_ptr<io::ReadableFile> open(const std::string& p) override { return io::posix_file_system().open(p); }
 };
 
 TEST(Recorder, FullQueueAppliesBackpressureAndDropsNothing) {
@@ -368,7 +372,7 @@ void expect_same_records(const std::string& a, const std::string& b) {
 }
 
 // The POSIX file system with the writer thread's first append held until open() (or 60 s).
-class GatedFileSystem : public io::FileSystem {
+class GatedFileSystem : public PosixPassThrough {
  public:
   void open_gate() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -402,10 +406,6 @@ class GatedFileSystem : public io::FileSystem {
     gated->f = io::posix_file_system().create(path);
     return gated;
   }
-  void rename(const std::string& a, const std::string& b) override { io::posix_file_system().rename(a, b); }
-  void sync_directory(const std::string& d) override { io::posix_file_system().sync_directory(d); }
-  void remove(const std::string& p) override { io::posix_file_system().remove(p); }
-  std::unique_ptr<io::ReadableFile> open(const std::string& p) override { return io::posix_file_system().open(p); }
 
  private:
   std::mutex mutex_;
