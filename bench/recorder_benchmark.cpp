@@ -88,7 +88,9 @@ void BM_RecorderOverhead(benchmark::State& state, const char* variant, const cha
     run_length = 8;
   }
   RecorderOptions options;
-  if (which == "full" || which == "full_2_encode_threads") options.mode = RecordMode::kFull;
+  if (which == "full" || which == "full_2_encode_threads" || which == "full_cached") options.mode = RecordMode::kFull;
+  // The whole trace left in the page cache, as before 2026-12-03 (WriterOptions::cached_bytes).
+  if (which == "full_cached") options.writer.cached_bytes = 0;
   if (which == "full_2_encode_threads") options.writer.encode_threads = 2;  // "full": the default (1 on 2 cores)
   if (which == "ring4") options.ring = 4;
   // The small records by the writer thread, as before 2026-12-03 (SmallRecords: with no core to
@@ -159,6 +161,10 @@ BENCHMARK_CAPTURE(BM_RecorderOverhead, ring4, "ring4", kBenchScenario)
     ->Unit(benchmark::kMillisecond)
     ->MinTime(3.0);
 BENCHMARK_CAPTURE(BM_RecorderOverhead, full, "full", kBenchScenario)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(3.0);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, full_cached, "full_cached", kBenchScenario)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->MinTime(3.0);

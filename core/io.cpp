@@ -90,6 +90,34 @@ class PosixFile final : public WritableFile {
   }
   void sync() override {
     if (::fsync(fd_) != 0) fail("fsync", path_, errno);
+#ifdef __linux__
+    // Everything is clean now: the pages release_before() found still being written go too.
+    if (swept_ < dropped_) drop(swept_, dropped_ - swept_);
+    swept_ = dropped_;
+#endif
+  }
+  void release_before(std::uint64_t offset) override {
+#ifdef __linux__
+    // Start the write-back of each whole unit written so far, without waiting for it: by the time
+    // a unit falls behind `offset` it is usually on disk, and its pages can go. Pages still dirty
+    // or being written stay (fadvise skips them) until the next sync(). Nothing here waits for
+    // the disk, so a burst larger than the disk's speed is absorbed by the page cache as before.
+    // Units of 8 MiB: with 1 MiB ones, appending 6.9 MB took 13-18 ms on the 2-core VM of
+    // bench/README.md against 3-4 ms with 4-16 MiB ones.
+    while (size_ - started_ >= kReleaseUnit) {
+      while (::sync_file_range(fd_, static_cast<off_t>(started_), static_cast<off_t>(kReleaseUnit),
+                               SYNC_FILE_RANGE_WRITE) != 0) {
+        if (errno != EINTR) fail("write-back (sync_file_range)", path_, errno);
+      }
+      started_ += kReleaseUnit;
+    }
+    while (dropped_ + kReleaseUnit <= std::min(offset, started_)) {
+      drop(dropped_, kReleaseUnit);
+      dropped_ += kReleaseUnit;
+    }
+#else
+    (void)offset;
+#endif
   }
   void close() override {
     if (fd_ < 0) return;
@@ -100,9 +128,19 @@ class PosixFile final : public WritableFile {
   std::uint64_t size() const override { return size_; }
 
  private:
+  // Drops the clean pages of [offset, offset + n) from the page cache. A hint: it neither fails
+  // in a way that loses data nor consumes a write-back error (a later fsync still reports it).
+  void drop(std::uint64_t offset, std::uint64_t n) {
+    ::posix_fadvise(fd_, static_cast<off_t>(offset), static_cast<off_t>(n), POSIX_FADV_DONTNEED);
+  }
+  static constexpr std::uint64_t kReleaseUnit = std::uint64_t{8} << 20;
+
   std::string path_;
   int fd_;
   std::uint64_t size_ = 0;
+  std::uint64_t started_ = 0;  // write-back started for [0, started_)
+  std::uint64_t dropped_ = 0;  // [0, dropped_) dropped from the page cache, but for pages not yet clean then
+  std::uint64_t swept_ = 0;    // [0, swept_) dropped after an fsync: all of it
 };
 
 class PosixFileSystem final : public FileSystem {

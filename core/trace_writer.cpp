@@ -328,6 +328,10 @@ std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta, const st
   nlohmann::json item = {static_cast<int>(type), offset};
   if (meta.contains("step")) item.push_back(meta["step"]);
   index_.push_back(std::move(item));
+  // Last, so that a failing write-back (IoError) finds the record written and indexed.
+  if (options_.cached_bytes > 0 && file_->size() > options_.cached_bytes) {
+    file_->release_before(file_->size() - options_.cached_bytes);
+  }
   return offset;
 }
 

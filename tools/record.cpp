@@ -95,7 +95,7 @@ bool report_unfired(const std::vector<char>& fired, const Defenses* defenses, st
 int run_record(const std::vector<std::string>& args) {
   std::string scenario, output, mode = "digest", compression = "fast", on_write_error = "stop", config_path;
   int every = 0, ring = 0, ranks = 0, threads = 0, encode_threads = 0;
-  std::int64_t steps = 0;
+  std::int64_t steps = 0, page_cache_mib = 64;
   po::options_description opts(
       "retrace record [SCENARIO.yaml | builtin:NAME] -o TRACE [options]\n\n"
       "Trains as SCENARIO.yaml says and records a trace; in a binary built on retrace::main with\n"
@@ -118,8 +118,11 @@ int run_record(const std::vector<std::string>& args) {
       "stored tensors: fast (Blosc bit-shuffle + LZ4) or small (byte shuffle + zstd, ~10% smaller, ~4x slower)")(
       "encode-threads", po::value<int>(&encode_threads)->default_value(0),
       "threads compressing a record's stored tensors (full mode, snapshots, ring dumps): 0 = a quarter of the cores, "
-      "1 to 8; the trace is the same whatever the count")("steps", po::value<std::int64_t>(&steps),
-                                                          "steps to run (overrides the scenario's training.steps)")(
+      "1 to 8; the trace is the same whatever the count")(
+      "page-cache-mib", po::value<std::int64_t>(&page_cache_mib)->default_value(64),
+      "the trace's newest N MiB left in the page cache; older ones are written back and dropped from it as the "
+      "trace grows (0: all left to the kernel)")("steps", po::value<std::int64_t>(&steps),
+                                                 "steps to run (overrides the scenario's training.steps)")(
       "config", po::value<std::string>(&config_path),
       "without SCENARIO: the config FILE handed to the binary's own program")(
       "keep-going", "continue after a non-finite step instead of stopping")(
@@ -148,6 +151,9 @@ int run_record(const std::vector<std::string>& args) {
   }
   if (encode_threads < 0 || encode_threads > 64) {
     throw Error("--encode-threads must be 0 (automatic) to 64, got " + std::to_string(encode_threads));
+  }
+  if (page_cache_mib < 0 || page_cache_mib > (std::int64_t{1} << 30)) {
+    throw Error("--page-cache-mib must be 0 (no limit) to 2^30, got " + std::to_string(page_cache_mib));
   }
   if (vm.count("threads") && threads < 1) throw Error("--threads must be at least 1, got " + std::to_string(threads));
   if (vm.count("ranks") && (ranks < 1 || ranks > kMaxScenarioRanks)) {
@@ -186,6 +192,7 @@ int run_record(const std::vector<std::string>& args) {
   options.write_ahead = vm.count("write-ahead") > 0;
   options.writer.compression = compression == "fast" ? Compression::kFast : Compression::kSmall;
   options.writer.encode_threads = encode_threads;
+  options.writer.cached_bytes = static_cast<std::uint64_t>(page_cache_mib) << 20;
   options.on_write_error = on_write_error == "continue" ? OnWriteError::kContinue : OnWriteError::kStop;
   options.state_check = vm.count("no-state-check") == 0;
   const std::int64_t n = vm.count("steps") ? steps : program->default_steps();

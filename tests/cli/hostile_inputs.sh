@@ -136,6 +136,7 @@ case_diskfull "the disk fills up, --on-write-error continue" 1 -- record "$data/
 case_ "a trace with its header record twice" 2 -- inspect "$dir/duplicate.trace"
 case_ "unknown compression" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --compression tiny
 case_ "negative encode threads" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --encode-threads -1
+case_ "negative page cache window" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --page-cache-mib -1
 case_ "unknown write-error policy" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --on-write-error ignore
 case_ "unknown record mode" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --mode fast
 case_ "scenario file that does not exist" 2 -- run "$dir/nope.yaml"

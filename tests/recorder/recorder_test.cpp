@@ -88,6 +88,10 @@ class FaultyFileSystem : public PosixPassThrough {
         fs->synced_bytes_ = f->size();
         ++fs->good_syncs_;
       }
+      void release_before(std::uint64_t offset) override {
+        fs->hit("write-back");
+        f->release_before(offset);
+      }
       void close() override { f->close(); }
       std::uint64_t size() const override { return f->size(); }
     };
@@ -124,21 +128,30 @@ TEST(IoFaults, EveryFailingOperationIsReportedAndNoPartialTraceLooksFinished) {
   register_builtin_programs();
   // Full mode with its small records by either thread (SmallRecords), and digest mode with nearly
   // every record written by the training thread itself: a failing write is reported alike.
-  const std::vector<std::pair<RecordMode, SmallRecords>> cases = {
-      {RecordMode::kFull, SmallRecords::kWriterThread},
-      {RecordMode::kFull, SmallRecords::kRecordingThread},
-      {RecordMode::kDigest, SmallRecords::kRecordingThread}};
-  for (const auto& [mode, small] : cases) {
+  // The first with a page-cache window of 1 byte (WriterOptions::cached_bytes): a write-back after
+  // every record, each one of the operations that fail.
+  struct Case {
+    RecordMode mode;
+    SmallRecords small;
+    std::uint64_t cached_bytes;
+  };
+  const std::vector<Case> cases = {{RecordMode::kFull, SmallRecords::kWriterThread, 1},
+                                   {RecordMode::kFull, SmallRecords::kRecordingThread, WriterOptions{}.cached_bytes},
+                                   {RecordMode::kDigest, SmallRecords::kRecordingThread, WriterOptions{}.cached_bytes}};
+  for (const auto& [mode, small, cached_bytes] : cases) {
     SCOPED_TRACE(std::string(mode == RecordMode::kFull ? "full" : "digest") +
                  (small == SmallRecords::kWriterThread ? ", small records by the writer thread"
-                                                       : ", small records by the training thread"));
+                                                       : ", small records by the training thread") +
+                 ", page-cache window " + std::to_string(cached_bytes));
     int runs = 0;
+    bool write_back_failed = false;
     for (int n = 1; n < 500; ++n) {
       SCOPED_TRACE("failing operation " + std::to_string(n));
       FaultyFileSystem faulty(n);
       RecorderOptions options;
       options.mode = mode;
       options.small_records = small;
+      options.writer.cached_bytes = cached_bytes;
       options.writer.fs = &faulty;
       ScenarioProgram program(parse_scenario_text(kGpt, "io"));
       const std::string path = temp_path("io_" + std::to_string(n));
@@ -166,6 +179,7 @@ TEST(IoFaults, EveryFailingOperationIsReportedAndNoPartialTraceLooksFinished) {
         break;
       }
       EXPECT_NE(error.find("injected"), std::string::npos) << "the failure was not reported: '" << error << "'";
+      write_back_failed |= error.find("write-back") != std::string::npos;
       EXPECT_EQ(error.find('\n'), std::string::npos) << error;
       if (fs::exists(path)) {
         // Only a failing directory fsync comes after the rename: the file is then whole.
@@ -189,6 +203,7 @@ TEST(IoFaults, EveryFailingOperationIsReportedAndNoPartialTraceLooksFinished) {
       }
     }
     EXPECT_GT(runs, 10);  // a two-step run does dozens of file operations
+    EXPECT_EQ(write_back_failed, cached_bytes == 1) << "a failing write-back was not among the failures";
   }
 }
 

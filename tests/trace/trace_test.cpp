@@ -23,7 +23,11 @@
 #include <optional>
 #include <sstream>
 #include <csignal>
+#include <fcntl.h>
+#include <linux/magic.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 namespace retrace {
@@ -218,6 +222,73 @@ TEST(Trace, EncodeThreadsWriteTheSameBytes) {
   EXPECT_LE(resolve_encode_threads(0), 8);
 }
 
+// The fraction of the file's pages in [begin, end) that are in the page cache (mincore).
+double resident_fraction(const std::string& path, std::uint64_t begin, std::uint64_t end) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) throw Error("cannot open " + path);
+  const std::uint64_t size = fs::file_size(path);
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (map == MAP_FAILED) throw Error("cannot map " + path);
+  const std::uint64_t page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> in((size + page - 1) / page);
+  const int rc = ::mincore(map, size, in.data());
+  ::munmap(map, size);
+  if (rc != 0) throw Error("mincore failed on " + path);
+  std::uint64_t resident = 0, pages = 0;
+  for (std::uint64_t p = begin / page; p < (end + page - 1) / page && p < in.size(); ++p, ++pages) {
+    resident += in[p] & 1;
+  }
+  return pages ? static_cast<double>(resident) / static_cast<double>(pages) : 0.0;
+}
+
+// WriterOptions::cached_bytes: a trace's older bytes are written back and leave the page cache,
+// its newest stay, and everything reads back bit for bit (from the disk). The control,
+// cached_bytes = 0, leaves the whole trace in the page cache.
+TEST(Trace, OlderBytesLeaveThePageCacheOnceWritten) {
+  struct statfs where {};
+  const bool tmpfs = ::statfs(fs::temp_directory_path().c_str(), &where) == 0 && where.f_type == TMPFS_MAGIC;
+  if (tmpfs) {
+    GTEST_SKIP() << "the temporary directory is a tmpfs: its pages are the file, nothing can leave";
+  }
+  // 40 records of 1 MiB of random bytes each: Blosc stores them as they are.
+  torch::manual_seed(7);
+  std::vector<at::Tensor> chunks;
+  for (int i = 0; i < 40; ++i) chunks.push_back(torch::randint(0, 256, {1 << 20}, torch::kUInt8));
+  const auto write = [&](const std::string& path, std::uint64_t cached) {
+    WriterOptions options;
+    options.cached_bytes = cached;
+    TraceWriter w(path, {{"program", {{"name", "test"}, {"config", "page-cache"}}}}, options);
+    for (int i = 0; i < 40; ++i) {
+      w.append(RecordType::kSegment, {{"step", 1}, {"segment", "b" + std::to_string(i)}, {"phase", "forward"}},
+               {{"x", chunks[static_cast<std::size_t>(i)], true, std::nullopt}});
+    }
+    w.close();
+  };
+  constexpr std::uint64_t kCached = std::uint64_t{8} << 20;
+  const std::string dropped = temp_path("page_cache_dropped"), kept = temp_path("page_cache_kept");
+  write(dropped, kCached);
+  write(kept, 0);
+  const std::uint64_t size = fs::file_size(dropped);
+  ASSERT_GT(size, std::uint64_t{40} << 20);
+  ASSERT_EQ(size, fs::file_size(kept));
+  // Behind the window, less the 8 MiB unit of write-back at its edge, nearly nothing is cached;
+  // the window itself is.
+  const std::uint64_t behind = size - kCached - (std::uint64_t{8} << 20);
+  EXPECT_LT(resident_fraction(dropped, 0, behind), 0.1);
+  EXPECT_GT(resident_fraction(dropped, size - kCached + (std::uint64_t{1} << 20), size), 0.9);
+  EXPECT_GT(resident_fraction(kept, 0, behind), 0.9) << "control: without a window the trace stays cached";
+  EXPECT_TRUE(slurp(dropped) == slurp(kept)) << "the window changed the trace's bytes";
+  const TraceReader r(dropped);
+  ASSERT_EQ(r.records().size(), 40u);
+  for (std::size_t i = 0; i < r.records().size(); ++i) {
+    const Record rec = r.read(i);
+    EXPECT_TRUE(torch::equal(r.decode(rec, rec.tensors.at(0)), chunks[i])) << "record " << i;
+  }
+  fs::remove(dropped);
+  fs::remove(kept);
+}
+
 // append_all() on a POSIX file: more pieces than one writev() takes (IOV_MAX), empty ones among
 // them, land in order; the control appends the same bytes one piece at a time.
 TEST(Trace, PosixAppendAllWritesEveryPieceInOrder) {
@@ -347,7 +418,9 @@ TEST(Trace, TensorNamesOfAnyTextRoundTripThroughTheTable) {
     EXPECT_EQ(rec.tensors[i].digest, digest(expected));
     EXPECT_EQ(rec.tensors[i].shape, (std::vector<std::int64_t>{3, 4}));
     EXPECT_EQ(rec.tensors[i].raw_bytes, 48u);
-    if (i % 2) EXPECT_BITWISE_EQ(expected, r.decode(rec, rec.tensors[i]));
+    if (i % 2) {
+      EXPECT_BITWISE_EQ(expected, r.decode(rec, rec.tensors[i]));
+    }
   }
   fs::remove(path);
 }

@@ -58,6 +58,13 @@ class WritableFile {
   }
   // Data and metadata durable on return (fsync).
   virtual void sync() = 0;
+  // A hint: the bytes before `offset` will not be read back soon. The POSIX file starts the
+  // write-back of what it has written, 8 MiB at a time as it goes, and drops the pages before
+  // `offset` from the page cache where they are on disk (sync_file_range, then
+  // posix_fadvise(DONTNEED); on Linux only); pages still being written go at the next sync().
+  // Never waits for the disk. Throws IoError when the write-back cannot be started. The default
+  // does nothing.
+  virtual void release_before(std::uint64_t offset) { (void)offset; }
   virtual void close() = 0;
   virtual std::uint64_t size() const = 0;
 };
