@@ -89,8 +89,8 @@ void BM_RecorderOverhead(benchmark::State& state, const char* variant, const cha
   }
   RecorderOptions options;
   if (which == "full" || which == "full_2_encode_threads" || which == "full_cached") options.mode = RecordMode::kFull;
-  // The whole trace left in the page cache, as before 2026-12-03 (WriterOptions::cached_bytes).
-  if (which == "full_cached") options.writer.cached_bytes = 0;
+  // The whole trace left in the page cache, as before 2026-12-03 (WriterOptions::page_cache_window).
+  if (which == "full_cached") options.writer.page_cache_window = 0;
   if (which == "full_2_encode_threads") options.writer.encode_threads = 2;  // "full": the default (1 on 2 cores)
   if (which == "ring4") options.ring = 4;
   // The small records by the writer thread, as before 2026-12-03 (SmallRecords: with no core to

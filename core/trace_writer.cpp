@@ -329,8 +329,8 @@ std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta, const st
   if (meta.contains("step")) item.push_back(meta["step"]);
   index_.push_back(std::move(item));
   // Last, so that a failing write-back (IoError) finds the record written and indexed.
-  if (options_.cached_bytes > 0 && file_->size() > options_.cached_bytes) {
-    file_->release_before(file_->size() - options_.cached_bytes);
+  if (options_.page_cache_window > 0 && file_->size() > options_.page_cache_window) {
+    file_->release_before(file_->size() - options_.page_cache_window);
   }
   return offset;
 }

@@ -121,8 +121,8 @@ int run_record(const std::vector<std::string>& args) {
       "1 to 8; the trace is the same whatever the count")(
       "page-cache-mib", po::value<std::int64_t>(&page_cache_mib)->default_value(64),
       "the trace's newest N MiB left in the page cache; older ones are written back and dropped from it as the "
-      "trace grows (0: all left to the kernel)")("steps", po::value<std::int64_t>(&steps),
-                                                 "steps to run (overrides the scenario's training.steps)")(
+      "trace grows (0: off, the kernel decides)")("steps", po::value<std::int64_t>(&steps),
+                                                  "steps to run (overrides the scenario's training.steps)")(
       "config", po::value<std::string>(&config_path),
       "without SCENARIO: the config FILE handed to the binary's own program")(
       "keep-going", "continue after a non-finite step instead of stopping")(
@@ -153,7 +153,7 @@ int run_record(const std::vector<std::string>& args) {
     throw Error("--encode-threads must be 0 (automatic) to 64, got " + std::to_string(encode_threads));
   }
   if (page_cache_mib < 0 || page_cache_mib > (std::int64_t{1} << 30)) {
-    throw Error("--page-cache-mib must be 0 (no limit) to 2^30, got " + std::to_string(page_cache_mib));
+    throw Error("--page-cache-mib must be 0 (off) to 2^30, got " + std::to_string(page_cache_mib));
   }
   if (vm.count("threads") && threads < 1) throw Error("--threads must be at least 1, got " + std::to_string(threads));
   if (vm.count("ranks") && (ranks < 1 || ranks > kMaxScenarioRanks)) {
@@ -192,7 +192,7 @@ int run_record(const std::vector<std::string>& args) {
   options.write_ahead = vm.count("write-ahead") > 0;
   options.writer.compression = compression == "fast" ? Compression::kFast : Compression::kSmall;
   options.writer.encode_threads = encode_threads;
-  options.writer.cached_bytes = static_cast<std::uint64_t>(page_cache_mib) << 20;
+  options.writer.page_cache_window = static_cast<std::uint64_t>(page_cache_mib) << 20;
   options.on_write_error = on_write_error == "continue" ? OnWriteError::kContinue : OnWriteError::kStop;
   options.state_check = vm.count("no-state-check") == 0;
   const std::int64_t n = vm.count("steps") ? steps : program->default_steps();

@@ -128,21 +128,22 @@ TEST(IoFaults, EveryFailingOperationIsReportedAndNoPartialTraceLooksFinished) {
   register_builtin_programs();
   // Full mode with its small records by either thread (SmallRecords), and digest mode with nearly
   // every record written by the training thread itself: a failing write is reported alike.
-  // The first with a page-cache window of 1 byte (WriterOptions::cached_bytes): a write-back after
+  // The first with a page-cache window of 1 byte (WriterOptions::page_cache_window): a write-back after
   // every record, each one of the operations that fail.
   struct Case {
     RecordMode mode;
     SmallRecords small;
-    std::uint64_t cached_bytes;
+    std::uint64_t page_cache_window;
   };
-  const std::vector<Case> cases = {{RecordMode::kFull, SmallRecords::kWriterThread, 1},
-                                   {RecordMode::kFull, SmallRecords::kRecordingThread, WriterOptions{}.cached_bytes},
-                                   {RecordMode::kDigest, SmallRecords::kRecordingThread, WriterOptions{}.cached_bytes}};
-  for (const auto& [mode, small, cached_bytes] : cases) {
+  const std::vector<Case> cases = {
+      {RecordMode::kFull, SmallRecords::kWriterThread, 1},
+      {RecordMode::kFull, SmallRecords::kRecordingThread, WriterOptions{}.page_cache_window},
+      {RecordMode::kDigest, SmallRecords::kRecordingThread, WriterOptions{}.page_cache_window}};
+  for (const auto& [mode, small, page_cache_window] : cases) {
     SCOPED_TRACE(std::string(mode == RecordMode::kFull ? "full" : "digest") +
                  (small == SmallRecords::kWriterThread ? ", small records by the writer thread"
                                                        : ", small records by the training thread") +
-                 ", page-cache window " + std::to_string(cached_bytes));
+                 ", page-cache window " + std::to_string(page_cache_window));
     int runs = 0;
     bool write_back_failed = false;
     for (int n = 1; n < 500; ++n) {
@@ -151,7 +152,7 @@ TEST(IoFaults, EveryFailingOperationIsReportedAndNoPartialTraceLooksFinished) {
       RecorderOptions options;
       options.mode = mode;
       options.small_records = small;
-      options.writer.cached_bytes = cached_bytes;
+      options.writer.page_cache_window = page_cache_window;
       options.writer.fs = &faulty;
       ScenarioProgram program(parse_scenario_text(kGpt, "io"));
       const std::string path = temp_path("io_" + std::to_string(n));
@@ -203,7 +204,7 @@ TEST(IoFaults, EveryFailingOperationIsReportedAndNoPartialTraceLooksFinished) {
       }
     }
     EXPECT_GT(runs, 10);  // a two-step run does dozens of file operations
-    EXPECT_EQ(write_back_failed, cached_bytes == 1) << "a failing write-back was not among the failures";
+    EXPECT_EQ(write_back_failed, page_cache_window == 1) << "a failing write-back was not among the failures";
   }
 }
 
@@ -291,14 +292,22 @@ class SlowFileSystem : public PosixPassThrough {
       std::unique_ptr<io::WritableFile> f;
       std::thread::id owner = std::this_thread::get_id();
       bool held = false;
-      void append(const void* d, std::size_t n) override {
+      void hold() {
         if (!held && std::this_thread::get_id() != owner) {
           held = true;  // only the writer thread appends after the header
           std::this_thread::sleep_for(std::chrono::seconds(2));
         }
+      }
+      void append(const void* d, std::size_t n) override {
+        hold();
         f->append(d, n);
       }
+      void append_all(const std::vector<io::ConstBytes>& pieces) override {
+        hold();
+        f->append_all(pieces);
+      }
       void sync() override { f->sync(); }
+      void release_before(std::uint64_t offset) override { f->release_before(offset); }
       void close() override { f->close(); }
       std::uint64_t size() const override { return f->size(); }
     };
@@ -413,6 +422,7 @@ class GatedFileSystem : public PosixPassThrough {
         f->append_all(pieces);
       }
       void sync() override { f->sync(); }
+      void release_before(std::uint64_t offset) override { f->release_before(offset); }
       void close() override { f->close(); }
       std::uint64_t size() const override { return f->size(); }
     };

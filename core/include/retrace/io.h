@@ -58,12 +58,14 @@ class WritableFile {
   }
   // Data and metadata durable on return (fsync).
   virtual void sync() = 0;
-  // A hint: the bytes before `offset` will not be read back soon. The POSIX file starts the
-  // write-back of what it has written, 8 MiB at a time as it goes, and drops the pages before
-  // `offset` from the page cache where they are on disk (sync_file_range, then
-  // posix_fadvise(DONTNEED); on Linux only); pages still being written go at the next sync().
-  // Never waits for the disk. Throws IoError when the write-back cannot be started. The default
-  // does nothing.
+  // A hint: the bytes before `offset` will not be read back soon. The POSIX file (Linux only)
+  // starts the write-back of what it has written in 8 MiB units, at most 32 MiB a call
+  // (sync_file_range), and drops the units before `offset` whose write-back it started in an
+  // earlier call from the page cache (posix_fadvise(DONTNEED)); pages not yet clean then get one
+  // more try two units later and go at the next sync(). It does not wait for the write-back
+  // (starting one may block while the disk's queue is full), and consumes no write-back error: a
+  // later sync() reports it. Throws IoError when the write-back cannot be started; where
+  // sync_file_range is not supported it does nothing. The default does nothing.
   virtual void release_before(std::uint64_t offset) { (void)offset; }
   virtual void close() = 0;
   virtual std::uint64_t size() const = 0;

@@ -131,12 +131,14 @@ struct WriterOptions {
   // faster there). The trace's bytes are the same whatever the count; bench/README.md has the
   // speeds.
   int encode_threads = 0;
-  // The trace's newest bytes left in the page cache. Older ones are written back as the trace
-  // grows and dropped from the page cache once on disk (io::WritableFile::release_before): a long
-  // full-mode run neither fills the page cache with its trace, evicting the training data, nor
-  // asks the kernel for never-used pages at every write (the cost of a full-mode step on a VM,
-  // bench/README.md). 0: none are dropped; the kernel decides, as for any file.
-  std::uint64_t cached_bytes = std::uint64_t{64} << 20;
+  // The trace's newest bytes left in the page cache. Once the trace is longer, its older bytes
+  // are written back and dropped from the page cache after each record
+  // (io::WritableFile::release_before): a long full-mode run neither fills the page cache with
+  // its trace, evicting the training data, nor asks the kernel for never-used pages at every
+  // write (the cost of a full-mode step on a VM, bench/README.md). A failure to start that
+  // write-back throws from append() after the record is written and indexed. 0: off; the kernel
+  // decides, as for any file.
+  std::uint64_t page_cache_window = std::uint64_t{64} << 20;
   io::FileSystem* fs = nullptr;  // nullptr: the POSIX file system
 };
 // WriterOptions::encode_threads resolved: `requested` when positive, else automatic.
