@@ -145,7 +145,7 @@ TEST(IoFaults, EveryFailingOperationIsReportedAndNoPartialTraceLooksFinished) {
                                                        : ", small records by the training thread") +
                  ", page-cache window " + std::to_string(page_cache_window));
     int runs = 0;
-    bool write_back_failed = false;
+    bool write_back_failed = false, completed = false;
     for (int n = 1; n < 500; ++n) {
       SCOPED_TRACE("failing operation " + std::to_string(n));
       FaultyFileSystem faulty(n);
@@ -177,6 +177,7 @@ TEST(IoFaults, EveryFailingOperationIsReportedAndNoPartialTraceLooksFinished) {
           EXPECT_EQ(stats.records_by_caller, 0);
         }
         fs::remove(path);
+        completed = true;
         break;
       }
       EXPECT_NE(error.find("injected"), std::string::npos) << "the failure was not reported: '" << error << "'";
@@ -204,6 +205,7 @@ TEST(IoFaults, EveryFailingOperationIsReportedAndNoPartialTraceLooksFinished) {
       }
     }
     EXPECT_GT(runs, 10);  // a two-step run does dozens of file operations
+    EXPECT_TRUE(completed) << "no run got through all of its file operations in " << runs << " tries";
     EXPECT_EQ(write_back_failed, page_cache_window == 1) << "a failing write-back was not among the failures";
   }
 }
@@ -214,6 +216,7 @@ TEST(IoFaults, EveryFailingOperationIsReportedAndNoPartialTraceLooksFinished) {
 TEST(IoFaults, UnderContinueTrainingGoesOnAndSyncedStepsSurviveLosingUnsyncedData) {
   register_builtin_programs();
   int runs = 0;
+  bool completed = false;
   for (int n = 1; n < 500; ++n) {
     SCOPED_TRACE("failing operation " + std::to_string(n));
     FaultyFileSystem faulty(n);
@@ -248,6 +251,7 @@ TEST(IoFaults, UnderContinueTrainingGoesOnAndSyncedStepsSurviveLosingUnsyncedDat
       EXPECT_TRUE(stats.write_error.empty()) << stats.write_error;
       EXPECT_TRUE(TraceReader(path).complete());
       fs::remove(path);
+      completed = true;
       break;
     }
     EXPECT_NE(stats.write_error.find("injected"), std::string::npos) << "'" << stats.write_error << "'";
@@ -278,6 +282,7 @@ TEST(IoFaults, UnderContinueTrainingGoesOnAndSyncedStepsSurviveLosingUnsyncedDat
     fs::remove(left);
   }
   EXPECT_GT(runs, 10);
+  EXPECT_TRUE(completed) << "no run got through all of its file operations in " << runs << " tries";
 }
 
 // The POSIX file system with the background writer held on its first record, so the training
