@@ -203,6 +203,10 @@ BENCHMARK_CAPTURE(BM_RecorderOverhead, gpt2_small_full, "full", kGpt2Small)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->Iterations(3);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, gpt2_small_full_cached, "full_cached", kGpt2Small)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(3);
 BENCHMARK_CAPTURE(BM_RecorderOverhead, digest_2k_tokens, "digest", kBench2kTokens)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
