@@ -99,16 +99,16 @@ class PosixFile final : public WritableFile {
   void release_before(std::uint64_t offset) override {
 #ifdef __linux__
     if (!release_) return;
-    // More written since the last call than stays cached (a 1.4 GB full-mode step of GPT-2 small
-    // with the 64 MiB window): those units are left to the kernel, as any file's, and go at the
-    // next sync(). Starting their write-back here waited on the disk's queue behind the kernel's
-    // own and made that model's full mode 10-20% slower (bench/README.md).
-    if (size_ - released_at_ > size_ - std::min(offset, size_)) {
+    // A backlog longer than the window and what one call starts (a 1.4 GB full-mode step of GPT-2
+    // small with the 64 MiB window): those units are left to the kernel, as any file's, and go
+    // at the next sync(). Starting their write-back here waited on the disk's queue behind the
+    // kernel's own and made that model's full mode 10-20% slower (bench/README.md).
+    const std::uint64_t window = size_ - std::min(offset, size_);
+    if (size_ - started_ > window + kStartedPerCall * kReleaseUnit) {
       const std::uint64_t end = size_ / kReleaseUnit * kReleaseUnit;
       started_ = std::max(started_, end);
       dropped_ = std::max(dropped_, end);
     }
-    released_at_ = size_;
     // Starts the write-back of the whole units written so far, at most kStartedPerCall of them a
     // call: starting more can block while the disk's request queue is full (a 1.2 GB snapshot is
     // 150 units), and the rest are started by the calls after, or by the kernel. It is not waited
@@ -161,11 +161,10 @@ class PosixFile final : public WritableFile {
   std::string path_;
   int fd_;
   std::uint64_t size_ = 0;
-  std::uint64_t started_ = 0;      // write-back started for [0, started_)
-  std::uint64_t dropped_ = 0;      // [0, dropped_) dropped from the page cache, but for pages not yet clean then
-  std::uint64_t swept_ = 0;        // [0, swept_) dropped after an fsync: all of it
-  std::uint64_t released_at_ = 0;  // size_ at the last release_before()
-  bool release_ = true;            // false: sync_file_range is not supported here
+  std::uint64_t started_ = 0;  // write-back started for [0, started_)
+  std::uint64_t dropped_ = 0;  // [0, dropped_) dropped from the page cache, but for pages not yet clean then
+  std::uint64_t swept_ = 0;    // [0, swept_) dropped after an fsync: all of it
+  bool release_ = true;        // false: sync_file_range is not supported here
 };
 
 class PosixFileSystem final : public FileSystem {

@@ -329,8 +329,10 @@ std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta, const st
   if (meta.contains("step")) item.push_back(meta["step"]);
   index_.push_back(std::move(item));
   // Last, so that a failing write-back (IoError) finds the record written and indexed.
-  if (options_.page_cache_window > 0 && file_->size() > options_.page_cache_window) {
-    file_->release_before(file_->size() - options_.page_cache_window);
+  // (Called from the first record on, so that the write-back starts as the trace grows.)
+  if (options_.page_cache_window > 0) {
+    const std::uint64_t size = file_->size();
+    file_->release_before(size > options_.page_cache_window ? size - options_.page_cache_window : 0);
   }
   return offset;
 }

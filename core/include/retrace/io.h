@@ -62,9 +62,9 @@ class WritableFile {
   // starts the write-back of what it has written in 8 MiB units, at most 32 MiB a call
   // (sync_file_range), and drops the units before `offset` whose write-back it started in an
   // earlier call from the page cache (posix_fadvise(DONTNEED)); pages not yet clean then get one
-  // more try two units later and go at the next sync(). Bytes written since the last call beyond
-  // what stays cached (a record longer than the window) are left to the kernel and go at the next
-  // sync(). It does not wait for the write-back
+  // more try two units later and go at the next sync(). A backlog of units not yet started
+  // longer than the window and one call's four (a record much longer than the window) is left to
+  // the kernel and goes at the next sync(). It does not wait for the write-back
   // (starting one may block while the disk's queue is full), and consumes no write-back error: a
   // later sync() reports it. Throws IoError when the write-back cannot be started; where
   // sync_file_range is not supported it does nothing. The default does nothing.

@@ -131,8 +131,8 @@ struct WriterOptions {
   // faster there). The trace's bytes are the same whatever the count; bench/README.md has the
   // speeds.
   int encode_threads = 0;
-  // The trace's newest bytes left in the page cache. Once the trace is longer, its older bytes
-  // are written back and dropped from the page cache after each record
+  // The trace's newest bytes left in the page cache. After each record the trace's bytes are
+  // written back as it grows and those further behind its end dropped from the page cache
   // (io::WritableFile::release_before): a long full-mode run neither fills the page cache with
   // its trace, evicting the training data, nor asks the kernel for never-used pages at every
   // write (the cost of a full-mode step on a VM, bench/README.md). A failure to start that
