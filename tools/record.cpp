@@ -95,7 +95,7 @@ bool report_unfired(const std::vector<char>& fired, const Defenses* defenses, st
 int run_record(const std::vector<std::string>& args) {
   std::string scenario, output, mode = "digest", compression = "fast", on_write_error = "stop", config_path;
   int every = 0, ring = 0, ranks = 0, threads = 0, encode_threads = 0;
-  std::int64_t steps = 0, page_cache_mib = 64;
+  std::int64_t steps = 0, page_cache_mib = static_cast<std::int64_t>(WriterOptions{}.page_cache_window >> 20);
   po::options_description opts(
       "retrace record [SCENARIO.yaml | builtin:NAME] -o TRACE [options]\n\n"
       "Trains as SCENARIO.yaml says and records a trace; in a binary built on retrace::main with\n"
@@ -119,7 +119,7 @@ int run_record(const std::vector<std::string>& args) {
       "encode-threads", po::value<int>(&encode_threads)->default_value(0),
       "threads compressing a record's stored tensors (full mode, snapshots, ring dumps): 0 = a quarter of the cores, "
       "1 to 8; the trace is the same whatever the count")(
-      "page-cache-mib", po::value<std::int64_t>(&page_cache_mib)->default_value(64),
+      "page-cache-mib", po::value<std::int64_t>(&page_cache_mib)->default_value(page_cache_mib),
       "the trace's newest N MiB left in the page cache; older ones are written back and dropped from it as the "
       "trace grows (0: off, the kernel decides)")("steps", po::value<std::int64_t>(&steps),
                                                   "steps to run (overrides the scenario's training.steps)")(

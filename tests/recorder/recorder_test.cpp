@@ -40,6 +40,17 @@ class PosixPassThrough : public io::FileSystem {
   std::unique_ptr<io::ReadableFile> open(const std::string& p) override { return io::posix_file_system().open(p); }
 };
 
+// A file passing every operation through to `f`; the files below change what they need.
+struct PassThroughFile : io::WritableFile {
+  std::unique_ptr<io::WritableFile> f;
+  void append(const void* d, std::size_t n) override { f->append(d, n); }
+  void append_all(const std::vector<io::ConstBytes>& pieces) override { f->append_all(pieces); }
+  void sync() override { f->sync(); }
+  void release_before(std::uint64_t offset) override { f->release_before(offset); }
+  void close() override { f->close(); }
+  std::uint64_t size() const override { return f->size(); }
+};
+
 // I/O faults (LevelDB's fault-injecting Env is the model): the Nth file operation -- create,
 // append, sync, rename, directory sync -- fails with EIO or ENOSPC, an append failing halfway
 // (a short write). For N = 1, 2, ... until a run completes: the failure surfaces as one clear
@@ -57,9 +68,8 @@ class FaultyFileSystem : public PosixPassThrough {
 
   std::unique_ptr<io::WritableFile> create(const std::string& path) override {
     hit("create " + path);
-    struct File : io::WritableFile {
+    struct File : PassThroughFile {
       FaultyFileSystem* fs;
-      std::unique_ptr<io::WritableFile> f;
       void append(const void* d, std::size_t n) override {
         if (fs->next()) {
           f->append(d, n / 2);  // a short write, then the error
@@ -94,8 +104,6 @@ class FaultyFileSystem : public PosixPassThrough {
         if (fs->write_backs_) fs->hit("write-back");
         f->release_before(offset);
       }
-      void close() override { f->close(); }
-      std::uint64_t size() const override { return f->size(); }
     };
     auto file = std::make_unique<File>();
     file->fs = this;
@@ -297,8 +305,7 @@ TEST(IoFaults, UnderContinueTrainingGoesOnAndSyncedStepsSurviveLosingUnsyncedDat
 class SlowFileSystem : public PosixPassThrough {
  public:
   std::unique_ptr<io::WritableFile> create(const std::string& path) override {
-    struct Slow : io::WritableFile {
-      std::unique_ptr<io::WritableFile> f;
+    struct Slow : PassThroughFile {
       std::thread::id owner = std::this_thread::get_id();
       bool held = false;
       void hold() {
@@ -315,10 +322,6 @@ class SlowFileSystem : public PosixPassThrough {
         hold();
         f->append_all(pieces);
       }
-      void sync() override { f->sync(); }
-      void release_before(std::uint64_t offset) override { f->release_before(offset); }
-      void close() override { f->close(); }
-      std::uint64_t size() const override { return f->size(); }
     };
     auto slow = std::make_unique<Slow>();
     slow->f = io::posix_file_system().create(path);
@@ -413,9 +416,8 @@ class GatedFileSystem : public PosixPassThrough {
     opened_.notify_all();
   }
   std::unique_ptr<io::WritableFile> create(const std::string& path) override {
-    struct Gated : io::WritableFile {
+    struct Gated : PassThroughFile {
       GatedFileSystem* fs;
-      std::unique_ptr<io::WritableFile> f;
       std::thread::id owner = std::this_thread::get_id();
       void wait() {
         if (std::this_thread::get_id() == owner) return;  // the header, and the recording thread's
@@ -430,10 +432,6 @@ class GatedFileSystem : public PosixPassThrough {
         wait();
         f->append_all(pieces);
       }
-      void sync() override { f->sync(); }
-      void release_before(std::uint64_t offset) override { f->release_before(offset); }
-      void close() override { f->close(); }
-      std::uint64_t size() const override { return f->size(); }
     };
     auto gated = std::make_unique<Gated>();
     gated->fs = this;
