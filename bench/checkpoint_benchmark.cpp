@@ -117,13 +117,23 @@ void BM_RecomputePolicies(benchmark::State& state) {
   const models::CheckpointPlan none{0, {}};
   const models::CheckpointPlan full{static_cast<int>(config.layers), {}};
   const models::CheckpointPlan selective{0, {}, true};
-  // Megatron's selective recompute: the attention cores only, under the policy set around the step.
-  const auto core = [&](const std::function<void()>& run) {
-    RecomputePolicyScope policy(RecomputePolicy::attention_core());
-    run();
+  // A step under `policy` (set around the step): the regions it names recomputed, the rest plain.
+  const auto under = [&](const RecomputePolicy& policy) {
+    return [&f, &none, policy] {
+      RecomputePolicyScope scope(policy);
+      f.step(none);
+    };
   };
-  const std::vector<std::function<void()>> variants = {
-      [&] { f.step(none); }, [&] { f.step(full); }, [&] { core([&] { f.step(none); }); }, [&] { f.step(selective); }};
+  // Megatron's selective recompute (the attention cores only), selective, and -- on the tiny model,
+  // where a step takes milliseconds -- each other kind alone, to show where selective's time goes.
+  std::vector<std::function<void()>> variants = {[&] { f.step(none); }, [&] { f.step(full); },
+                                                 under(RecomputePolicy::attention_core()), [&] { f.step(selective); }};
+  const std::vector<std::pair<const char*, RegionKind>> kinds = {
+      {"norm", RegionKind::kNorm}, {"activation", RegionKind::kActivation}, {"dropout", RegionKind::kDropout}};
+  const bool per_kind = state.range(0) == 0;
+  if (per_kind) {
+    for (const auto& [name, kind] : kinds) variants.push_back(under(RecomputePolicy{{kind}, {}}));
+  }
   const int warmup = config.d_model > 64 ? 1 : 3;
   for (int i = 0; i < warmup; ++i) {
     for (const auto& v : variants) v();
@@ -143,11 +153,19 @@ void BM_RecomputePolicies(benchmark::State& state) {
   }
   const double bytes_none = static_cast<double>(f.saved_bytes(none));
   std::int64_t bytes_core = 0;
-  core([&] { bytes_core = f.saved_bytes(none); });
+  {
+    RecomputePolicyScope scope(RecomputePolicy::attention_core());
+    bytes_core = f.saved_bytes(none);
+  }
   state.counters["plain_ms"] = 1e3 * t[0] / static_cast<double>(state.iterations());
   state.counters["full_over_plain"] = t[1] / t[0];
   state.counters["core_over_plain"] = t[2] / t[0];
   state.counters["selective_over_plain"] = t[3] / t[0];
+  if (per_kind) {
+    for (std::size_t k = 0; k < kinds.size(); ++k) {
+      state.counters[std::string(kinds[k].first) + "_alone_over_plain"] = t[4 + k] / t[0];
+    }
+  }
   state.counters["saved_MiB_plain"] = bytes_none / (1 << 20);
   state.counters["saved_full_over_plain"] = static_cast<double>(f.saved_bytes(full)) / bytes_none;
   state.counters["saved_core_over_plain"] = static_cast<double>(bytes_core) / bytes_none;

@@ -22,6 +22,10 @@
 #include <atomic>
 #include <optional>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace retrace {
 
 namespace {
@@ -51,6 +55,61 @@ class ActiveScope {
   ~ActiveScope() { t_active.pop_back(); }
 };
 
+// Bytes of bits [begin, end) from 8 elements each of `data`: bit k of byte i is data[8i + k] != 0.
+// Float has an SSE2 path (two compares and movemasks a byte); the scalar loop ran one element at a
+// time and cost a tiny model's selective recompute 3-8% a step (bench/README.md).
+template <class scalar_t>
+void pack_bytes(const scalar_t* data, std::uint8_t* bits, std::int64_t begin, std::int64_t end) {
+  for (std::int64_t byte = begin; byte < end; ++byte) {
+    const scalar_t* d = data + 8 * byte;
+    std::uint8_t b = 0;
+    for (int k = 0; k < 8; ++k) b |= static_cast<std::uint8_t>(static_cast<float>(d[k]) != 0.0f) << k;
+    bits[byte] = b;
+  }
+}
+
+// Elements [8 * begin, 8 * end) of `data` from their bits: `kept` where a bit is set, else 0.
+template <class scalar_t>
+void unpack_bytes(const std::uint8_t* bits, scalar_t kept, scalar_t* data, std::int64_t begin, std::int64_t end) {
+  const scalar_t dropped(0);
+  for (std::int64_t byte = begin; byte < end; ++byte) {
+    const unsigned v = bits[byte];
+    scalar_t* d = data + 8 * byte;
+    for (int k = 0; k < 8; ++k) d[k] = ((v >> k) & 1u) ? kept : dropped;
+  }
+}
+
+#if defined(__SSE2__)
+template <>
+void pack_bytes<float>(const float* data, std::uint8_t* bits, std::int64_t begin, std::int64_t end) {
+  const __m128 zero = _mm_setzero_ps();
+  for (std::int64_t byte = begin; byte < end; ++byte) {
+    const float* d = data + 8 * byte;
+    // cmpneq is true for NaN, as the scalar != is.
+    const int lo = _mm_movemask_ps(_mm_cmpneq_ps(_mm_loadu_ps(d), zero));
+    const int hi = _mm_movemask_ps(_mm_cmpneq_ps(_mm_loadu_ps(d + 4), zero));
+    bits[byte] = static_cast<std::uint8_t>(lo | (hi << 4));
+  }
+}
+
+template <>
+void unpack_bytes<float>(const std::uint8_t* bits, float kept, float* data, std::int64_t begin, std::int64_t end) {
+  // Lane k of entry m is all ones where bit k of the nibble m is set.
+  alignas(16) static const std::uint32_t kLanes[16][4] = {
+      {0, 0, 0, 0},     {~0u, 0, 0, 0},     {0, ~0u, 0, 0},     {~0u, ~0u, 0, 0},
+      {0, 0, ~0u, 0},   {~0u, 0, ~0u, 0},   {0, ~0u, ~0u, 0},   {~0u, ~0u, ~0u, 0},
+      {0, 0, 0, ~0u},   {~0u, 0, 0, ~0u},   {0, ~0u, 0, ~0u},   {~0u, ~0u, 0, ~0u},
+      {0, 0, ~0u, ~0u}, {~0u, 0, ~0u, ~0u}, {0, ~0u, ~0u, ~0u}, {~0u, ~0u, ~0u, ~0u}};
+  const __m128 value = _mm_set1_ps(kept);
+  for (std::int64_t byte = begin; byte < end; ++byte) {
+    const unsigned v = bits[byte];
+    float* d = data + 8 * byte;
+    _mm_storeu_ps(d, _mm_and_ps(_mm_load_ps(reinterpret_cast<const float*>(kLanes[v & 15u])), value));
+    _mm_storeu_ps(d + 4, _mm_and_ps(_mm_load_ps(reinterpret_cast<const float*>(kLanes[v >> 4])), value));
+  }
+}
+#endif
+
 // A dropout mask -- 0 or 1 before its scaling by 1/(1-p) -- kept as one bit an element in the
 // noise tensor's memory order. The noise is laid out by empty_like, so it is dense and its n
 // elements are the n slots from its data pointer. The bits are a CPU tensor, so the allocator
@@ -67,34 +126,38 @@ struct PackedMask {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, noise.scalar_type(), "retrace_pack_mask", [&] {
       const scalar_t* data = noise.const_data_ptr<scalar_t>();
       std::uint8_t* bits = m.bits.mutable_data_ptr<std::uint8_t>();
-      at::parallel_for(0, (n + 7) / 8, 4096, [&](std::int64_t begin, std::int64_t end) {
-        for (std::int64_t byte = begin; byte < end; ++byte) {
-          std::uint8_t b = 0;
-          const std::int64_t last = std::min<std::int64_t>(8, n - 8 * byte);
-          for (std::int64_t k = 0; k < last; ++k) {
-            b |= static_cast<std::uint8_t>(static_cast<float>(data[8 * byte + k]) != 0.0f) << k;
-          }
-          bits[byte] = b;
+      const std::int64_t whole = n / 8;  // bytes of 8 elements each; the last may hold fewer
+      at::parallel_for(0, whole, 8192,
+                       [&](std::int64_t begin, std::int64_t end) { pack_bytes<scalar_t>(data, bits, begin, end); });
+      if (whole * 8 < n) {
+        std::uint8_t b = 0;
+        for (std::int64_t k = 0; whole * 8 + k < n; ++k) {
+          b |= static_cast<std::uint8_t>(static_cast<float>(data[whole * 8 + k]) != 0.0f) << k;
         }
-      });
+        bits[whole] = b;
+      }
     });
     return m;
   }
 
-  // The noise again: the bits as 0 and 1, divided by 1 - p as at::dropout divides its draw.
+  // The noise again, in one pass: 0 where a bit is clear, else what at::dropout's noise.div_(1 - p)
+  // makes of a drawn 1 -- computed by that same div_ on a one-element tensor, so the value is its
+  // bits whatever the kernel does with the scalar (1.0f / float(1 - p) is not float(1.0 / (1 - p))
+  // for every p).
   at::Tensor unpack(double p) const {
     at::Tensor noise = at::empty_strided(sizes, strides, options);
     const std::int64_t n = noise.numel();
+    const at::Tensor one = at::ones({1}, options).div_(1 - p);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, noise.scalar_type(), "retrace_unpack_mask", [&] {
+      const scalar_t kept = one.const_data_ptr<scalar_t>()[0];
       scalar_t* data = noise.mutable_data_ptr<scalar_t>();
       const std::uint8_t* b = bits.const_data_ptr<std::uint8_t>();
-      at::parallel_for(0, n, 32768, [&](std::int64_t begin, std::int64_t end) {
-        for (std::int64_t i = begin; i < end; ++i) {
-          data[i] = ((b[i >> 3] >> (i & 7)) & 1) ? scalar_t(1) : scalar_t(0);
-        }
+      const std::int64_t whole = n / 8;
+      at::parallel_for(0, whole, 8192, [&](std::int64_t begin, std::int64_t end) {
+        unpack_bytes<scalar_t>(b, kept, data, begin, end);
       });
+      for (std::int64_t i = whole * 8; i < n; ++i) data[i] = ((b[i >> 3] >> (i & 7)) & 1) ? kept : scalar_t(0);
     });
-    noise.div_(1 - p);
     return noise;
   }
 };

@@ -492,14 +492,21 @@ struct Recorder::Impl {
       ordinal = it == ordinals.end() ? -1 : it->second;
     }
     nlohmann::json meta = SegmentRecord{step, e.segment, e.phase, ordinal}.to_meta();
-    std::vector<TensorToWrite> tensors;
+    std::vector<NamedTensor> named;
     for (std::size_t i = 0; i < e.inputs.size(); ++i) {
       const std::optional<std::string> name = tensor_names::segment_input(e.phase, i);
-      if (name && e.inputs[i].defined()) tensors.push_back(entry(*name, e.inputs[i], store_values()));
+      if (name && e.inputs[i].defined()) named.push_back({*name, e.inputs[i]});
     }
     for (std::size_t i = 0; i < e.outputs.size(); ++i) {
-      if (e.outputs[i].defined())
-        tensors.push_back(entry(tensor_names::segment_output(e.phase, i), e.outputs[i], store_values()));
+      if (e.outputs[i].defined()) named.push_back({tensor_names::segment_output(e.phase, i), e.outputs[i]});
+    }
+    // Digest mode: the event's tensors digested together (on a GPU, one launch, copy and event
+    // for the event instead of one each).
+    std::vector<TensorToWrite> tensors;
+    if (store_values()) {
+      for (const NamedTensor& n : named) tensors.push_back(stored(n.name, n.tensor));
+    } else {
+      tensors = digest_entries("", named);
     }
     io([&] { writer->push(RecordType::kSegment, std::move(meta), std::move(tensors), stats); });
   }

@@ -253,10 +253,16 @@ TEST(Checkpoint, RecomputeLinearInputIsBitwisePlainAndKeepsOnlyItsInput) {
       }
     }
     // The control of the branches: mm_mat2_backward's two ways of computing the same product.
+    // Whether they give other bits is the BLAS's choice (they do in double with this machine's
+    // MKL; on the H200 machine's 16-core CPU they agree in both dtypes). Where they agree the
+    // branch taken cannot change a gradient's bits, so there is nothing for the control to show:
+    // it is reported, not failed.
     const at::Tensor g = torch::randn({128, 24}, dtype), a = torch::randn({128, 16}, dtype);
     const bool branches_differ = !bitwise_diff(g.t().mm(a), a.t().mm(g).t()).bitwise_equal();
-    if (dtype == at::kDouble) {
-      EXPECT_TRUE(branches_differ);
+    RecordProperty(std::string("weight_grad_branches_differ_") + c10::toString(dtype), branches_differ ? 1 : 0);
+    if (!branches_differ) {
+      std::cout << "note: in " << c10::toString(dtype)
+                << " this BLAS computes both weight-gradient branches alike; the branch control shows nothing here\n";
     }
     RecomputePolicyScope policy(RecomputePolicy::selective());
     at::Tensor y = recompute_linear_input("r", RegionKind::kNorm, norm, x3.requires_grad_(true), fc->weight, fc->bias);
@@ -287,9 +293,27 @@ TEST(Checkpoint, RecomputeLinearInputIsBitwisePlainAndKeepsOnlyItsInput) {
 }
 
 // recompute_dropout(): at::dropout's output and gradient bit for bit, holding the mask's bits
-// between forward and backward instead of the float mask. Control: without RNG preservation the
-// mask is drawn again in backward, and it is another one.
+// between forward and backward instead of the float mask -- in every floating dtype, for sizes
+// that fill the last byte of bits and sizes that do not, and for drop rates whose 1 / (1 - p) is
+// not exact. Control: without RNG preservation the mask is drawn again in backward, and it is
+// another one.
 TEST(Checkpoint, RecomputeDropoutIsBitwisePlainAndKeepsNoMask) {
+  for (const at::ScalarType dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
+    for (const std::vector<std::int64_t>& sizes : {std::vector<std::int64_t>{8, 32, 16}, {7, 13, 3}, {5}}) {
+      for (const double p : {0.1, 0.3, 0.45, 0.9}) {
+        SCOPED_TRACE(std::string(c10::toString(dtype)) + " " + c10::str(at::IntArrayRef(sizes)) +
+                     " p=" + std::to_string(p));
+        const at::Tensor x = torch::randn(sizes).to(dtype);
+        const auto grads = [&](bool selective) {
+          std::optional<RecomputePolicyScope> scope;
+          if (selective) scope.emplace(RecomputePolicy::selective());
+          torch::manual_seed(9);
+          return grads_of([p](const at::Tensor& in) { return recompute_dropout("d", in * 1.0, p, true); }, x, {});
+        };
+        expect_same(grads(false), grads(true));
+      }
+    }
+  }
   const at::Tensor x = torch::randn({8, 32, 16});
   const auto run = [&](std::optional<RecomputePolicy> policy, std::int64_t* held = nullptr) {
     std::optional<RecomputePolicyScope> scope;
