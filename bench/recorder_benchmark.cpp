@@ -67,6 +67,38 @@ std::string bench_path(const std::string& name) {
 
 using bench::seconds;
 
+// The recorder's calls on the training thread, timed: the segment events and after_backward
+// forwarded to it, begin_step and end_step timed by the caller. What the recorded step costs
+// beyond these is the writer thread's share of the cores, the device's digest kernels, and what
+// the calls leave behind (caches, allocator).
+struct TimedCalls : SegmentObserver, StepMonitor {
+  enum Call { kBeginStep, kSegments, kAfterBackward, kEndStep, kCalls };
+  explicit TimedCalls(Recorder& r) : recorder(r) {}
+  template <class F>
+  void timed(Call call, F&& f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    seconds[call] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  void on_forward(SegmentEvent& e) override {
+    timed(kSegments, [&] { recorder.on_forward(e); });
+  }
+  void on_recompute(SegmentEvent& e) override {
+    timed(kSegments, [&] { recorder.on_recompute(e); });
+  }
+  void on_backward(SegmentEvent& e) override {
+    timed(kSegments, [&] { recorder.on_backward(e); });
+  }
+  void after_backward(const at::Tensor& loss, const std::vector<NamedTensor>& grads) override {
+    timed(kAfterBackward, [&] { recorder.after_backward(loss, grads); });
+  }
+  double total() const {
+    return seconds[kBeginStep] + seconds[kSegments] + seconds[kAfterBackward] + seconds[kEndStep];
+  }
+  Recorder& recorder;
+  double seconds[kCalls] = {0, 0, 0, 0};
+};
+
 // A plain program and a recorded one stepping in lockstep, each iteration timing one step of
 // each in alternating order. One variant per benchmark, so that no variant's memory traffic
 // (full mode writes 11 MiB a step) lands on another's timing.
@@ -111,14 +143,15 @@ void BM_RecorderOverhead(benchmark::State& state, const char* variant, const cha
     }
     done();
   };
+  TimedCalls calls(recorder);
   auto recorded_step = [&] {
     for (int i = 0; i < run_length; ++i) {
       const std::int64_t n = ++recorded_step_no;
       const auto batch = recorded.batch(n);
-      ObserverScope scope(recorder);
-      recorder.begin_step(n, recorded.state(), batch, recorded.lr(), 1.0);
-      const StepOutcome o = recorded.step(n, batch, &recorder);
-      recorder.end_step(n, o, recorded.state());
+      ObserverScope scope(calls);
+      calls.timed(TimedCalls::kBeginStep, [&] { recorder.begin_step(n, recorded.state(), batch, recorded.lr(), 1.0); });
+      const StepOutcome o = recorded.step(n, batch, &calls);
+      calls.timed(TimedCalls::kEndStep, [&] { recorder.end_step(n, o, recorded.state()); });
     }
     // Count the writer thread's work too (compression on a 2-core machine competes with the
     // step), and keep it from spilling into the plain step's timing.
@@ -132,6 +165,7 @@ void BM_RecorderOverhead(benchmark::State& state, const char* variant, const cha
     recorded_step();
   }
   double t_plain = 0, t_recorded = 0;
+  for (double& s : calls.seconds) s = 0;  // the warm-up's calls are not counted
   bool plain_first = true;
   for (auto _ : state) {
     const auto [p, r] = bench::alternate(plain_first, plain_step, recorded_step);
@@ -144,6 +178,12 @@ void BM_RecorderOverhead(benchmark::State& state, const char* variant, const cha
   state.counters["KiB_per_step"] = s.bytes / 1024.0 / static_cast<double>(recorded_step_no);
   state.counters["plain_ms"] = 1e3 * t_plain / state.iterations() / run_length;
   state.counters["recorded_over_plain"] = t_recorded / t_plain;
+  // The recorder's calls on the training thread, as a share of the plain step.
+  state.counters["calls_over_plain"] = calls.total() / t_plain;
+  state.counters["begin_step_over_plain"] = calls.seconds[TimedCalls::kBeginStep] / t_plain;
+  state.counters["segments_over_plain"] = calls.seconds[TimedCalls::kSegments] / t_plain;
+  state.counters["after_backward_over_plain"] = calls.seconds[TimedCalls::kAfterBackward] / t_plain;
+  state.counters["end_step_over_plain"] = calls.seconds[TimedCalls::kEndStep] / t_plain;
   state.counters["by_caller"] =
       static_cast<double>(s.records_by_caller) / static_cast<double>(std::max<std::int64_t>(s.records, 1));
   std::filesystem::remove(recorder.path());
