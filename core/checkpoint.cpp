@@ -129,12 +129,11 @@ struct PackedMask {
       const std::int64_t whole = n / 8;  // bytes of 8 elements each; the last may hold fewer
       at::parallel_for(0, whole, 8192,
                        [&](std::int64_t begin, std::int64_t end) { pack_bytes<scalar_t>(data, bits, begin, end); });
-      if (whole * 8 < n) {
-        std::uint8_t b = 0;
-        for (std::int64_t k = 0; whole * 8 + k < n; ++k) {
-          b |= static_cast<std::uint8_t>(static_cast<float>(data[whole * 8 + k]) != 0.0f) << k;
-        }
-        bits[whole] = b;
+      if (whole * 8 < n) {  // the last byte's elements, zero-padded to 8: their bits are 0
+        scalar_t tail[8];
+        std::fill(tail, tail + 8, scalar_t(0));
+        std::copy(data + 8 * whole, data + n, tail);
+        pack_bytes<scalar_t>(tail, bits + whole, 0, 1);
       }
     });
     return m;
@@ -156,7 +155,11 @@ struct PackedMask {
       at::parallel_for(0, whole, 8192, [&](std::int64_t begin, std::int64_t end) {
         unpack_bytes<scalar_t>(b, kept, data, begin, end);
       });
-      for (std::int64_t i = whole * 8; i < n; ++i) data[i] = ((b[i >> 3] >> (i & 7)) & 1) ? kept : scalar_t(0);
+      if (whole * 8 < n) {  // the last byte: all 8 rebuilt, as many kept as the tensor has left
+        scalar_t tail[8];
+        unpack_bytes<scalar_t>(b + whole, kept, tail, 0, 1);
+        std::copy(tail, tail + (n - 8 * whole), data + 8 * whole);
+      }
     });
     return noise;
   }
