@@ -2,12 +2,12 @@
 
 #include "bytes.h"
 #include "cuda_hooks.h"
+#include "xxh3.h"
 
 #include <retrace/error.h>
 
 #include <c10/util/SmallVector.h>
 
-#include <xxhash.h>
 
 #include <algorithm>
 
@@ -22,7 +22,7 @@ std::string Digest::hex() const {
 }
 
 Digest digest_bytes(const void* data, std::size_t size) {
-  const XXH128_hash_t h = XXH3_128bits(data, size);
+  const XXH128_hash_t h = detail::xxh3_128(data, size);
   return {h.low64, h.high64, DigestAlgorithm::kXxh3_128};
 }
 
@@ -114,8 +114,7 @@ Digest digest(const at::Tensor& tensor) {
   if (t.is_cuda()) return detail::cuda_digest(t, digest_bytes(header.data(), header.size()));
   if (!t.is_cpu()) t = t.cpu();
   // The header (dtype, rank, sizes) seeds the hash of the bytes.
-  const XXH128_hash_t h =
-      XXH3_128bits_withSeed(t.const_data_ptr(), t.nbytes(), XXH3_64bits(header.data(), header.size()));
+  const XXH128_hash_t h = detail::xxh3_128(t.const_data_ptr(), t.nbytes(), XXH3_64bits(header.data(), header.size()));
   return {h.low64, h.high64, DigestAlgorithm::kXxh3_128};
 }
 

@@ -4,6 +4,7 @@
 #include "trace_fields.h"
 #include "tensor_codec.h"
 #include "trace_format.h"
+#include "xxh3.h"
 
 #include <retrace/records.h>
 
@@ -624,7 +625,7 @@ Record TraceReader::read_table(std::size_t i) const {
     }
   }
   if (!same_header || meta.size() != meta_len ||
-      XXH3_64bits_withSeed(meta.data(), meta.size(), h.payload_checksum) != meta_hashes_[i]) {
+      detail::xxh3_64(meta.data(), meta.size(), h.payload_checksum) != meta_hashes_[i]) {
     bad(TraceError::Kind::kChecksum, path_, info.offset,
         "the record changed since the trace was opened (its header or metadata no longer match the checksummed "
         "ones); reopen the trace");
@@ -649,7 +650,7 @@ Record TraceReader::load_record(std::uint64_t offset, bool keep_blob, std::uint6
   std::uint64_t pos = offset + kRecordHeaderBytes;
   const auto take = [&](void* out, std::size_t n) {
     read_exactly(*file_, out, n, pos, path_);
-    XXH3_64bits_update(hash.get(), out, n);
+    detail::xxh3_64_update(hash.get(), out, n);
     pos += n;
   };
   const auto hash_rest = [&](std::uint64_t n) {
@@ -707,7 +708,7 @@ Record TraceReader::load_record(std::uint64_t offset, bool keep_blob, std::uint6
     read_exactly(*file_, blob.data(), blob.size(), blob_at, path_);
   }
   // Seeded with the payload checksum: the hash names this record's metadata, not just its text.
-  if (meta_hash) *meta_hash = XXH3_64bits_withSeed(meta.data(), meta.size(), h.payload_checksum);
+  if (meta_hash) *meta_hash = detail::xxh3_64(meta.data(), meta.size(), h.payload_checksum);
   Record r = parse_record(offset, h.type, meta, blob_at, blob_size);
   r.has_blob = keep_blob;
   r.blob = std::move(blob);
@@ -865,7 +866,7 @@ const char* TraceReader::stored_bytes(const Record& record, const TensorEntry& e
 
 void TraceReader::check_checksum(const Record& record, const TensorEntry& e, const char* bytes) const {
   if (version_ >= kTensorChecksumVersion &&
-      XXH3_64bits(bytes, static_cast<std::size_t>(e.stored_bytes)) != e.checksum) {
+      detail::xxh3_64(bytes, static_cast<std::size_t>(e.stored_bytes)) != e.checksum) {
     bad(TraceError::Kind::kChecksum, path_, record.offset,
         "tensor '" + e.name + "' stored bytes do not match their checksum");
   }

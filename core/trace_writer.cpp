@@ -4,6 +4,7 @@
 #include "largest_first.h"
 #include "tensor_codec.h"
 #include "trace_format.h"
+#include "xxh3.h"
 
 #include <retrace/environment.h>
 #include <retrace/records.h>
@@ -23,7 +24,6 @@
 #include <mutex>
 #include <new>
 
-#include <xxhash.h>
 
 namespace retrace {
 
@@ -222,6 +222,15 @@ void run_shared(c10::ThreadPool* pool, int helpers, const std::function<void()>&
 }  // namespace
 
 std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta, const std::vector<TensorToWrite>& tensors) {
+  return append_entries(type, std::move(meta), tensors, false);
+}
+
+std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta, std::vector<TensorToWrite>&& tensors) {
+  return append_entries(type, std::move(meta), tensors, true);
+}
+
+std::uint64_t TraceWriter::append_entries(RecordType type, nlohmann::json meta,
+                                          const std::vector<TensorToWrite>& tensors, bool take) {
   if (closed_) throw Error("retrace::TraceWriter: append after close of " + path_);
   std::vector<TensorEntry> entries;
   entries.reserve(tensors.size());
@@ -229,14 +238,19 @@ std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta, const st
   std::size_t room = 0;
   for (const TensorToWrite& w : tensors) {
     TensorEntry e;
-    e.name = w.name;
     if (!w.tensor.defined()) {
       if (w.store_data || (!w.digest && !w.digest_later)) {
         throw Error("retrace::TraceWriter: entry '" + w.name + "' has neither a tensor nor a digest");
       }
       e.dtype = w.dtype;
       dtype_name(e.dtype);
-      e.shape = w.shape;
+      if (take) {  // (the caller's vector, given up: not const)
+        e.name = std::move(const_cast<std::string&>(w.name));
+        e.shape = std::move(const_cast<std::vector<std::int64_t>&>(w.shape));
+      } else {
+        e.name = w.name;
+        e.shape = w.shape;
+      }
       unsigned __int128 bytes = c10::elementSize(e.dtype);
       for (std::int64_t size : e.shape) bytes *= static_cast<unsigned __int128>(size);
       e.raw_bytes = static_cast<std::uint64_t>(bytes);
@@ -244,6 +258,7 @@ std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta, const st
       entries.push_back(std::move(e));
       continue;
     }
+    e.name = take ? std::move(const_cast<std::string&>(w.name)) : w.name;
     if (w.ready) w.ready();  // an asynchronous device-to-host copy must land before we read it
     const at::Tensor t = w.tensor.detach();
     e.dtype = t.scalar_type();
@@ -283,7 +298,7 @@ std::uint64_t TraceWriter::append(RecordType type, nlohmann::json meta, const st
     TensorEntry& e = entries[enc.entry];
     if (!enc.source->digest && !enc.source->digest_later && enc.source->tensor.is_cpu()) e.digest = digest(enc.host);
     enc.size = encode_tensor_payload_into(enc.host, e.codec, options_.zstd_level, blob + enc.slot, enc.bound);
-    e.checksum = XXH3_64bits(blob + enc.slot, enc.size);  // while the piece is still in the cache
+    e.checksum = detail::xxh3_64(blob + enc.slot, enc.size);  // while the piece is still in the cache
   };
   if (helpers == 0) {
     // One thread, in entry order, each piece right after the last: the blob is one piece. (A slot
@@ -347,53 +362,58 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
   } catch (const TraceError& e) {
     throw Error(std::string("retrace::TraceWriter: refuses to write what the reader would refuse: ") + e.what());
   }
-  // The tensor table is written as JSON text directly: building an nlohmann object per entry
-  // cost the writer thread ~5 us per tensor, most of a digest-mode record's cost.
-  std::string meta_text = meta_in.is_null() ? std::string("{}") : meta_in.dump();
-  if (meta_text.empty() || meta_text.back() != '}')
+  // The record's head -- frame header, u32 meta_len, the metadata with the tensor table -- is
+  // built in one buffer kept across records (a digest-mode step's table is ~100 KiB: a fresh
+  // string or two per record cost the allocator more than the text). The tensor table is written
+  // as JSON text directly: an nlohmann object per entry cost ~5 us per tensor.
+  std::string& head = head_;
+  head.assign(kRecordHeaderBytes + 4, '\0');
+  head += meta_in.is_null() ? std::string("{}") : meta_in.dump();
+  if (head.size() < kRecordHeaderBytes + 4 + 2 || head.back() != '}')
     throw Error("retrace::TraceWriter: record metadata must be an object");
   if (!tensors.empty()) {
     if (meta_in.is_object() && meta_in.contains("tensors"))
       throw Error("retrace::TraceWriter: 'tensors' is reserved in record metadata");
-    std::string table = meta_text.size() > 2 ? ",\"tensors\":[" : "\"tensors\":[";
-    table.reserve(table.size() + tensors.size() * 192);
+    head.pop_back();  // the closing brace, put back after the table
+    head += head.size() > kRecordHeaderBytes + 4 + 1 ? ",\"tensors\":[" : "\"tensors\":[";
+    head.reserve(head.size() + tensors.size() * 192);
     for (std::size_t i = 0; i < tensors.size(); ++i) {
       const TensorEntry& e = tensors[i];
-      if (i) table += ',';
-      table += "{\"name\":";
-      append_json_string(table, e.name);
-      table += ",\"dtype\":\"";
-      table += dtype_name(e.dtype);
-      table += "\",\"shape\":[";
+      if (i) head += ',';
+      head += "{\"name\":";
+      append_json_string(head, e.name);
+      head += ",\"dtype\":\"";
+      head += dtype_name(e.dtype);
+      head += "\",\"shape\":[";
       for (std::size_t d = 0; d < e.shape.size(); ++d) {
-        if (d) table += ',';
-        append_number(table, e.shape[d]);
+        if (d) head += ',';
+        append_number(head, e.shape[d]);
       }
-      table += "],\"digest\":\"";
-      detail::append_hex(table, e.digest.hi);
-      detail::append_hex(table, e.digest.lo);
-      table += "\",\"digest_algorithm\":";
-      append_number(table, static_cast<int>(e.digest.algorithm));
-      table += ",\"raw_bytes\":";
-      append_number(table, e.raw_bytes);
+      head += "],\"digest\":\"";
+      detail::append_hex(head, e.digest.hi);
+      detail::append_hex(head, e.digest.lo);
+      head += "\",\"digest_algorithm\":";
+      append_number(head, static_cast<int>(e.digest.algorithm));
+      head += ",\"raw_bytes\":";
+      append_number(head, e.raw_bytes);
       if (e.has_data()) {  // digest-only entries leave codec, offset and stored_bytes at 0
-        table += ",\"codec\":";
-        append_number(table, static_cast<int>(e.codec));
-        table += ",\"offset\":";
-        append_number(table, e.offset);
-        table += ",\"stored_bytes\":";
-        append_number(table, e.stored_bytes);
-        table += ",\"checksum\":\"";
-        detail::append_hex(table, e.checksum);
-        table += '"';
+        head += ",\"codec\":";
+        append_number(head, static_cast<int>(e.codec));
+        head += ",\"offset\":";
+        append_number(head, e.offset);
+        head += ",\"stored_bytes\":";
+        append_number(head, e.stored_bytes);
+        head += ",\"checksum\":\"";
+        detail::append_hex(head, e.checksum);
+        head += '"';
       }
-      table += '}';
+      head += '}';
     }
-    table += ']';
-    meta_text.insert(meta_text.size() - 1, table);
+    head += "]}";
   }
-  check_meta_size(type, meta_text.size());
-  const std::uint64_t payload_size = 4 + meta_text.size() + blob_size;
+  const std::size_t meta_size = head.size() - kRecordHeaderBytes - 4;
+  check_meta_size(type, meta_size);
+  const std::uint64_t payload_size = 4 + meta_size + blob_size;
   if (payload_size > std::min<std::uint64_t>(ReaderOptions{}.max_record_bytes, 0xffffffffu)) {
     throw Error("a trace record would be " + std::to_string(payload_size) +
                 " bytes, over the format's 4 GiB limit; record fewer tensors per step (RecorderOptions::mode digest; "
@@ -402,16 +422,16 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
   // The payload is u32 meta_len, the metadata, the blob. Its checksum covers the first two (the
   // blob's pieces are each under their entry's checksum, in the metadata), and the record goes
   // out as two writes -- the header with the metadata, then the blob -- without copying the blob.
-  const auto meta_len = static_cast<std::uint32_t>(meta_text.size());
+  const auto meta_len = static_cast<std::uint32_t>(meta_size);
   RecordHeader h{kRecordMagic, static_cast<std::uint16_t>(type), 0, static_cast<std::uint32_t>(payload_size), 0, 0};
-  std::string head(kRecordHeaderBytes + 4, '\0');
   std::memcpy(head.data() + kRecordHeaderBytes, &meta_len, 4);
-  head += meta_text;
-  h.payload_checksum = XXH3_64bits_withSeed(head.data() + kRecordHeaderBytes, 4 + meta_text.size(),
-                                            payload_checksum_seed(h.type, h.flags, h.length));
+  h.payload_checksum = detail::xxh3_64(head.data() + kRecordHeaderBytes, 4 + meta_size,
+                                       payload_checksum_seed(h.type, h.flags, h.length));
   encode_header(h, reinterpret_cast<unsigned char*>(head.data()));
   file_->append(head.data(), head.size());
   if (!blob.empty()) file_->append_all(blob);
+  // A large head (full mode's tables, the index) is not kept: most records are small.
+  if (head.capacity() > kKeptHeadBytes) std::string().swap(head);
 }
 
 void TraceWriter::sync() { file_->sync(); }

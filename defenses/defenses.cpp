@@ -256,6 +256,7 @@ std::vector<NamedTensor> optimizer_state(torch::optim::Optimizer& optimizer,
                                          const std::vector<NamedTensor>& parameters) {
   std::vector<NamedTensor> out;
   auto& states = optimizer.state();
+  out.reserve(parameters.size() * 3);  // Adam's step and moments (SGD: a momentum buffer)
   for (const NamedTensor& p : parameters) {
     auto it = states.find(p.tensor.unsafeGetTensorImpl());
     if (it == states.end()) continue;

@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <iterator>
 #include <cmath>
 #include <map>
 #include <optional>
@@ -119,10 +120,15 @@ ScenarioProgram::~ScenarioProgram() = default;
 std::string ScenarioProgram::config() const { return to_yaml(spec_); }
 
 std::vector<NamedTensor> ScenarioProgram::state() {
-  std::vector<NamedTensor> out = parameters_;
+  std::vector<NamedTensor> out;
+  // Parameters, buffers, and up to 4 optimizer entries a parameter (Adam's step, moments and max).
+  out.reserve(parameters_.size() * 5 + buffers_.size() + 8);
+  out.insert(out.end(), parameters_.begin(), parameters_.end());
   out.insert(out.end(), buffers_.begin(), buffers_.end());
-  for (NamedTensor& n : optimizer_state(*optimizer_, parameters_)) out.push_back(std::move(n));
-  for (NamedTensor& n : defenses_.state()) out.push_back(std::move(n));
+  std::vector<NamedTensor> optim = optimizer_state(*optimizer_, parameters_);
+  std::move(optim.begin(), optim.end(), std::back_inserter(out));
+  std::vector<NamedTensor> defense = defenses_.state();
+  std::move(defense.begin(), defense.end(), std::back_inserter(out));
   return out;
 }
 

@@ -231,7 +231,7 @@ class BackgroundWriter {
       // failure is kept for later calls, as the writer thread keeps its own (error_ was clear).
       ++stats.records_by_caller;
       try {
-        writer_->append(job.type, std::move(job.meta), job.tensors);
+        writer_->append(job.type, std::move(job.meta), std::move(job.tensors));
       } catch (...) {
         error_ = std::current_exception();
       }
@@ -339,7 +339,7 @@ class BackgroundWriter {
           }
           if (!failed && job.sync) writer_->sync();
         } else if (!error_) {
-          writer_->append(job.type, std::move(job.meta), job.tensors);
+          writer_->append(job.type, std::move(job.meta), std::move(job.tensors));
         }
       } catch (...) {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -469,7 +469,7 @@ struct Recorder::Impl {
   // True when `state` holds the bits end_step digested: the same tensors at the same version
   // counters, or (for tensors a program makes afresh, like Adam's step count) equal digests.
   bool unchanged_since_end(const std::vector<NamedTensor>& state) const {
-    if (end_state.size() != state.size()) return false;
+    if (end_state_step < 0 || end_state.size() != state.size()) return false;
     for (std::size_t i = 0; i < state.size(); ++i) {
       const at::Tensor& t = state[i].tensor;
       const Seen& seen = end_state[i];
@@ -820,8 +820,12 @@ void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std
   record.injected = outcome.injected;  // tagged: not a real fault
   std::vector<TensorToWrite> tensors = std::move(m.after_backward);
   m.after_backward.clear();
-  m.end_state.clear();
+  // Reused entry by entry: the names are the same every step, and assigning an equal name
+  // allocates nothing. Not valid until every entry is this step's (a throw leaves it invalid).
+  m.end_state_step = -1;
+  m.end_state.resize(state_after.size());
   const std::vector<PendingDigest> digests = digest_all(state_after);
+  tensors.reserve(tensors.size() + state_after.size());
   // Full mode stores the state: copied as begin_step copies it (one buffer, a memcpy per tensor).
   std::vector<TensorToWrite> copies;
   if (m.store_values()) copies = snapshot(state_after, std::string(tensor_names::kStatePrefix), m.pool);
@@ -835,7 +839,11 @@ void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std
     } else {
       tensors.push_back(TensorToWrite::digest_only(tensor_names::state(s.name), s.tensor, d));
     }
-    m.end_state.push_back({s.name, s.tensor, s.tensor._version(), d});
+    Impl::Seen& seen = m.end_state[i];
+    if (seen.name != s.name) seen.name = s.name;
+    seen.tensor = s.tensor;
+    seen.version = s.tensor._version();
+    seen.digest = d;
   }
   m.end_state_step = step;
   m.io([&] { m.writer->push(RecordType::kStepEnd, record.to_meta(), std::move(tensors), m.stats); });

@@ -157,6 +157,8 @@ class TraceWriter {
   // Encodes and appends one record; returns its byte offset. Cost: host copy and compression of
   // stored tensors, XXH3 of digest-only ones.
   std::uint64_t append(RecordType type, nlohmann::json meta, const std::vector<TensorToWrite>& tensors);
+  // The same, taking the entries' names and shapes over instead of copying them.
+  std::uint64_t append(RecordType type, nlohmann::json meta, std::vector<TensorToWrite>&& tensors);
   // fsync: everything appended so far survives a crash.
   void sync();
   // Index, trailer, fsync, rename to the final name, fsync of the directory. Idempotent.
@@ -170,6 +172,9 @@ class TraceWriter {
   // `blob`: the record's stored tensor bytes, `blob_size` in all, in pieces where they lie.
   void write_record(RecordType type, const nlohmann::json& meta, const std::vector<io::ConstBytes>& blob,
                     std::uint64_t blob_size, const std::vector<TensorEntry>& tensors);
+  // append(); `take`: the caller gave `tensors` up (the && overload), names and shapes are moved.
+  std::uint64_t append_entries(RecordType type, nlohmann::json meta, const std::vector<TensorToWrite>& tensors,
+                               bool take);
   // Room for `bytes` in blob_ (not zeroed).
   char* blob_room(std::size_t bytes);
   std::string path_;
@@ -184,6 +189,9 @@ class TraceWriter {
   // every large record had cost the writer more than encoding them (bench/README.md).
   std::unique_ptr<char[]> blob_;
   std::size_t blob_capacity_ = 0;
+  // The record head being written (write_record), kept for the next record up to kKeptHeadBytes.
+  std::string head_;
+  static constexpr std::size_t kKeptHeadBytes = std::size_t{1} << 20;
   int appends_since_large_ = 0;
   static constexpr std::size_t kKeptBlobBytes = std::size_t{64} << 20;
   static constexpr int kLargeBlobIdleAppends = 64;

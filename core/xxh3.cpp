@@ -1,0 +1,91 @@
+#include "xxh3.h"
+
+// RETRACE_XXH3_DISPATCH: core/CMakeLists.txt found the dispatcher in the library.
+#if defined(RETRACE_XXH3_DISPATCH) && defined(__x86_64__)
+#define XXH_DISPATCH_DISABLE_REPLACE
+#include <xxh_x86dispatch.h>
+#include <immintrin.h>
+#endif
+
+namespace retrace::detail {
+
+#if defined(RETRACE_XXH3_DISPATCH) && defined(__x86_64__)
+namespace {
+
+// XXH3 hashes inputs of up to 240 bytes with scalar code, the same in every build: those skip
+// the dispatcher (and the vzeroupper).
+constexpr std::size_t kScalarBytes = 240;
+
+bool has_avx() {
+  static const bool has = [] {
+    __builtin_cpu_init();  // (may run before the CPU model's own initializer, from another one)
+    return __builtin_cpu_supports("avx") != 0;
+  }();
+  return has;
+}
+
+__attribute__((target("avx"))) void clear_upper_avx() { _mm256_zeroupper(); }
+
+// After the dispatcher's AVX2 or AVX-512 code: legacy SSE runs at full speed again.
+inline void clear_upper() {
+  if (has_avx()) clear_upper_avx();
+}
+
+}  // namespace
+
+std::uint64_t xxh3_64(const void* data, std::size_t size) {
+  if (size <= kScalarBytes) return XXH3_64bits(data, size);
+  const std::uint64_t h = XXH3_64bits_dispatch(data, size);
+  clear_upper();
+  return h;
+}
+
+std::uint64_t xxh3_64(const void* data, std::size_t size, std::uint64_t seed) {
+  if (size <= kScalarBytes) return XXH3_64bits_withSeed(data, size, seed);
+  const std::uint64_t h = XXH3_64bits_withSeed_dispatch(data, size, seed);
+  clear_upper();
+  return h;
+}
+
+XXH128_hash_t xxh3_128(const void* data, std::size_t size) {
+  if (size <= kScalarBytes) return XXH3_128bits(data, size);
+  const XXH128_hash_t h = XXH3_128bits_dispatch(data, size);
+  clear_upper();
+  return h;
+}
+
+XXH128_hash_t xxh3_128(const void* data, std::size_t size, std::uint64_t seed) {
+  if (size <= kScalarBytes) return XXH3_128bits_withSeed(data, size, seed);
+  const XXH128_hash_t h = XXH3_128bits_withSeed_dispatch(data, size, seed);
+  clear_upper();
+  return h;
+}
+
+void xxh3_64_update(XXH3_state_t* state, const void* data, std::size_t size) {
+  XXH3_64bits_update_dispatch(state, data, size);
+  clear_upper();
+}
+
+std::uint64_t xxh3_64_leaving_upper_dirty(const void* data, std::size_t size) {
+  return XXH3_64bits_dispatch(data, size);
+}
+
+bool xxh3_dispatched() { return true; }
+
+#else  // no dispatcher (not x86-64): the library's own build
+
+std::uint64_t xxh3_64(const void* data, std::size_t size) { return XXH3_64bits(data, size); }
+std::uint64_t xxh3_64(const void* data, std::size_t size, std::uint64_t seed) {
+  return XXH3_64bits_withSeed(data, size, seed);
+}
+XXH128_hash_t xxh3_128(const void* data, std::size_t size) { return XXH3_128bits(data, size); }
+XXH128_hash_t xxh3_128(const void* data, std::size_t size, std::uint64_t seed) {
+  return XXH3_128bits_withSeed(data, size, seed);
+}
+void xxh3_64_update(XXH3_state_t* state, const void* data, std::size_t size) { XXH3_64bits_update(state, data, size); }
+std::uint64_t xxh3_64_leaving_upper_dirty(const void* data, std::size_t size) { return XXH3_64bits(data, size); }
+bool xxh3_dispatched() { return false; }
+
+#endif
+
+}  // namespace retrace::detail
