@@ -131,8 +131,11 @@ void BM_RecomputePolicies(benchmark::State& state) {
   const std::vector<std::pair<const char*, RegionKind>> kinds = {
       {"norm", RegionKind::kNorm}, {"activation", RegionKind::kActivation}, {"dropout", RegionKind::kDropout}};
   const bool per_kind = state.range(0) == 0;
+  // Selective without the attention core: the three cheap kinds together (tiny model only).
+  const RecomputePolicy no_core{{RegionKind::kNorm, RegionKind::kActivation, RegionKind::kDropout}, {}};
   if (per_kind) {
     for (const auto& [name, kind] : kinds) variants.push_back(under(RecomputePolicy{{kind}, {}}));
+    variants.push_back(under(no_core));
   }
   const int warmup = config.d_model > 64 ? 1 : 3;
   for (int i = 0; i < warmup; ++i) {
@@ -165,6 +168,9 @@ void BM_RecomputePolicies(benchmark::State& state) {
     for (std::size_t k = 0; k < kinds.size(); ++k) {
       state.counters[std::string(kinds[k].first) + "_alone_over_plain"] = t[4 + k] / t[0];
     }
+    state.counters["no_core_over_plain"] = t[4 + kinds.size()] / t[0];
+    RecomputePolicyScope scope(no_core);
+    state.counters["saved_no_core_over_plain"] = static_cast<double>(f.saved_bytes(none)) / bytes_none;
   }
   state.counters["saved_MiB_plain"] = bytes_none / (1 << 20);
   state.counters["saved_full_over_plain"] = static_cast<double>(f.saved_bytes(full)) / bytes_none;
