@@ -367,6 +367,14 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
   // string or two per record cost the allocator more than the text). The tensor table is written
   // as JSON text directly: an nlohmann object per entry cost ~5 us per tensor.
   std::string& head = head_;
+  // A large head (full mode's tables, the index, a refused oversized record) is not kept, on
+  // every way out: most records are small.
+  struct Release {
+    std::string& head;
+    ~Release() {
+      if (head.capacity() > kKeptHeadBytes) std::string().swap(head);
+    }
+  } release{head};
   head.assign(kRecordHeaderBytes + 4, '\0');
   head += meta_in.is_null() ? std::string("{}") : meta_in.dump();
   if (head.size() < kRecordHeaderBytes + 4 + 2 || head.back() != '}')
@@ -430,8 +438,6 @@ void TraceWriter::write_record(RecordType type, const nlohmann::json& meta_in, c
   encode_header(h, reinterpret_cast<unsigned char*>(head.data()));
   file_->append(head.data(), head.size());
   if (!blob.empty()) file_->append_all(blob);
-  // A large head (full mode's tables, the index) is not kept: most records are small.
-  if (head.capacity() > kKeptHeadBytes) std::string().swap(head);
 }
 
 void TraceWriter::sync() { file_->sync(); }

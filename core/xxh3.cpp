@@ -16,57 +16,70 @@ namespace {
 // the dispatcher (and the vzeroupper).
 constexpr std::size_t kScalarBytes = 240;
 
-bool has_avx() {
-  static const bool has = [] {
-    __builtin_cpu_init();  // (may run before the CPU model's own initializer, from another one)
-    return __builtin_cpu_supports("avx") != 0;
-  }();
-  return has;
-}
-
 __attribute__((target("avx"))) void clear_upper_avx() { _mm256_zeroupper(); }
 
+// Whether the CPU has AVX (its upper halves need clearing), found once. libxxhash 0.8.1 fills its
+// dispatch table on the first dispatched call without synchronization: the first call is made
+// here, under the magic static's lock, before any thread can call the dispatcher concurrently.
+bool ready() {
+  static const bool has_avx = [] {
+    __builtin_cpu_init();  // (may run before the CPU model's own initializer, from another one)
+    const bool avx = __builtin_cpu_supports("avx") != 0;
+    const unsigned char warm[kScalarBytes + 16] = {};
+    (void)XXH3_64bits_dispatch(warm, sizeof warm);
+    if (avx) clear_upper_avx();
+    return avx;
+  }();
+  return has_avx;
+}
+
 // After the dispatcher's AVX2 or AVX-512 code: legacy SSE runs at full speed again.
-inline void clear_upper() {
-  if (has_avx()) clear_upper_avx();
+inline void clear_upper(bool avx) {
+  if (avx) clear_upper_avx();
 }
 
 }  // namespace
 
 std::uint64_t xxh3_64(const void* data, std::size_t size) {
   if (size <= kScalarBytes) return XXH3_64bits(data, size);
+  const bool avx = ready();
   const std::uint64_t h = XXH3_64bits_dispatch(data, size);
-  clear_upper();
+  clear_upper(avx);
   return h;
 }
 
 std::uint64_t xxh3_64(const void* data, std::size_t size, std::uint64_t seed) {
   if (size <= kScalarBytes) return XXH3_64bits_withSeed(data, size, seed);
+  const bool avx = ready();
   const std::uint64_t h = XXH3_64bits_withSeed_dispatch(data, size, seed);
-  clear_upper();
+  clear_upper(avx);
   return h;
 }
 
 XXH128_hash_t xxh3_128(const void* data, std::size_t size) {
   if (size <= kScalarBytes) return XXH3_128bits(data, size);
+  const bool avx = ready();
   const XXH128_hash_t h = XXH3_128bits_dispatch(data, size);
-  clear_upper();
+  clear_upper(avx);
   return h;
 }
 
 XXH128_hash_t xxh3_128(const void* data, std::size_t size, std::uint64_t seed) {
   if (size <= kScalarBytes) return XXH3_128bits_withSeed(data, size, seed);
+  const bool avx = ready();
   const XXH128_hash_t h = XXH3_128bits_withSeed_dispatch(data, size, seed);
-  clear_upper();
+  clear_upper(avx);
   return h;
 }
 
 void xxh3_64_update(XXH3_state_t* state, const void* data, std::size_t size) {
+  const bool avx = ready();
   XXH3_64bits_update_dispatch(state, data, size);
-  clear_upper();
+  clear_upper(avx);
 }
 
 std::uint64_t xxh3_64_leaving_upper_dirty(const void* data, std::size_t size) {
+  ready();
   return XXH3_64bits_dispatch(data, size);
 }
 
