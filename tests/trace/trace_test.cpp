@@ -11,7 +11,9 @@
 
 #include <torch/torch.h>
 #include <xxhash.h>
+#include <blosc.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -577,6 +579,41 @@ TEST(Trace, GoldenVersion4TraceReads) {
   const Record begin = r.read(0);
   const TensorEntry& a = *begin.find("a");
   EXPECT_EQ(a.checksum, XXH3_64bits(slurp(golden).data() + begin.blob_at + a.offset, a.stored_bytes));
+}
+
+// The writer's bytes are frozen: writing golden-v4's records again (the build of 2026-12-03 wrote
+// the file) gives the file byte for byte -- frame headers, metadata and tensor tables, checksums,
+// the stored pieces, the index and trailer. A change to how records are written (the kept head
+// buffer, the hashing) that moved a byte fails here. The stored pieces are Blosc + LZ4 output:
+// with other versions of those libraries than the ones that wrote the file the comparison is
+// skipped (and says so). Control: the same records with the other compression differ.
+TEST(Trace, WriterReproducesGoldenVersion4ByteForByte) {
+  const char* dir = std::getenv("RETRACE_TEST_DATA");
+  ASSERT_NE(dir, nullptr) << "RETRACE_TEST_DATA is set by ctest";
+  const std::string golden = std::string(dir) + "/golden-v4.trace";
+  const std::string blosc = blosc_get_version_string();
+  char* complib = nullptr;
+  char* version = nullptr;
+  std::string lz4 = "none";
+  if (blosc_get_complib_info("lz4", &complib, &version) >= 0 && version != nullptr) lz4 = version;
+  std::free(complib);
+  std::free(version);
+  if (blosc != "1.21.3" || lz4 != "1.9.4") {
+    GTEST_SKIP() << "golden-v4.trace was written with Blosc 1.21.3 and LZ4 1.9.4; this build has Blosc " << blosc
+                 << " and LZ4 " << lz4 << ", whose output may differ";
+  }
+  const std::string path = temp_path("golden_again");
+  write_small_v3(path);
+  const std::string again = slurp(path), frozen = slurp(golden);
+  ASSERT_EQ(again.size(), frozen.size());
+  const auto [at, unused] = std::mismatch(again.begin(), again.end(), frozen.begin());
+  EXPECT_TRUE(at == again.end()) << "first differing byte at offset " << (at - again.begin());
+  // Control: the comparison sees a change in the stored pieces.
+  WriterOptions small;
+  small.compression = Compression::kSmall;
+  write_small(path, small, /*collective=*/true);
+  EXPECT_NE(slurp(path), frozen);
+  fs::remove(path);
 }
 
 // The collective record arrived with format version 3: a version-2 file that holds one is malformed.
