@@ -8,7 +8,6 @@
 
 #include <c10/util/SmallVector.h>
 
-
 #include <algorithm>
 
 namespace retrace {

@@ -24,7 +24,6 @@
 #include <mutex>
 #include <new>
 
-
 namespace retrace {
 
 using namespace format;
@@ -238,19 +237,15 @@ std::uint64_t TraceWriter::append_entries(RecordType type, nlohmann::json meta,
   std::size_t room = 0;
   for (const TensorToWrite& w : tensors) {
     TensorEntry e;
+    // (`take`: the caller's vector, given up, is not const.)
+    e.name = take ? std::move(const_cast<std::string&>(w.name)) : w.name;
     if (!w.tensor.defined()) {
       if (w.store_data || (!w.digest && !w.digest_later)) {
-        throw Error("retrace::TraceWriter: entry '" + w.name + "' has neither a tensor nor a digest");
+        throw Error("retrace::TraceWriter: entry '" + e.name + "' has neither a tensor nor a digest");
       }
       e.dtype = w.dtype;
       dtype_name(e.dtype);
-      if (take) {  // (the caller's vector, given up: not const)
-        e.name = std::move(const_cast<std::string&>(w.name));
-        e.shape = std::move(const_cast<std::vector<std::int64_t>&>(w.shape));
-      } else {
-        e.name = w.name;
-        e.shape = w.shape;
-      }
+      e.shape = take ? std::move(const_cast<std::vector<std::int64_t>&>(w.shape)) : w.shape;
       unsigned __int128 bytes = c10::elementSize(e.dtype);
       for (std::int64_t size : e.shape) bytes *= static_cast<unsigned __int128>(size);
       e.raw_bytes = static_cast<std::uint64_t>(bytes);
@@ -258,7 +253,6 @@ std::uint64_t TraceWriter::append_entries(RecordType type, nlohmann::json meta,
       entries.push_back(std::move(e));
       continue;
     }
-    e.name = take ? std::move(const_cast<std::string&>(w.name)) : w.name;
     if (w.ready) w.ready();  // an asynchronous device-to-host copy must land before we read it
     const at::Tensor t = w.tensor.detach();
     e.dtype = t.scalar_type();

@@ -38,38 +38,39 @@ inline void clear_upper(bool avx) {
   if (avx) clear_upper_avx();
 }
 
+// XXH3 of `size` bytes: `scalar()` (the library's own build) for short inputs, else
+// `dispatched()`, the upper halves cleared after it.
+template <class Scalar, class Dispatched>
+auto hash(std::size_t size, Scalar scalar, Dispatched dispatched) {
+  if (size <= kScalarBytes) return scalar();
+  const bool avx = ready();
+  const auto h = dispatched();
+  clear_upper(avx);
+  return h;
+}
+
 }  // namespace
 
 std::uint64_t xxh3_64(const void* data, std::size_t size) {
-  if (size <= kScalarBytes) return XXH3_64bits(data, size);
-  const bool avx = ready();
-  const std::uint64_t h = XXH3_64bits_dispatch(data, size);
-  clear_upper(avx);
-  return h;
+  return hash(
+      size, [&] { return XXH3_64bits(data, size); }, [&] { return XXH3_64bits_dispatch(data, size); });
 }
 
 std::uint64_t xxh3_64(const void* data, std::size_t size, std::uint64_t seed) {
-  if (size <= kScalarBytes) return XXH3_64bits_withSeed(data, size, seed);
-  const bool avx = ready();
-  const std::uint64_t h = XXH3_64bits_withSeed_dispatch(data, size, seed);
-  clear_upper(avx);
-  return h;
+  return hash(
+      size, [&] { return XXH3_64bits_withSeed(data, size, seed); },
+      [&] { return XXH3_64bits_withSeed_dispatch(data, size, seed); });
 }
 
 XXH128_hash_t xxh3_128(const void* data, std::size_t size) {
-  if (size <= kScalarBytes) return XXH3_128bits(data, size);
-  const bool avx = ready();
-  const XXH128_hash_t h = XXH3_128bits_dispatch(data, size);
-  clear_upper(avx);
-  return h;
+  return hash(
+      size, [&] { return XXH3_128bits(data, size); }, [&] { return XXH3_128bits_dispatch(data, size); });
 }
 
 XXH128_hash_t xxh3_128(const void* data, std::size_t size, std::uint64_t seed) {
-  if (size <= kScalarBytes) return XXH3_128bits_withSeed(data, size, seed);
-  const bool avx = ready();
-  const XXH128_hash_t h = XXH3_128bits_withSeed_dispatch(data, size, seed);
-  clear_upper(avx);
-  return h;
+  return hash(
+      size, [&] { return XXH3_128bits_withSeed(data, size, seed); },
+      [&] { return XXH3_128bits_withSeed_dispatch(data, size, seed); });
 }
 
 void xxh3_64_update(XXH3_state_t* state, const void* data, std::size_t size) {

@@ -13,7 +13,6 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <iterator>
 #include <cmath>
 #include <map>
 #include <optional>
@@ -125,10 +124,8 @@ std::vector<NamedTensor> ScenarioProgram::state() {
   out.reserve(parameters_.size() * 5 + buffers_.size() + 8);
   out.insert(out.end(), parameters_.begin(), parameters_.end());
   out.insert(out.end(), buffers_.begin(), buffers_.end());
-  std::vector<NamedTensor> optim = optimizer_state(*optimizer_, parameters_);
-  std::move(optim.begin(), optim.end(), std::back_inserter(out));
-  std::vector<NamedTensor> defense = defenses_.state();
-  std::move(defense.begin(), defense.end(), std::back_inserter(out));
+  for (NamedTensor& n : optimizer_state(*optimizer_, parameters_)) out.push_back(std::move(n));
+  for (NamedTensor& n : defenses_.state()) out.push_back(std::move(n));
   return out;
 }
 
