@@ -14,7 +14,9 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cmath>
 #include <functional>
+#include <limits>
 #include <memory>
 
 namespace retrace {
@@ -133,9 +135,34 @@ void BM_RecomputePolicies(benchmark::State& state) {
   const bool per_kind = state.range(0) == 0;
   // Selective without the attention core: the three cheap kinds together (tiny model only).
   const RecomputePolicy no_core{{RegionKind::kNorm, RegionKind::kActivation, RegionKind::kDropout}, {}};
+  // The floor under any recompute of the attention cores: a plain step, then the cores' forward
+  // once more with no graph and nothing kept -- TinyGpt's ops (harness/models.cpp, Block::attention)
+  // on tensors of the cores' shapes and strides (q, k, v views into one qkv output), the dropout
+  // mask already at hand (one multiply). What recompute_region adds above this is its own cost.
+  at::Tensor floor_q, floor_k, floor_v, floor_causal, floor_keep;
+  if (per_kind) {
+    const std::int64_t B = config.batch, T = config.seq_len, C = config.d_model, H = config.heads;
+    const auto qkv = at::randn({B, T, 3 * C}).chunk(3, -1);
+    const auto split = [&](const at::Tensor& t) { return t.view({B, T, H, C / H}).transpose(1, 2); };
+    floor_q = split(qkv[0]);
+    floor_k = split(qkv[1]);
+    floor_v = split(qkv[2]);
+    floor_causal = at::ones({T, T}, at::kBool).triu(1);
+    floor_keep = at::bernoulli(at::full({B, H, T, T}, 1.0 - config.dropout)).div_(1.0 - config.dropout);
+  }
+  const auto cores_again = [&, layers = config.layers, hd = config.d_model / config.heads] {
+    f.step(none);
+    at::NoGradGuard no_grad;
+    for (std::int64_t l = 0; l < layers; ++l) {
+      at::Tensor att = at::matmul(floor_q, floor_k.transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
+      att = at::softmax(att.masked_fill(floor_causal, -std::numeric_limits<double>::infinity()), -1) * floor_keep;
+      benchmark::DoNotOptimize(at::matmul(att, floor_v));
+    }
+  };
   if (per_kind) {
     for (const auto& [name, kind] : kinds) variants.push_back(under(RecomputePolicy{{kind}, {}}));
     variants.push_back(under(no_core));
+    variants.push_back(cores_again);
   }
   const int warmup = config.d_model > 64 ? 1 : 3;
   for (int i = 0; i < warmup; ++i) {
@@ -169,6 +196,7 @@ void BM_RecomputePolicies(benchmark::State& state) {
       state.counters[std::string(kinds[k].first) + "_alone_over_plain"] = t[4 + k] / t[0];
     }
     state.counters["no_core_over_plain"] = t[4 + kinds.size()] / t[0];
+    state.counters["cores_again_over_plain"] = t[5 + kinds.size()] / t[0];
     RecomputePolicyScope scope(no_core);
     state.counters["saved_no_core_over_plain"] = static_cast<double>(f.saved_bytes(none)) / bytes_none;
   }
