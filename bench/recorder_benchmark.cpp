@@ -128,7 +128,11 @@ void BM_RecorderOverhead(benchmark::State& state, const char* variant, const cha
   // The whole trace left in the page cache, as before 2026-12-03 (WriterOptions::page_cache_window).
   if (which == "full_cached") options.writer.page_cache_window = 0;
   if (which == "full_2_encode_threads") options.writer.encode_threads = 2;  // "full": the default (1 on 2 cores)
-  if (which == "ring4") options.ring = 4;
+  if (which.rfind("ring4", 0) == 0) options.ring = 4;
+  // "ring4": RingCopy::kAuto, the default. Forced either way: the copy in begin_step on the
+  // intra-op threads (as before 2026-12-05), or on the recorder's copier while forward and backward run.
+  if (which == "ring4_at_begin") options.ring_copy = RingCopy::kAtBeginStep;
+  if (which == "ring4_overlapped") options.ring_copy = RingCopy::kOverlapped;
   // The small records by the writer thread, as before 2026-12-03 (SmallRecords: with no core to
   // spare, kAuto writes them on the training thread).
   if (which == "digest_writer_thread") options.small_records = SmallRecords::kWriterThread;
@@ -192,6 +196,10 @@ void BM_RecorderOverhead(benchmark::State& state, const char* variant, const cha
   state.counters["segments_over_plain"] = calls.seconds[TimedCalls::kSegments] / t_plain;
   state.counters["after_backward_over_plain"] = calls.seconds[TimedCalls::kAfterBackward] / t_plain;
   state.counters["end_step_over_plain"] = calls.seconds[TimedCalls::kEndStep] / t_plain;
+  if (options.ring > 0) {
+    state.counters["ring_overlapped"] =
+        static_cast<double>(s.ring_copies_overlapped) / static_cast<double>(std::max<std::int64_t>(s.steps, 1));
+  }
   state.counters["by_caller"] =
       static_cast<double>(s.records_by_caller) / static_cast<double>(std::max<std::int64_t>(s.records, 1));
   std::filesystem::remove(recorder.path());
@@ -205,6 +213,14 @@ BENCHMARK_CAPTURE(BM_RecorderOverhead, digest_writer_thread, "digest_writer_thre
     ->Unit(benchmark::kMillisecond)
     ->MinTime(3.0);
 BENCHMARK_CAPTURE(BM_RecorderOverhead, ring4, "ring4", kBenchScenario)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(3.0);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, ring4_at_begin, "ring4_at_begin", kBenchScenario)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(3.0);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, ring4_overlapped, "ring4_overlapped", kBenchScenario)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->MinTime(3.0);
@@ -250,6 +266,14 @@ BENCHMARK_CAPTURE(BM_RecorderOverhead, gpt2_small_digest, "digest", kGpt2Small)
     ->Unit(benchmark::kMillisecond)
     ->Iterations(10);
 BENCHMARK_CAPTURE(BM_RecorderOverhead, gpt2_small_ring4, "ring4", kGpt2Small)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(8);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, gpt2_small_ring4_at_begin, "ring4_at_begin", kGpt2Small)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(8);
+BENCHMARK_CAPTURE(BM_RecorderOverhead, gpt2_small_ring4_overlapped, "ring4_overlapped", kGpt2Small)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->Iterations(8);

@@ -312,7 +312,11 @@ nlohmann::json ExceptionEvent::to_meta() const {
   return meta;
 }
 
-nlohmann::json RingDumpEvent::to_meta() const { return {{"event", "ring_dump"}, {"reason", reason}, {"steps", steps}}; }
+nlohmann::json RingDumpEvent::to_meta() const {
+  nlohmann::json meta = {{"event", "ring_dump"}, {"reason", reason}, {"steps", steps}};
+  if (!lost.empty()) meta["lost"] = lost;
+  return meta;
+}
 
 EventRecord EventRecord::decode(const Record& record, const std::string& source) {
   expect_type(record, RecordType::kEvent, source);
@@ -337,12 +341,14 @@ EventRecord EventRecord::decode(const nlohmann::json& meta, std::uint64_t offset
     e.kind = Kind::kRingDump;
     RingDumpEvent d;
     d.reason = f.text("reason", "");
-    if (const nlohmann::json* steps = f.find("steps")) {
-      if (!steps->is_array()) f.fail("steps", "is not a list");
-      for (const nlohmann::json& s : *steps) {
-        if (!s.is_number_integer() || s.get<std::int64_t>() < 0)
-          f.fail("steps", "holds a non-step (" + s.dump().substr(0, 40) + ")");
-        d.steps.push_back(s.get<std::int64_t>());
+    for (const auto& [key, out] : {std::pair{"steps", &d.steps}, std::pair{"lost", &d.lost}}) {
+      if (const nlohmann::json* steps = f.find(key)) {
+        if (!steps->is_array()) f.fail(key, "is not a list");
+        for (const nlohmann::json& s : *steps) {
+          if (!s.is_number_integer() || s.get<std::int64_t>() < 0)
+            f.fail(key, "holds a non-step (" + s.dump().substr(0, 40) + ")");
+          out->push_back(s.get<std::int64_t>());
+        }
       }
     }
     e.ring_dump = std::move(d);

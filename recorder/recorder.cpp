@@ -26,6 +26,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <future>
 #include <limits>
 #include <mutex>
@@ -33,6 +34,7 @@
 #include <thread>
 #include <unistd.h>
 #include <unordered_map>
+#include <utility>
 
 namespace retrace {
 
@@ -40,6 +42,13 @@ RecordMode parse_record_mode(const std::string& text) {
   if (text == "digest") return RecordMode::kDigest;
   if (text == "full") return RecordMode::kFull;
   throw Error("unknown record mode '" + text + "'; use digest or full");
+}
+
+RingCopy parse_ring_copy(const std::string& text) {
+  if (text == "auto") return RingCopy::kAuto;
+  if (text == "overlapped") return RingCopy::kOverlapped;
+  if (text == "at-begin-step") return RingCopy::kAtBeginStep;
+  throw Error("unknown ring copy '" + text + "'; use auto, overlapped or at-begin-step");
 }
 
 namespace {
@@ -133,41 +142,119 @@ class BufferPool {
 };
 
 // Host copies of many tensors in one buffer: a memcpy per contiguous CPU tensor instead of a
-// dispatched clone() each. The copies keep the buffer alive.
-std::vector<TensorToWrite> snapshot(const std::vector<NamedTensor>& tensors, const std::string& prefix,
-                                    BufferPool& pool) {
-  // Offsets first, then the copies in parallel on LibTorch's intra-op pool (memcpy only, no
-  // dispatch), then the tensors viewing the buffer.
-  std::vector<std::size_t> offsets(tensors.size(), SIZE_MAX);
+// dispatched clone() each. The copies keep the buffer alive. Planned first (offsets, the buffer,
+// the tensors viewing it), then copied: at once (snapshot()), or later on another thread (the
+// flight ring's overlapped copy), the views' bytes valid only once copy() has run.
+struct PlannedSnapshot {
+  std::vector<TensorToWrite> tensors;
+  std::shared_ptr<std::uint8_t[]> buffer;
+  // What copy() reads, one per plain host tensor: its bytes as planned, their storage held, so a
+  // copy on another thread reads them even if the tensor is given other storage meanwhile.
+  struct Source {
+    const void* data;
+    std::size_t bytes;
+    std::size_t offset;  // in buffer
+    c10::Storage storage;
+  };
+  std::vector<Source> sources;
+
+  // `parallel`: on LibTorch's intra-op pool (memcpy only, no dispatch); else on this thread.
+  void copy(bool parallel) const {
+    const auto run = [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t i = begin; i < end; ++i) {
+        const Source& src = sources[i];
+        std::memcpy(buffer.get() + src.offset, src.data, src.bytes);
+      }
+    };
+    const auto n = static_cast<std::int64_t>(sources.size());
+    if (parallel) {
+      at::parallel_for(0, n, 8, run);
+    } else {
+      run(0, n);
+    }
+  }
+};
+
+PlannedSnapshot plan_snapshot(const std::vector<NamedTensor>& tensors, const std::string& prefix, BufferPool& pool) {
+  PlannedSnapshot s;
+  std::vector<std::size_t> place(tensors.size(), SIZE_MAX);
   std::size_t total = 0;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i].tensor;
     if (!plain_host_bytes(t)) continue;
-    offsets[i] = total;
+    place[i] = total;
     total += (t.nbytes() + 63) / 64 * 64;
   }
-  const std::shared_ptr<std::uint8_t[]> buffer = pool.get(total);
-  at::parallel_for(0, static_cast<std::int64_t>(tensors.size()), 8, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t i = begin; i < end; ++i) {
-      if (offsets[i] == SIZE_MAX) continue;
-      const at::Tensor& t = tensors[i].tensor;
-      std::memcpy(buffer.get() + offsets[i], t.const_data_ptr(), t.nbytes());
-    }
-  });
-  std::vector<TensorToWrite> out;
-  out.reserve(tensors.size());
+  s.buffer = pool.get(total);
+  s.tensors.reserve(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i].tensor;
-    if (offsets[i] == SIZE_MAX) {  // a CUDA tensor (asynchronous copy), or a view
-      out.push_back(stored(prefix + tensors[i].name, t));
+    if (place[i] == SIZE_MAX) {  // a CUDA tensor (asynchronous copy), or a view
+      s.tensors.push_back(stored(prefix + tensors[i].name, t));
       continue;
     }
+    s.sources.push_back({t.const_data_ptr(), t.nbytes(), place[i], t.storage()});
     at::Tensor copy = at::from_blob(
-        buffer.get() + offsets[i], t.sizes(), [keep = buffer](void*) {}, t.options().requires_grad(false));
-    out.push_back({prefix + tensors[i].name, std::move(copy), true, std::nullopt});
+        s.buffer.get() + place[i], t.sizes(), [keep = s.buffer](void*) {}, t.options().requires_grad(false));
+    s.tensors.push_back({prefix + tensors[i].name, std::move(copy), true, std::nullopt});
   }
-  return out;
+  return s;
 }
+
+std::vector<TensorToWrite> snapshot(const std::vector<NamedTensor>& tensors, const std::string& prefix,
+                                    BufferPool& pool) {
+  PlannedSnapshot s = plan_snapshot(tensors, prefix, pool);
+  s.copy(/*parallel=*/true);
+  return std::move(s.tensors);
+}
+
+// One thread that runs one job at a time (the flight ring's overlapped copy, RingCopy).
+class Copier {
+ public:
+  Copier() : thread_([this] { loop(); }) {}
+  ~Copier() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  // After wait(): one job at a time.
+  void start(std::function<void()> job) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_ = std::move(job);
+    busy_ = true;
+    cv_.notify_all();
+  }
+  // Until the job started last has run and let go of what it held.
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return !busy_; });
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || busy_; });
+      if (!busy_) return;  // stopping, nothing left
+      std::function<void()> job = std::exchange(pending_, nullptr);
+      lock.unlock();
+      job();
+      job = nullptr;  // its captures released before wait() returns
+      lock.lock();
+      busy_ = false;
+      cv_.notify_all();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::function<void()> pending_;
+  bool busy_ = false;
+  bool stop_ = false;
+  std::thread thread_;  // last: started once the rest is built
+};
 
 std::size_t job_bytes(const std::vector<TensorToWrite>& tensors) {
   std::size_t n = 256;
@@ -273,6 +360,10 @@ class BackgroundWriter {
     return written_bytes_;
   }
 
+  // Whether a thread besides LibTorch's intra-op threads (this job's processes' together) would
+  // have a core of its own: the writer thread (SmallRecords::kAuto), the ring's copier (RingCopy::kAuto).
+  bool core_to_spare() const { return static_cast<std::int64_t>(at::get_num_threads()) * local_processes_ < cores_; }
+
   void stop() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -298,8 +389,7 @@ class BackgroundWriter {
 
   bool by_caller() const {
     if (small_ != SmallRecords::kAuto) return small_ == SmallRecords::kRecordingThread;
-    // The writer thread would have no core of its own.
-    return static_cast<std::int64_t>(at::get_num_threads()) * local_processes_ >= cores_;
+    return !core_to_spare();
   }
 
   // A small record (SmallRecords): nothing to wait for (no device copy or digest in flight) and
@@ -437,6 +527,61 @@ struct Recorder::Impl {
   };
   std::deque<RingEntry> ring;
 
+  // The ring's overlapped copy (RingCopy::kOverlapped). A step's state tensors and the version
+  // counters they had when begin_step took them: a tensor at the same version has not been
+  // changed in place through ATen since.
+  struct Versions {
+    std::int64_t step = -1;
+    std::vector<at::Tensor> tensors;
+    std::vector<std::int64_t> versions;
+    Versions(std::int64_t s, const std::vector<NamedTensor>& state) : step(s) {
+      tensors.reserve(state.size());
+      versions.reserve(state.size());
+      for (const NamedTensor& n : state) {
+        tensors.push_back(n.tensor);
+        versions.push_back(n.tensor._version());
+      }
+    }
+    bool unchanged() const {
+      for (std::size_t i = 0; i < tensors.size(); ++i) {
+        if (tensors[i]._version() != versions[i]) return false;
+      }
+      return true;
+    }
+  };
+  // kUnknown until a step copied in begin_step (ring_trial) reaches after_backward: kOn when its
+  // forward and backward left the state alone, else kOff; kOff also after a lost snapshot.
+  enum class Overlap { kUnknown, kOn, kOff } overlap = Overlap::kUnknown;
+  std::optional<Versions> ring_trial;      // a step copied in begin_step, watched until after_backward
+  std::optional<Versions> ring_in_flight;  // a step whose copy the copier runs or ran, not yet checked
+  std::vector<std::int64_t> ring_lost;     // steps whose snapshot was dropped, for the next dump
+  std::unique_ptr<Copier> copier;          // made on the first overlapped copy
+
+  // Waits for an overlapped copy and checks it: a state tensor changed in place since begin_step
+  // may have been copied half old, half new, so that step's snapshot is dropped, and copies happen
+  // in begin_step from then on. Called from the training thread's recorder calls only (no op of
+  // it in flight), before anything reads the ring or the optimizer could step.
+  void settle_ring_copy() {
+    if (!ring_in_flight) return;
+    copier->wait();
+    const Versions v = std::move(*ring_in_flight);
+    ring_in_flight.reset();
+    ++stats.ring_copies_overlapped;
+    if (v.unchanged()) {
+      while (static_cast<int>(ring.size()) > options.ring) ring.pop_front();  // the one kept meanwhile
+      return;
+    }
+    for (auto it = ring.begin(); it != ring.end(); ++it) {
+      if (it->step == v.step) {
+        ring.erase(it);
+        break;
+      }
+    }
+    ring_lost.push_back(v.step);
+    ++stats.ring_snapshots_lost;
+    overlap = Overlap::kOff;
+  }
+
   BufferPool pool;
   // The state as end_step digested it (tensor, version counter): when begin_step of the next
   // step sees the same tensors unmodified, their digests are already in the trace.
@@ -512,9 +657,10 @@ struct Recorder::Impl {
   }
 
   void dump_ring(const std::string& reason) {
-    if (ring.empty() || disabled) return;
+    settle_ring_copy();
+    if ((ring.empty() && ring_lost.empty()) || disabled) return;
     io([&] {
-      RingDumpEvent dump{reason, {}};
+      RingDumpEvent dump{reason, {}, ring_lost};
       for (RingEntry& r : ring) {
         dump.steps.push_back(r.step);
         writer->push(RecordType::kStepBegin, r.meta, r.tensors, stats);
@@ -523,6 +669,7 @@ struct Recorder::Impl {
       writer->push(RecordType::kEvent, dump.to_meta(), {}, stats);
       writer->flush(/*sync=*/true);
       ring.clear();
+      ring_lost.clear();
       ++stats.ring_dumps;
     });
   }
@@ -598,6 +745,8 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
   Impl& m = *impl_;
   if (m.closed) throw Error("retrace::Recorder: begin_step after close");
   if (m.disabled) return;
+  m.settle_ring_copy();  // a step that never reached end_step
+  m.ring_trial.reset();
   m.step = step;
   m.next_ordinal = 0;
   m.next_collective = 0;
@@ -628,7 +777,19 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
     if (b.kind != TensorKind::kOther) (*record.batch_kinds)[b.name] = b.kind;
   }
   std::vector<TensorToWrite> full_state;
-  if (full || ring) full_state = snapshot(state, std::string(tensor_names::kStatePrefix), m.pool);
+  const bool may_overlap = ring && (m.options.ring_copy == RingCopy::kOverlapped ||
+                                    (m.options.ring_copy == RingCopy::kAuto && m.writer->core_to_spare()));
+  if (may_overlap && !full && m.overlap == Impl::Overlap::kOn) {
+    // The ring's copy runs on the copier while forward and backward run; settle_ring_copy() checks it.
+    PlannedSnapshot plan = plan_snapshot(state, std::string(tensor_names::kStatePrefix), m.pool);
+    full_state = plan.tensors;
+    m.ring_in_flight.emplace(step, state);
+    if (!m.copier) m.copier = std::make_unique<Copier>();
+    m.copier->start([plan = std::move(plan)] { plan.copy(/*parallel=*/false); });
+  } else if (full || ring) {
+    full_state = snapshot(state, std::string(tensor_names::kStatePrefix), m.pool);
+    if (may_overlap && m.overlap == Impl::Overlap::kUnknown) m.ring_trial.emplace(step, state);
+  }
   if (ring) {
     std::vector<TensorToWrite> snapshot = common;
     snapshot.insert(snapshot.end(), full_state.begin(), full_state.end());
@@ -636,7 +797,9 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
     ring_record.full = true;
     ring_record.ring = true;
     m.ring.push_back({step, ring_record.to_meta(), std::move(snapshot)});
-    while (static_cast<int>(m.ring.size()) > m.options.ring) m.ring.pop_front();
+    // While the newest copy is unchecked the ring keeps one more: were it dropped, K remain.
+    const int keep = m.options.ring + (m.ring_in_flight ? 1 : 0);
+    while (static_cast<int>(m.ring.size()) > keep) m.ring.pop_front();
   }
   std::vector<TensorToWrite> tensors = std::move(common);
   if (full) {
@@ -674,6 +837,11 @@ void Recorder::on_backward(SegmentEvent& e) {
 void Recorder::after_backward(const at::Tensor& loss, const std::vector<NamedTensor>& grads) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
   Impl& m = *impl_;
+  m.settle_ring_copy();
+  if (m.ring_trial) {
+    m.overlap = m.ring_trial->unchanged() ? Impl::Overlap::kOn : Impl::Overlap::kOff;
+    m.ring_trial.reset();
+  }
   if (m.step < 0 || m.closed || m.disabled) return;
   m.after_backward.push_back(entry(std::string(tensor_names::kLoss), loss, true));
   if (m.store_values()) {
@@ -802,6 +970,8 @@ void Recorder::end_step(std::int64_t step, const StepOutcome& outcome, const std
   std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
   Impl& m = *impl_;
   if (m.closed) throw Error("retrace::Recorder: end_step after close");
+  m.settle_ring_copy();  // no after_backward this step: checked here (the optimizer's writes drop it)
+  m.ring_trial.reset();  // learnt only at after_backward, before the optimizer
   if (m.disabled) {
     ++m.stats.steps;
     return;
@@ -884,6 +1054,7 @@ void Recorder::close() {
     std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
     Impl& m = *impl_;
     if (m.closed) return;
+    m.settle_ring_copy();
     m.closed = true;
     if (g_signal_recorder == this) {
       ::sigaction(SIGTERM, &m.old_term, nullptr);

@@ -70,8 +70,12 @@ std::string describe(const Record& r, const std::string& path) {
     case RecordType::kEvent: {
       const EventRecord e = EventRecord::decode(r, path);
       if (e.exception) os << " step " << e.exception->step << " " << e.name << ": " << e.exception->what;
-      else if (e.ring_dump) os << " " << e.name << ": " << e.ring_dump->reason;
-      else os << " " << e.name;
+      else if (e.ring_dump) {
+        os << " " << e.name << ": " << e.ring_dump->reason;
+        for (std::size_t i = 0; i < e.ring_dump->lost.size(); ++i)
+          os << (i == 0 ? " (snapshot lost, the state changed while it was copied: step " : ", step ")
+             << e.ring_dump->lost[i] << (i + 1 == e.ring_dump->lost.size() ? ")" : "");
+      } else os << " " << e.name;
       break;
     }
     case RecordType::kCollective: {

@@ -62,6 +62,10 @@ bool print_summary(const std::vector<StepOutcome>& outcomes, const RecorderStats
   std::cout << "recorded " << outcomes.size() << " steps to " << output << " (" << mode << " mode, " << stats.records
             << " records, " << stats.bytes / 1024 << " KiB";
   if (stats.ring_dumps) std::cout << ", flight ring dumped";
+  if (stats.ring_snapshots_lost) {
+    std::cout << ", " << stats.ring_snapshots_lost
+              << " ring snapshot(s) lost: the state changed in place while the ring copied it (docs/replay.md)";
+  }
   if (stats.backpressure_waits) std::cout << ", writer backpressure " << stats.backpressure_waits << "x";
   if (stats.state_check.status == StateCheckResult::Status::kPassed) {
     std::cout << ", state() round-trip checked at step " << stats.state_check.step;
@@ -93,7 +97,8 @@ bool report_unfired(const std::vector<char>& fired, const Defenses* defenses, st
 }
 
 int run_record(const std::vector<std::string>& args) {
-  std::string scenario, output, mode = "digest", compression = "fast", on_write_error = "stop", config_path;
+  std::string scenario, output, mode = "digest", compression = "fast", on_write_error = "stop", config_path,
+                                ring_copy = "auto";
   int every = 0, ring = 0, ranks = 0, threads = 0, encode_threads = 0;
   std::int64_t steps = 0, page_cache_mib = static_cast<std::int64_t>(WriterOptions{}.page_cache_window >> 20);
   po::options_description opts(
@@ -111,6 +116,10 @@ int run_record(const std::vector<std::string>& args) {
       "every", po::value<int>(&every)->default_value(0), "digest mode: also a full snapshot every K steps")(
       "ring", po::value<int>(&ring)->default_value(0),
       "flight ring: keep the last K full snapshots, dump them on NaN/Inf, exception or SIGTERM/SIGINT")(
+      "ring-copy", po::value<std::string>(&ring_copy)->default_value("auto"),
+      "where the ring copies each step's state: overlapped (a thread of its own, while forward and backward run; "
+      "checked by the tensors' version counters), at-begin-step, or auto (overlapped when a core is free); use "
+      "at-begin-step for a program that writes its state's memory outside ATen during a step")(
       "write-ahead", "write each step's full snapshot to disk (fsync) before the step runs")(
       "on-write-error", po::value<std::string>(&on_write_error)->default_value("stop"),
       "when a trace write fails (disk full, I/O error): stop training, or continue training without recording")(
@@ -149,6 +158,7 @@ int run_record(const std::vector<std::string>& args) {
   if (compression != "fast" && compression != "small") {
     throw Error("--compression must be fast or small, got '" + compression + "'");
   }
+  const RingCopy ring_copy_how = parse_ring_copy(ring_copy);  // before any rank or file is made
   if (encode_threads < 0 || encode_threads > 64) {
     throw Error("--encode-threads must be 0 (automatic) to 64, got " + std::to_string(encode_threads));
   }
@@ -189,6 +199,7 @@ int run_record(const std::vector<std::string>& args) {
   options.mode = parse_record_mode(mode);
   options.every = every;
   options.ring = ring;
+  options.ring_copy = ring_copy_how;
   options.write_ahead = vm.count("write-ahead") > 0;
   options.writer.compression = compression == "fast" ? Compression::kFast : Compression::kSmall;
   options.writer.encode_threads = encode_threads;

@@ -5,6 +5,7 @@
 #include <retrace/environment.h>
 #include <retrace/error.h>
 #include <retrace/recorder.h>
+#include <retrace/records.h>
 #include <retrace/trace.h>
 #include <retrace/trainer.h>
 
@@ -19,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <sys/wait.h>
@@ -382,6 +384,163 @@ TEST(Recorder, ExceptionLeavingAStepDumpsTheRing) {
   fs::remove(path);
 }
 
+// Puts LibTorch's intra-op thread count and LOCAL_WORLD_SIZE back, however the test leaves.
+class ThreadsAndLocalWorldSize {
+ public:
+  ThreadsAndLocalWorldSize() : threads_(at::get_num_threads()) {
+    const char* local = std::getenv("LOCAL_WORLD_SIZE");
+    if (local) local_ = local;
+  }
+  ~ThreadsAndLocalWorldSize() {
+    if (local_) {
+      ::setenv("LOCAL_WORLD_SIZE", local_->c_str(), 1);
+    } else {
+      ::unsetenv("LOCAL_WORLD_SIZE");
+    }
+    at::set_num_threads(threads_);
+  }
+
+ private:
+  int threads_;
+  std::optional<std::string> local_;
+};
+
+// A program that changes one parameter in place, through ATen (its version counter moves), at
+// the start of the steps `at` names -- after the recorder's begin_step, before after_backward:
+// where a program's forward would (a BatchNorm's running statistics, an injector).
+class ChangesStateMidStep : public ScenarioProgram {
+ public:
+  ChangesStateMidStep(ScenarioSpec spec, std::function<bool(std::int64_t)> at)
+      : ScenarioProgram(std::move(spec)), at_(std::move(at)) {}
+  StepOutcome step(std::int64_t s, const std::vector<NamedTensor>& b, StepMonitor* m) override {
+    if (at_(s)) {
+      at::NoGradGuard no_grad;
+      for (NamedTensor& n : state()) {
+        if (n.kind == TensorKind::kParameter) {
+          n.tensor.add_(1e-3);
+          break;
+        }
+      }
+    }
+    return ScenarioProgram::step(s, b, m);
+  }
+
+ private:
+  std::function<bool(std::int64_t)> at_;
+};
+
+// The ring's state snapshots a trace's dump holds, by step: each state tensor's name and digest
+// (the writer's, of the bytes it stored), and the dump's lost steps.
+struct RingDump {
+  std::map<std::int64_t, std::vector<std::pair<std::string, Digest>>> snapshots;
+  std::vector<std::int64_t> lost;
+};
+RingDump ring_dump_of(const std::string& path) {
+  RingDump out;
+  const TraceReader trace(path);
+  for (std::size_t i = 0; i < trace.records().size(); ++i) {
+    const Record r = trace.read(i);
+    if (r.type == RecordType::kEvent && r.meta.value("event", "") == "ring_dump") {
+      const EventRecord e = EventRecord::decode(r, path);
+      out.lost = e.ring_dump->lost;
+    }
+    if (r.type != RecordType::kStepBegin || !r.meta.value("ring", false)) continue;
+    auto& snapshot = out.snapshots[r.meta.at("step").get<std::int64_t>()];
+    for (const TensorEntry& t : r.tensors) {
+      if (t.name.rfind(tensor_names::kStatePrefix, 0) == 0) snapshot.emplace_back(t.name, t.digest);
+    }
+  }
+  return out;
+}
+
+// Records `steps` steps of `program` (1, 2, ...) with a ring of `k` copied `how`, then dumps it.
+RecorderStats record_ring(ScenarioProgram& program, const std::string& path, RingCopy how, int k, std::int64_t steps) {
+  RecorderOptions options;
+  options.ring = k;
+  options.ring_copy = how;
+  options.state_check = false;
+  Recorder recorder(path, program, options);
+  record_run(program, recorder, steps);
+  recorder.dump_ring("test");
+  recorder.close();
+  return recorder.stats();
+}
+
+// The ring copied while forward and backward run (RingCopy::kOverlapped) holds, bit for bit, what
+// the copy in begin_step holds; a step that changed the state in place meanwhile loses its
+// snapshot, says so, and the ring copies in begin_step from then on.
+TEST(Recorder, RingCopiedWhileTheStepRunsHoldsTheStateItBeganWith) {
+  register_builtin_programs();
+  const auto run = [](RingCopy how, std::function<bool(std::int64_t)> at, const std::string& name, int k = 4,
+                      std::int64_t steps = 8) {
+    ChangesStateMidStep program(parse_scenario_text(kGpt, name), std::move(at));
+    const std::string path = temp_path(name);
+    const RecorderStats stats = record_ring(program, path, how, k, steps);
+    RingDump dump = ring_dump_of(path);
+    fs::remove(path);
+    return std::pair{stats, dump};
+  };
+  const auto never = [](std::int64_t) { return false; };
+  const auto at_step_5 = [](std::int64_t s) { return s == 5; };
+  const auto always = [](std::int64_t) { return true; };
+
+  // Nothing changes the state mid-step: steps 2..8 after the trial step 1, all overlapped.
+  const auto [plain_stats, plain] = run(RingCopy::kAtBeginStep, never, "ring_at_begin");
+  const auto [over_stats, over] = run(RingCopy::kOverlapped, never, "ring_overlapped");
+  EXPECT_EQ(plain_stats.ring_copies_overlapped, 0);
+  EXPECT_EQ(over_stats.ring_copies_overlapped, 7);
+  EXPECT_EQ(over_stats.ring_snapshots_lost, 0);
+  ASSERT_EQ(plain.snapshots.size(), 4u);  // steps 5..8
+  EXPECT_EQ(over.snapshots, plain.snapshots);
+  EXPECT_TRUE(over.lost.empty());
+
+  // Step 5 changes a parameter mid-step: its overlapped snapshot is dropped and named, so the ring
+  // keeps step 4 instead; 6..8 are copied in begin_step. Every snapshot kept is what the copy in
+  // begin_step holds for that step (`ref`, a ring of 5: steps 4..8).
+  const auto [ref_stats, ref] = run(RingCopy::kAtBeginStep, at_step_5, "ring_at_begin_5", 5);
+  const auto [lost_stats, lost] = run(RingCopy::kOverlapped, at_step_5, "ring_overlapped_5");
+  EXPECT_EQ(lost_stats.ring_copies_overlapped, 4);  // steps 2..5
+  EXPECT_EQ(lost_stats.ring_snapshots_lost, 1);
+  EXPECT_EQ(lost.lost, (std::vector<std::int64_t>{5}));
+  std::vector<std::int64_t> kept;
+  for (const auto& [step, snapshot] : lost.snapshots) {
+    kept.push_back(step);
+    ASSERT_TRUE(ref.snapshots.count(step)) << step;
+    EXPECT_EQ(snapshot, ref.snapshots.at(step)) << "step " << step;
+  }
+  EXPECT_EQ(kept, (std::vector<std::int64_t>{4, 6, 7, 8}));
+  // Control: the change is real -- step 5 began as the unchanged run's did, step 6 did not.
+  EXPECT_EQ(ref.snapshots.at(5), plain.snapshots.at(5));
+  EXPECT_NE(ref.snapshots.at(6), plain.snapshots.at(6));
+  // A ring of one dumped right after the lost step still holds a snapshot (step 4's): while a copy
+  // is unchecked the ring keeps one more.
+  const auto [one_stats, one] = run(RingCopy::kOverlapped, at_step_5, "ring_overlapped_one", 1, 5);
+  EXPECT_EQ(one.lost, (std::vector<std::int64_t>{5}));
+  ASSERT_EQ(one.snapshots.size(), 1u);
+  EXPECT_EQ(one.snapshots.begin()->first, 4);
+  EXPECT_EQ(one.snapshots.begin()->second, ref.snapshots.at(4));
+
+  // kAuto (the default) overlaps only when the copier has a core of its own.
+  {
+    const ThreadsAndLocalWorldSize restore;
+    ::unsetenv("LOCAL_WORLD_SIZE");
+    const int cores = usable_cores();
+    at::set_num_threads(cores);
+    EXPECT_EQ(run(RingCopy::kAuto, never, "ring_auto_busy").first.ring_copies_overlapped, 0);
+    if (cores > 1) {
+      at::set_num_threads(cores - 1);
+      EXPECT_EQ(run(RingCopy::kAuto, never, "ring_auto_spare").first.ring_copies_overlapped, 7);
+    }
+  }
+
+  // A program that changes its state every step (a BatchNorm's statistics) never overlaps: the
+  // trial step shows it, and nothing is lost.
+  const auto [bn_stats, bn] = run(RingCopy::kOverlapped, always, "ring_overlapped_always");
+  EXPECT_EQ(bn_stats.ring_copies_overlapped, 0);
+  EXPECT_EQ(bn_stats.ring_snapshots_lost, 0);
+  EXPECT_EQ(bn.snapshots.size(), 4u);
+}
+
 
 // Every record of trace `a` equals trace `b`'s, in the same order: type, metadata and tensor table
 // (names, digests, codecs, offsets, stored sizes, checksums). The headers (host, time) may differ.
@@ -507,26 +666,6 @@ TEST(Recorder, SmallRecordsWrittenByTheRecordingThreadKeepTheTraceAsTheWriterThr
 // kAuto writes small records on the recording thread when LibTorch's intra-op threads, times this
 // job's processes on the host (LOCAL_WORLD_SIZE), take every core this process may run on, and on
 // the writer thread when one is left over. A LOCAL_WORLD_SIZE that is not a count is an error.
-// Puts LibTorch's intra-op thread count and LOCAL_WORLD_SIZE back, however the test leaves.
-class ThreadsAndLocalWorldSize {
- public:
-  ThreadsAndLocalWorldSize() : threads_(at::get_num_threads()) {
-    const char* local = std::getenv("LOCAL_WORLD_SIZE");
-    if (local) local_ = local;
-  }
-  ~ThreadsAndLocalWorldSize() {
-    if (local_) {
-      ::setenv("LOCAL_WORLD_SIZE", local_->c_str(), 1);
-    } else {
-      ::unsetenv("LOCAL_WORLD_SIZE");
-    }
-    at::set_num_threads(threads_);
-  }
-
- private:
-  int threads_;
-  std::optional<std::string> local_;
-};
 
 TEST(Recorder, SmallRecordsAutoWritesOnTheRecordingThreadOnlyWithNoCoreToSpare) {
   const ThreadsAndLocalWorldSize restore;

@@ -99,6 +99,12 @@ TEST(Records, EveryTypedRecordRoundTrips) {
   const EventRecord d = EventRecord::decode(RingDumpEvent{"non-finite loss", {2, 3}}.to_meta(), 0, "t");
   ASSERT_EQ(d.kind, EventRecord::Kind::kRingDump);
   EXPECT_EQ(d.ring_dump->steps, (std::vector<std::int64_t>{2, 3}));
+  EXPECT_TRUE(d.ring_dump->lost.empty());
+  const RingDumpEvent none_lost{"x", {2, 3}, {}};
+  EXPECT_FALSE(none_lost.to_meta().contains("lost"));  // written only when there are some
+  const EventRecord l = EventRecord::decode(RingDumpEvent{"x", {2, 4}, {3}}.to_meta(), 0, "t");
+  EXPECT_EQ(l.ring_dump->steps, (std::vector<std::int64_t>{2, 4}));
+  EXPECT_EQ(l.ring_dump->lost, (std::vector<std::int64_t>{3}));
   const EventRecord other = EventRecord::decode(nlohmann::json{{"event", "from_a_newer_writer"}}, 0, "t");
   EXPECT_EQ(other.kind, EventRecord::Kind::kOther);
   EXPECT_EQ(other.name, "from_a_newer_writer");
@@ -160,6 +166,8 @@ TEST(Records, AFieldOfTheWrongTypeIsMalformedNamingTheKeyAndOffset) {
       {RecordType::kEvent, {{"event", "exception"}, {"what", 5}, {"step", 3}}, "'what'"},
       {RecordType::kEvent, {{"event", "exception"}, {"what", "x"}, {"step", "3"}}, "'step'"},
       {RecordType::kEvent, {{"event", "ring_dump"}, {"steps", {"a"}}}, "'steps'"},
+      {RecordType::kEvent, {{"event", "ring_dump"}, {"steps", {1}}, {"lost", {-2}}}, "'lost'"},
+      {RecordType::kEvent, {{"event", "ring_dump"}, {"lost", 3}}, "'lost'"},
       {RecordType::kHeader, {{"program", {{"name", 1}, {"config", ""}}}}, "'name'"},
       {RecordType::kHeader,
        {{"environment", {{"bitwise", {{"intra_op_threads", 2}}}}}},

@@ -188,6 +188,9 @@ std::string exception_message(const std::exception& e);
 struct RingDumpEvent {
   std::string reason;
   std::vector<std::int64_t> steps;
+  // Steps whose snapshot the ring dropped: the state changed in place while it was being copied
+  // (RingCopy::kOverlapped). Written only when there are some.
+  std::vector<std::int64_t> lost;
   nlohmann::json to_meta() const;
 };
 

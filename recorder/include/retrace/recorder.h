@@ -58,6 +58,25 @@ enum class OnWriteError { kStop, kContinue };
 //   kRecordingThread: by the recording thread whenever the writer is idle.
 enum class SmallRecords { kAuto, kWriterThread, kRecordingThread };
 
+// Where the flight ring copies the state a step begins with (digest mode; full mode stores it anyway).
+//   kOverlapped: on a thread of the recorder's own while forward and backward run, once a step has
+//                shown that they leave the state alone: begin_step notes each state tensor's
+//                version counter, and after_backward finds them unchanged. From then on, every
+//                overlapped copy is checked the same way when after_backward (or end_step, or a
+//                dump) waits for it; a copy of a tensor changed meanwhile may be torn, so that
+//                step's snapshot is dropped (RecorderStats::ring_snapshots_lost, the dump's
+//                `lost`) and the ring copies in begin_step from then on. A program that writes
+//                its state's memory outside ATen (no version bump) during a step must use
+//                kAtBeginStep.
+//   kAtBeginStep: in begin_step, on the training thread (LibTorch's intra-op threads).
+//   kAuto:        kOverlapped when the copier would have a core of its own (the rule of
+//                 SmallRecords::kAuto: intra-op threads times this job's processes on the host
+//                 below the usable cores), else kAtBeginStep. With no core to spare the copier
+//                 preempts an intra-op thread and the step gets slower, not faster (bench/README.md).
+enum class RingCopy { kAuto, kOverlapped, kAtBeginStep };
+// "auto" | "overlapped" | "at-begin-step" (retrace record --ring-copy); throws retrace::Error otherwise.
+RingCopy parse_ring_copy(const std::string& text);
+
 struct RecorderOptions {
   RecordMode mode = RecordMode::kDigest;
   int every = 0;  // digest mode: also a full step-begin snapshot every k steps (0: never)
@@ -67,6 +86,7 @@ struct RecorderOptions {
   bool dump_on_signal = true;                        // with ring > 0: dump on SIGTERM/SIGINT, then die by the signal
   OnWriteError on_write_error = OnWriteError::kStop;
   SmallRecords small_records = SmallRecords::kAuto;
+  RingCopy ring_copy = RingCopy::kAuto;
   // record_run's state round-trip self-check (state_check.h): once, at step kStateCheckStep, a
   // copy of the program rebuilt by name and config from the step's start state() must end the
   // step bitwise as the live program does; else record_run throws StateCheckError after that
@@ -83,9 +103,11 @@ struct RecorderStats {
   std::int64_t backpressure_waits = 0;  // times the training thread waited for the writer
   double backpressure_seconds = 0;
   std::int64_t ring_dumps = 0;
-  std::uint64_t bytes = 0;       // written to the trace so far
-  std::string write_error;       // OnWriteError::kContinue: why recording stopped
-  StateCheckResult state_check;  // what record_run's state self-check found (kNotRun: off)
+  std::int64_t ring_copies_overlapped = 0;  // ring snapshots copied while forward and backward ran (RingCopy)
+  std::int64_t ring_snapshots_lost = 0;     // of those, dropped: the state changed in place meanwhile
+  std::uint64_t bytes = 0;                  // written to the trace so far
+  std::string write_error;                  // OnWriteError::kContinue: why recording stopped
+  StateCheckResult state_check;             // what record_run's state self-check found (kNotRun: off)
 };
 
 // Data-parallel runs (retrace/dist.h): the recorder is also a CollectiveObserver. Each rank's trace
