@@ -564,20 +564,17 @@ struct Recorder::Impl {
   void settle_ring_copy() {
     if (!ring_in_flight) return;
     copier->wait();
-    const Versions v = std::move(*ring_in_flight);
+    const std::int64_t step_copied = ring_in_flight->step;
+    const bool unchanged = ring_in_flight->unchanged();
     ring_in_flight.reset();
     ++stats.ring_copies_overlapped;
-    if (v.unchanged()) {
+    if (unchanged) {
       while (static_cast<int>(ring.size()) > options.ring) ring.pop_front();  // the one kept meanwhile
       return;
     }
-    for (auto it = ring.begin(); it != ring.end(); ++it) {
-      if (it->step == v.step) {
-        ring.erase(it);
-        break;
-      }
-    }
-    ring_lost.push_back(v.step);
+    // Its entry is the newest: nothing is pushed before this check (unless a write failure cleared the ring).
+    if (!ring.empty() && ring.back().step == step_copied) ring.pop_back();
+    ring_lost.push_back(step_copied);
     ++stats.ring_snapshots_lost;
     overlap = Overlap::kOff;
   }
@@ -782,7 +779,7 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
   if (may_overlap && !full && m.overlap == Impl::Overlap::kOn) {
     // The ring's copy runs on the copier while forward and backward run; settle_ring_copy() checks it.
     PlannedSnapshot plan = plan_snapshot(state, std::string(tensor_names::kStatePrefix), m.pool);
-    full_state = plan.tensors;
+    full_state = std::move(plan.tensors);  // the copy needs only the sources and the buffer
     m.ring_in_flight.emplace(step, state);
     if (!m.copier) m.copier = std::make_unique<Copier>();
     m.copier->start([plan = std::move(plan)] { plan.copy(/*parallel=*/false); });

@@ -72,9 +72,11 @@ std::string describe(const Record& r, const std::string& path) {
       if (e.exception) os << " step " << e.exception->step << " " << e.name << ": " << e.exception->what;
       else if (e.ring_dump) {
         os << " " << e.name << ": " << e.ring_dump->reason;
-        for (std::size_t i = 0; i < e.ring_dump->lost.size(); ++i)
-          os << (i == 0 ? " (snapshot lost, the state changed while it was copied: step " : ", step ")
-             << e.ring_dump->lost[i] << (i + 1 == e.ring_dump->lost.size() ? ")" : "");
+        if (!e.ring_dump->lost.empty()) {
+          os << " (snapshot lost, the state changed while it was copied: step";
+          for (const std::int64_t step : e.ring_dump->lost) os << " " << step;
+          os << ")";
+        }
       } else os << " " << e.name;
       break;
     }
