@@ -82,6 +82,7 @@ nlohmann::json TraceHeader::to_meta() const {
                         {"every", recorder->every},
                         {"ring", recorder->ring},
                         {"write_ahead", recorder->write_ahead}};
+    if (recorder->ring_every != 1) meta["recorder"]["ring_every"] = recorder->ring_every;  // older traces: 1
   }
   if (ranks) meta["ranks"] = {{"rank", ranks->rank}, {"world_size", ranks->world_size}, {"run_id", ranks->run_id}};
   return meta;
@@ -117,6 +118,8 @@ TraceHeader TraceHeader::decode(const nlohmann::json& meta, const std::string& s
     s.mode = rf.text("mode", "digest");
     s.every = rf.integer("every", 0);
     s.ring = rf.integer("ring", 0);
+    s.ring_every = rf.integer("ring_every", 1);
+    if (s.ring_every < 1) rf.fail("ring_every", "is not a positive step count");
     s.write_ahead = rf.flag("write_ahead", false);
     h.recorder = s;
   }

@@ -518,14 +518,28 @@ struct Recorder::Impl {
   std::unordered_map<std::uint64_t, std::int64_t> ordinals;  // invocation -> ordinal in step
   std::vector<TensorToWrite> after_backward;                 // loss and grads of this step
 
+  // One per step since the oldest snapshot kept: the steps between snapshots (ring_every > 1, a
+  // lost snapshot) keep only their collectives, which replay from an earlier snapshot serves.
   struct RingEntry {
     std::int64_t step;
+    bool snapshot;  // meta and tensors: the step_begin snapshot
     nlohmann::json meta;
     std::vector<TensorToWrite> tensors;
     // The step's collective records with stored results, written after its step_begin.
     std::vector<std::pair<nlohmann::json, std::vector<TensorToWrite>>> collectives;
   };
   std::deque<RingEntry> ring;
+  std::optional<std::int64_t> ring_next;  // the first step that takes a snapshot (none: the next one)
+
+  // Keeps K snapshots (K + 1 while the newest copy is unchecked: were it dropped, K remain) and
+  // the steps after the oldest of them.
+  void trim_ring() {
+    const int keep = options.ring + (ring_in_flight ? 1 : 0);
+    int snapshots = 0;
+    for (const RingEntry& r : ring) snapshots += r.snapshot;
+    for (; snapshots > keep; ring.pop_front()) snapshots -= ring.front().snapshot;
+    while (!ring.empty() && !ring.front().snapshot) ring.pop_front();  // nothing before them to replay from
+  }
 
   // The ring's overlapped copy (RingCopy::kOverlapped). A step's state tensors and the version
   // counters they had when begin_step took them: a tensor at the same version has not been
@@ -568,15 +582,21 @@ struct Recorder::Impl {
     const bool unchanged = ring_in_flight->unchanged();
     ring_in_flight.reset();
     ++stats.ring_copies_overlapped;
-    if (unchanged) {
-      while (static_cast<int>(ring.size()) > options.ring) ring.pop_front();  // the one kept meanwhile
-      return;
+    if (!unchanged) {
+      // Its entry is the newest: nothing is pushed before this check (unless a write failure
+      // cleared the ring). It keeps the step's collectives; the next step takes a snapshot.
+      if (!ring.empty() && ring.back().step == step_copied) {
+        RingEntry& r = ring.back();
+        r.snapshot = false;
+        r.meta = nullptr;
+        r.tensors.clear();
+      }
+      ring_lost.push_back(step_copied);
+      ++stats.ring_snapshots_lost;
+      overlap = Overlap::kOff;
+      ring_next.reset();
     }
-    // Its entry is the newest: nothing is pushed before this check (unless a write failure cleared the ring).
-    if (!ring.empty() && ring.back().step == step_copied) ring.pop_back();
-    ring_lost.push_back(step_copied);
-    ++stats.ring_snapshots_lost;
-    overlap = Overlap::kOff;
+    trim_ring();  // the one kept meanwhile, or the lost one's
   }
 
   BufferPool pool;
@@ -659,14 +679,17 @@ struct Recorder::Impl {
     io([&] {
       RingDumpEvent dump{reason, {}, ring_lost};
       for (RingEntry& r : ring) {
-        dump.steps.push_back(r.step);
-        writer->push(RecordType::kStepBegin, r.meta, r.tensors, stats);
+        if (r.snapshot) {
+          dump.steps.push_back(r.step);
+          writer->push(RecordType::kStepBegin, r.meta, r.tensors, stats);
+        }
         for (auto& [meta, tensors] : r.collectives) writer->push(RecordType::kCollective, meta, tensors, stats);
       }
       writer->push(RecordType::kEvent, dump.to_meta(), {}, stats);
       writer->flush(/*sync=*/true);
       ring.clear();
       ring_lost.clear();
+      ring_next.reset();  // the ring starts again at the next step
       ++stats.ring_dumps;
     });
   }
@@ -683,11 +706,15 @@ Recorder::Recorder(const std::string& path, const Program& program, RecorderOpti
   if (options.every < 0 || options.ring < 0)
     throw Error(
         "RecorderOptions::every and RecorderOptions::ring must not be negative (retrace record --every, --ring)");
+  if (options.ring_every < 1) {
+    throw Error("RecorderOptions::ring_every must be at least 1 (retrace record --ring-every), got " +
+                std::to_string(options.ring_every));
+  }
   TraceHeader header;
   header.environment = Environment::current();
   header.program = ProgramRef{program.name(), program.config()};
   header.recorder = RecorderSettings{options.mode == RecordMode::kFull ? "full" : "digest", options.every, options.ring,
-                                     options.write_ahead};
+                                     options.write_ahead, options.ring_every};
   impl_->ranks = program.ranks();
   if (impl_->ranks.distributed()) header.ranks = impl_->ranks;
   // Before the trace's file exists: a bad LOCAL_WORLD_SIZE leaves nothing behind.
@@ -757,7 +784,8 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
   const bool stored_at_end = full_now && m.store_values() && !m.first_step && m.end_state_step >= 0 &&
                              m.unchanged_since_end(state);
   const bool full = full_now && !stored_at_end;
-  const bool ring = m.options.ring > 0;
+  // The ring takes a snapshot this step (RecorderOptions::ring_every), else keeps the step's collectives.
+  const bool ring = m.options.ring > 0 && (!m.ring_next || step >= *m.ring_next);
   StepBeginRecord record;
   record.step = step;
   record.lr = lr;
@@ -793,10 +821,11 @@ void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& sta
     StepBeginRecord ring_record = record;
     ring_record.full = true;
     ring_record.ring = true;
-    m.ring.push_back({step, ring_record.to_meta(), std::move(snapshot)});
-    // While the newest copy is unchecked the ring keeps one more: were it dropped, K remain.
-    const int keep = m.options.ring + (m.ring_in_flight ? 1 : 0);
-    while (static_cast<int>(m.ring.size()) > keep) m.ring.pop_front();
+    m.ring.push_back({step, true, ring_record.to_meta(), std::move(snapshot), {}});
+    m.ring_next = step + m.options.ring_every;
+    m.trim_ring();
+  } else if (m.options.ring > 0 && !m.ring.empty()) {
+    m.ring.push_back({step, false, nullptr, {}, {}});
   }
   std::vector<TensorToWrite> tensors = std::move(common);
   if (full) {

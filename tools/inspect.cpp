@@ -199,7 +199,9 @@ int run_inspect(const std::vector<std::string>& args) {
     }
     if (h.recorder) {
       std::cout << "recorder: mode " << h.recorder->mode << ", every " << h.recorder->every << ", ring "
-                << h.recorder->ring << (h.recorder->write_ahead ? ", write-ahead" : "") << "\n";
+                << h.recorder->ring
+                << (h.recorder->ring_every != 1 ? " (every " + std::to_string(h.recorder->ring_every) + " steps)" : "")
+                << (h.recorder->write_ahead ? ", write-ahead" : "") << "\n";
     }
     if (!h.environment.bitwise.empty()) {
       std::cout << "environment:";

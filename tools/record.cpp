@@ -99,7 +99,7 @@ bool report_unfired(const std::vector<char>& fired, const Defenses* defenses, st
 int run_record(const std::vector<std::string>& args) {
   std::string scenario, output, mode = "digest", compression = "fast", on_write_error = "stop", config_path,
                                 ring_copy = "auto";
-  int every = 0, ring = 0, ranks = 0, threads = 0, encode_threads = 0;
+  int every = 0, ring = 0, ring_every = 1, ranks = 0, threads = 0, encode_threads = 0;
   std::int64_t steps = 0, page_cache_mib = static_cast<std::int64_t>(WriterOptions{}.page_cache_window >> 20);
   po::options_description opts(
       "retrace record [SCENARIO.yaml | builtin:NAME] -o TRACE [options]\n\n"
@@ -116,6 +116,9 @@ int run_record(const std::vector<std::string>& args) {
       "every", po::value<int>(&every)->default_value(0), "digest mode: also a full snapshot every K steps")(
       "ring", po::value<int>(&ring)->default_value(0),
       "flight ring: keep the last K full snapshots, dump them on NaN/Inf, exception or SIGTERM/SIGINT")(
+      "ring-every", po::value<int>(&ring_every)->default_value(1),
+      "the ring's snapshots S steps apart (a step costs 1/S of a copy; K snapshots span K x S steps, and replay "
+      "re-executes up to S - 1 steps more from the newest one before the step asked for)")(
       "ring-copy", po::value<std::string>(&ring_copy)->default_value("auto"),
       "where the ring copies each step's state: overlapped (a thread of its own, while forward and backward run; "
       "checked by the tensors' version counters), at-begin-step, or auto (overlapped when a core is free); use "
@@ -152,6 +155,8 @@ int run_record(const std::vector<std::string>& args) {
   if (output.empty()) throw Error("missing -o TRACE: where to write the trace");
   if (vm.count("steps") && steps < 1) throw Error("--steps must be at least 1, got " + std::to_string(steps));
   if (every < 0 || ring < 0) throw Error("--every and --ring must not be negative");
+  if (ring_every < 1)
+    throw Error("--ring-every must be at least 1 (a snapshot every step), got " + std::to_string(ring_every));
   if (on_write_error != "stop" && on_write_error != "continue") {
     throw Error("--on-write-error must be stop or continue, got '" + on_write_error + "'");
   }
@@ -199,6 +204,7 @@ int run_record(const std::vector<std::string>& args) {
   options.mode = parse_record_mode(mode);
   options.every = every;
   options.ring = ring;
+  options.ring_every = ring_every;
   options.ring_copy = ring_copy_how;
   options.write_ahead = vm.count("write-ahead") > 0;
   options.writer.compression = compression == "fast" ? Compression::kFast : Compression::kSmall;

@@ -139,6 +139,7 @@ case_ "negative encode threads" 2 -- record "$data/../../examples/scenarios/tiny
 case_ "negative page cache window" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --page-cache-mib -1
 case_ "unknown write-error policy" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --on-write-error ignore
 case_ "unknown ring copy" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --ring 2 --ring-copy later
+case_ "ring snapshots zero steps apart" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --ring 2 --ring-every 0
 case_ "unknown record mode" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --mode fast
 case_ "scenario file that does not exist" 2 -- run "$dir/nope.yaml"
 case_ "empty scenario file" 2 -- run "$dir/empty.yaml"

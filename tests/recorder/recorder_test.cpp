@@ -453,10 +453,13 @@ RingDump ring_dump_of(const std::string& path) {
   return out;
 }
 
-// Records `steps` steps of `program` (1, 2, ...) with a ring of `k` copied `how`, then dumps it.
-RecorderStats record_ring(ScenarioProgram& program, const std::string& path, RingCopy how, int k, std::int64_t steps) {
+// Records `steps` steps of `program` (1, 2, ...) with a ring of `k` copied `how`, a snapshot every
+// `every` steps, then dumps it.
+RecorderStats record_ring(ScenarioProgram& program, const std::string& path, RingCopy how, int k, std::int64_t steps,
+                          int every = 1) {
   RecorderOptions options;
   options.ring = k;
+  options.ring_every = every;
   options.ring_copy = how;
   options.state_check = false;
   Recorder recorder(path, program, options);
@@ -539,6 +542,110 @@ TEST(Recorder, RingCopiedWhileTheStepRunsHoldsTheStateItBeganWith) {
   EXPECT_EQ(bn_stats.ring_copies_overlapped, 0);
   EXPECT_EQ(bn_stats.ring_snapshots_lost, 0);
   EXPECT_EQ(bn.snapshots.size(), 4u);
+}
+
+// A program that all-reduces a tensor holding its step number once a step, through the recorder
+// as a data-parallel program's collectives reach it (one rank: the result is the contribution).
+class OneCollectivePerStep : public ChangesStateMidStep {
+ public:
+  using ChangesStateMidStep::ChangesStateMidStep;
+  CollectiveObserver* observer = nullptr;
+  StepOutcome step(std::int64_t s, const std::vector<NamedTensor>& b, StepMonitor* m) override {
+    const at::Tensor t = at::full({4}, static_cast<double>(s));
+    observer->before_collective(CollectiveCall{CollectiveOp::kAllReduce, "sum", -1}, {t});
+    observer->after_collective(CollectiveCall{CollectiveOp::kAllReduce, "sum", -1}, {t});
+    return ChangesStateMidStep::step(s, b, m);
+  }
+};
+
+// RecorderOptions::ring_every: the ring's K snapshots are that many steps apart, each bitwise the
+// snapshot an every-step ring takes of that step; after a lost snapshot the next step takes one;
+// the steps since the oldest snapshot keep their collectives' stored results (what a rank's replay
+// from that snapshot is served).
+TEST(Recorder, RingEveryKeepsSnapshotsThatFarApartAndTheStepsBetween) {
+  register_builtin_programs();
+  const auto run = [](RingCopy how, std::function<bool(std::int64_t)> at, const std::string& name, int k, int every,
+                      std::int64_t steps = 8) {
+    ChangesStateMidStep program(parse_scenario_text(kGpt, name), std::move(at));
+    const std::string path = temp_path(name);
+    const RecorderStats stats = record_ring(program, path, how, k, steps, every);
+    RingDump dump = ring_dump_of(path);
+    fs::remove(path);
+    return std::pair{stats, dump};
+  };
+  const auto steps_of = [](const RingDump& d) {
+    std::vector<std::int64_t> steps;
+    for (const auto& [step, snapshot] : d.snapshots) steps.push_back(step);
+    return steps;
+  };
+  const auto never = [](std::int64_t) { return false; };
+  const auto at_step_5 = [](std::int64_t s) { return s == 5; };
+
+  // Every step's snapshot, for reference (a ring of 8 over 8 steps).
+  const auto [all_stats, all] = run(RingCopy::kAtBeginStep, never, "ring_every_ref", 8, 1);
+  ASSERT_EQ(all.snapshots.size(), 8u);
+  // Snapshots at steps 1, 4, 7; the ring of 2 keeps 4 and 7.
+  const auto [every_stats, every] = run(RingCopy::kAtBeginStep, never, "ring_every_3", 2, 3);
+  EXPECT_EQ(steps_of(every), (std::vector<std::int64_t>{4, 7}));
+  for (const auto& [step, snapshot] : every.snapshots) EXPECT_EQ(snapshot, all.snapshots.at(step)) << step;
+  // Control: the same ring with every = 1 keeps the last two steps.
+  EXPECT_EQ(steps_of(run(RingCopy::kAtBeginStep, never, "ring_every_1", 2, 1).second),
+            (std::vector<std::int64_t>{7, 8}));
+
+  // Overlapped, every 2: step 1 (the trial) and 3 kept, 5 lost to its mid-step change, then step
+  // 6 takes one at once (not 7), and 8. The kept ones are what the copy in begin_step holds.
+  const auto [ref_stats, ref] = run(RingCopy::kAtBeginStep, at_step_5, "ring_every_ref_5", 8, 1);
+  const auto [lost_stats, lost] = run(RingCopy::kOverlapped, at_step_5, "ring_every_lost", 2, 2);
+  EXPECT_EQ(lost_stats.ring_copies_overlapped, 2);  // steps 3 and 5
+  EXPECT_EQ(lost.lost, (std::vector<std::int64_t>{5}));
+  EXPECT_EQ(steps_of(lost), (std::vector<std::int64_t>{6, 8}));
+  for (const auto& [step, snapshot] : lost.snapshots) EXPECT_EQ(snapshot, ref.snapshots.at(step)) << step;
+
+  // Collectives: a ring of 1, every 3 over 6 steps holds step 4's snapshot and the stored results
+  // of steps 4, 5 and 6; every 1 only step 6's. Overlapped, every 2, over 5 steps: step 5's
+  // snapshot is lost, so replay would start at 3 and needs the results of 3, 4 and 5.
+  const auto collectives = [](
+                               int every, RingCopy how = RingCopy::kAtBeginStep,
+                               std::function<bool(std::int64_t)> at = [](std::int64_t) { return false; },
+                               std::int64_t run_steps = 6) {
+    OneCollectivePerStep program(parse_scenario_text(kGpt, "ring_every_collectives"), std::move(at));
+    const std::string path = temp_path("ring_every_collectives");
+    RecorderOptions options;
+    options.ring = 1;
+    options.ring_every = every;
+    options.ring_copy = how;
+    options.state_check = false;
+    {
+      Recorder recorder(path, program, options);
+      program.observer = &recorder;
+      record_run(program, recorder, run_steps);
+      recorder.dump_ring("test");
+      recorder.close();
+    }
+    std::vector<std::int64_t> steps;
+    const TraceReader trace(path);
+    for (std::size_t i = 0; i < trace.records().size(); ++i) {
+      const Record r = trace.read(i);
+      if (r.type != RecordType::kCollective || !r.meta.value("ring", false)) continue;
+      const CollectiveRecord c = CollectiveRecord::decode(r, path);
+      const TensorEntry* out = r.find(tensor_names::collective_output(0));
+      EXPECT_TRUE(out && out->has_data());
+      if (out && out->has_data()) EXPECT_TRUE(trace.decode(r, *out).eq(static_cast<double>(c.step)).all().item<bool>());
+      steps.push_back(c.step);
+    }
+    fs::remove(path);
+    return steps;
+  };
+  EXPECT_EQ(collectives(3), (std::vector<std::int64_t>{4, 5, 6}));
+  EXPECT_EQ(collectives(1), (std::vector<std::int64_t>{6}));
+  EXPECT_EQ(collectives(2, RingCopy::kOverlapped, at_step_5, 5), (std::vector<std::int64_t>{3, 4, 5}));
+
+  // Refused: fewer than one step apart.
+  RecorderOptions bad;
+  bad.ring = 2;
+  bad.ring_every = 0;
+  ScenarioProgram program(parse_scenario_text(kGpt, "ring_every_0"));
+  EXPECT_THROW(Recorder(temp_path("ring_every_0"), program, bad), Error);
 }
 
 

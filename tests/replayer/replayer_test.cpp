@@ -402,6 +402,37 @@ TEST(Replay, NanRunDumpsItsFlightRingAndReplayNamesTheFirstNonFiniteOp) {
   fs::remove(rec.path);
 }
 
+// A ring whose snapshots are 3 steps apart (RecorderOptions::ring_every): the gradient goes NaN at
+// step 9, the dump holds steps 4 and 7, and replay re-executes 8 and 9 from step 7's snapshot.
+TEST(Replay, RingWithSnapshotsStepsApartReplaysTheFailingStepFromTheNewest) {
+  RecorderOptions options;
+  options.ring = 2;
+  options.ring_every = 3;
+  const Recorded rec = record(R"(
+name: late-nan
+model: {type: tiny_gpt, layers: 4, d_model: 32, heads: 4, vocab: 64, seq_len: 16, dropout: 0.1}
+data: {batch: 8, seed: 1}
+training: {steps: 12, optimizer: adamw, lr: 0.003, segments: 2}
+injections: [{type: grad_nonfinite, step: 9, mode: nan}]
+)",
+                              "ring_every", options);
+  ASSERT_EQ(rec.outcomes.size(), 9u);
+  std::vector<std::int64_t> ring_steps;
+  const TraceReader trace(rec.path);
+  for (std::size_t i = 0; i < trace.records().size(); ++i) {
+    const Record r = trace.read(i);
+    if (r.type == RecordType::kStepBegin && r.meta.value("ring", false))
+      ring_steps.push_back(r.meta.at("step").get<std::int64_t>());
+  }
+  EXPECT_EQ(ring_steps, (std::vector<std::int64_t>{4, 7}));
+  const ReplayResult r = replay(rec.path);
+  EXPECT_TRUE(r.reproduced) << (r.first_divergence ? r.first_divergence->message() : "");
+  EXPECT_EQ(r.from_step, 7);
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  EXPECT_EQ(r.first_nonfinite->step, 9);
+  fs::remove(rec.path);
+}
+
 TEST(Replay, EnvironmentThatBreaksBitwiseEqualityIsRefusedUnlessForced) {
   const Recorded rec = record(kGpt, "env_src", {}, 2);
   const std::string copy = temp_path("env");

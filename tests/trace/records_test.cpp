@@ -112,13 +112,14 @@ TEST(Records, EveryTypedRecordRoundTrips) {
   TraceHeader h;
   h.environment.bitwise["intra_op_threads"] = "2";
   h.program = ProgramRef{"example.encoder", "precision: fp16\n"};
-  h.recorder = RecorderSettings{"full", 2, 4, true};
+  h.recorder = RecorderSettings{"full", 2, 4, true, 3};
   const TraceHeader h2 = TraceHeader::decode(h.to_meta(), "t");
   EXPECT_EQ(h2.environment.bitwise.at("intra_op_threads"), "2");
   ASSERT_TRUE(h2.program.has_value());
   EXPECT_EQ(h2.program->config, "precision: fp16\n");
   EXPECT_EQ(h2.recorder->ring, 4);
   EXPECT_TRUE(h2.recorder->write_ahead);
+  EXPECT_EQ(h2.recorder->ring_every, 3);
 }
 
 // What traces written before a field existed lack reads as the field's documented default.
@@ -136,6 +137,10 @@ TEST(Records, FieldsOlderTracesLackReadAsTheirDefaults) {
       StepEndRecord::decode(nlohmann::json{{"step", 1}, {"loss", 2.0}, {"grad_norm", "inf"}}, 0, "t");
   EXPECT_FALSE(e.finite);  // derived from loss and grad_norm when the record does not say
   EXPECT_FALSE(TraceHeader::decode(nlohmann::json::object(), "t").program.has_value());
+  EXPECT_EQ(TraceHeader::decode(nlohmann::json{{"recorder", {{"ring", 4}}}}, "t").recorder->ring_every, 1);
+  TraceHeader every_step;
+  every_step.recorder = RecorderSettings{"digest", 0, 4, false};
+  EXPECT_FALSE(every_step.to_meta()["recorder"].contains("ring_every"));  // written as before
   EXPECT_THROW(TraceHeader::decode(nlohmann::json::object(), "t").require_program("t"), Error);
 }
 
@@ -173,6 +178,8 @@ TEST(Records, AFieldOfTheWrongTypeIsMalformedNamingTheKeyAndOffset) {
        {{"environment", {{"bitwise", {{"intra_op_threads", 2}}}}}},
        "'environment.bitwise.intra_op_threads'"},
       {RecordType::kHeader, {{"recorder", {{"ring", "4"}}}}, "'ring'"},
+      {RecordType::kHeader, {{"recorder", {{"ring", 4}, {"ring_every", 0}}}}, "'ring_every'"},
+      {RecordType::kHeader, {{"recorder", {{"ring", 4}, {"ring_every", 2.5}}}}, "'ring_every'"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.meta.dump());
@@ -192,6 +199,7 @@ TEST(Records, AFieldOfTheWrongTypeIsMalformedNamingTheKeyAndOffset) {
   EXPECT_NO_THROW(
       validate_record_meta(RecordType::kEvent, {{"event", "exception"}, {"what", "x"}, {"step", -1}}, "t", 0));
   EXPECT_NO_THROW(validate_record_meta(RecordType::kHeader, {{"program", {{"name", "p"}, {"config", ""}}}}, "t", 0));
+  EXPECT_NO_THROW(validate_record_meta(RecordType::kHeader, {{"recorder", {{"ring", 4}, {"ring_every", 3}}}}, "t", 0));
 }
 
 // A record the reader would refuse is never written: the writer runs the same decoders.

@@ -60,6 +60,7 @@ struct RecorderSettings {
   std::int64_t every = 0;       // a full snapshot every N steps (0: only the first)
   std::int64_t ring = 0;        // flight-ring depth
   bool write_ahead = false;
+  std::int64_t ring_every = 1;  // the ring's snapshots are this many steps apart (absent: 1)
 };
 
 // The program that made the trace (the header's `program`): replay rebuilds it by name.

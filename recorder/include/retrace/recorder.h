@@ -81,6 +81,14 @@ struct RecorderOptions {
   RecordMode mode = RecordMode::kDigest;
   int every = 0;  // digest mode: also a full step-begin snapshot every k steps (0: never)
   int ring = 0;   // flight ring size K (0: off)
+  // The ring's snapshots are taken every `ring_every` steps (the first step recorded, then each
+  // step at least this many after the last one taken; 1: every step), so K of them span K x
+  // ring_every steps and a step costs 1/ring_every of a copy. A dump holds the K snapshots and,
+  // in a data-parallel run, the stored collective results of every step since the oldest: replay
+  // re-executes from the newest snapshot at or before the step asked for, up to ring_every - 1
+  // steps more (their batches and RNG are in every step_begin record). After a lost snapshot
+  // (RingCopy::kOverlapped) the next step takes one.
+  int ring_every = 1;
   bool write_ahead = false;
   std::size_t queue_bytes = std::size_t{256} << 20;  // bound on bytes queued for, or being written by, the writer
   bool dump_on_signal = true;                        // with ring > 0: dump on SIGTERM/SIGINT, then die by the signal
