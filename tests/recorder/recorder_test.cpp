@@ -649,6 +649,39 @@ TEST(Recorder, RingEveryKeepsSnapshotsThatFarApartAndTheStepsBetween) {
 }
 
 
+// RecorderStats::snapshot_buffer_bytes: the ring's buffers hold K (+ the one being written)
+// snapshots of the state as it is now. The first step's snapshot is smaller (AdamW has no moments
+// before its first step) and fits no later one; its buffer is freed once idle long enough, not
+// held for the run.
+TEST(Recorder, RingLetsGoOfABufferNoSnapshotFits) {
+  register_builtin_programs();
+  ScenarioProgram program(parse_scenario_text(kGpt, "ring_pool"));
+  const std::string path = temp_path("ring_pool");
+  RecorderOptions options;
+  options.ring = 2;
+  options.ring_copy = RingCopy::kAtBeginStep;
+  options.state_check = false;
+  std::vector<std::uint64_t> held;  // after each step
+  {
+    Recorder recorder(path, program, options);
+    record_run(program, recorder, 30, true,
+               [&](std::int64_t, const StepOutcome&) { held.push_back(recorder.stats().snapshot_buffer_bytes); });
+    recorder.close();
+  }
+  fs::remove(path);
+  ASSERT_EQ(held.size(), 30u);
+  const std::uint64_t first = held[0];            // step 1's snapshot: parameters only
+  const std::uint64_t later = held[1] - held[0];  // step 2's: parameters and moments
+  // Control: the state did grow, so the first buffer fits no later snapshot.
+  ASSERT_GT(first, 0u);
+  ASSERT_GT(later, first);
+  // At the end: only buffers of the later size, no more than the ring's 2 and one being reused.
+  EXPECT_EQ(held.back() % later, 0u) << held.back() << " bytes held; snapshots of " << later;
+  EXPECT_LE(held.back(), 3 * later);
+  EXPECT_GE(held.back(), 2 * later);
+}
+
+
 // Every record of trace `a` equals trace `b`'s, in the same order: type, metadata and tensor table
 // (names, digests, codecs, offsets, stored sizes, checksums). The headers (host, time) may differ.
 void expect_same_records(const std::string& a, const std::string& b) {

@@ -114,8 +114,11 @@ struct RecorderStats {
   std::int64_t ring_copies_overlapped = 0;  // ring snapshots copied while forward and backward ran (RingCopy)
   std::int64_t ring_snapshots_lost = 0;     // of those, dropped: the state changed in place meanwhile
   std::uint64_t bytes = 0;                  // written to the trace so far
-  std::string write_error;                  // OnWriteError::kContinue: why recording stopped
-  StateCheckResult state_check;             // what record_run's state self-check found (kNotRun: off)
+  // Host memory the recorder's snapshot buffers hold (the flight ring's copies, full mode's
+  // gradients and state on their way to the writer), in use or kept for reuse.
+  std::uint64_t snapshot_buffer_bytes = 0;
+  std::string write_error;       // OnWriteError::kContinue: why recording stopped
+  StateCheckResult state_check;  // what record_run's state self-check found (kNotRun: off)
 };
 
 // Data-parallel runs (retrace/dist.h): the recorder is also a CollectiveObserver. Each rank's trace
