@@ -9,12 +9,16 @@
 #include <retrace/trace.h>
 #include <retrace/trainer.h>
 
+#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <system_error>
 #include <vector>
 #include <unistd.h>
 
@@ -22,9 +26,42 @@ namespace retrace {
 
 namespace fs = std::filesystem;
 
+inline std::string temp_path_prefix() { return "retrace_replay_test_" + std::to_string(::getpid()) + "_"; }
+
 inline std::string temp_path(const std::string& name) {
-  return (fs::temp_directory_path() / ("retrace_replay_test_" + std::to_string(::getpid()) + "_" + name)).string();
+  return (fs::temp_directory_path() / (temp_path_prefix() + name)).string();
 }
+
+// After the last test of the process, removes what temp_path() named in it and a test left
+// behind (traces, .incomplete files, folders of rank traces): a CI run had left over a hundred of
+// them in /tmp. RETRACE_KEEP_TEST_FILES=1 keeps them, to look at after a failure. (A gtest
+// environment: a static's destructor would run after LibTorch's statics are gone.)
+class TempPathSweeper : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    if (const char* keep = std::getenv("RETRACE_KEEP_TEST_FILES"); keep && std::string_view(keep) == "1") return;
+    const std::string prefix = temp_path_prefix();
+    std::error_code ec;
+    std::vector<fs::path> left;
+    for (fs::directory_iterator it(fs::temp_directory_path(ec), ec), end; !ec && it != end; it.increment(ec)) {
+      if (it->path().filename().string().rfind(prefix, 0) == 0) left.push_back(it->path());
+    }
+    for (const fs::path& p : left) remove_tree(p);
+  }
+
+ private:
+  // File by file: libtorch.so exports its own std::filesystem::remove_all, which crashes.
+  static void remove_tree(const fs::path& p) {
+    std::error_code ec;
+    if (fs::is_directory(fs::symlink_status(p, ec))) {
+      std::vector<fs::path> inside;
+      for (fs::directory_iterator it(p, ec), end; !ec && it != end; it.increment(ec)) inside.push_back(it->path());
+      for (const fs::path& q : inside) remove_tree(q);
+    }
+    fs::remove(p, ec);
+  }
+};
+inline ::testing::Environment* const temp_path_sweeper = ::testing::AddGlobalTestEnvironment(new TempPathSweeper);
 
 inline const char* kGpt = R"(
 name: gpt
