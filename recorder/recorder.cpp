@@ -7,6 +7,7 @@
 #include <retrace/digest.h>
 #include <retrace/environment.h>
 #include <retrace/number.h>
+#include <retrace/parallel.h>
 #include <retrace/rng.h>
 #include <retrace/snapshot.h>
 
@@ -78,13 +79,14 @@ bool plain_host_bytes(const at::Tensor& t) {
 std::vector<PendingDigest> digest_all(const std::vector<NamedTensor>& tensors) {
   std::vector<PendingDigest> out(tensors.size());
   std::vector<char> done(tensors.size(), 0);
-  at::parallel_for(0, static_cast<std::int64_t>(tensors.size()), 4, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t i = begin; i < end; ++i) {
-      if (!plain_host_bytes(tensors[i].tensor)) continue;
-      out[i] = PendingDigest(digest(tensors[i].tensor));  // the no-dispatch path of digest()
-      done[i] = 1;
-    }
-  });
+  parallel_for_by_size(
+      tensors.size(),
+      [&](std::size_t i) { return plain_host_bytes(tensors[i].tensor) ? tensors[i].tensor.nbytes() : 0; },
+      [&](std::size_t i) {
+        if (!plain_host_bytes(tensors[i].tensor)) return;
+        out[i] = PendingDigest(digest(tensors[i].tensor));  // the no-dispatch path of digest()
+        done[i] = 1;
+      });
   // The rest (CUDA tensors, above all) batched: one launch per 128 tensors instead of one each.
   std::vector<std::size_t> rest;
   std::vector<at::Tensor> rest_tensors;
@@ -184,17 +186,15 @@ struct PlannedSnapshot {
 
   // `parallel`: on LibTorch's intra-op pool (memcpy only, no dispatch); else on this thread.
   void copy(bool parallel) const {
-    const auto run = [&](std::int64_t begin, std::int64_t end) {
-      for (std::int64_t i = begin; i < end; ++i) {
-        const Source& src = sources[i];
-        std::memcpy(buffer.get() + src.offset, src.data, src.bytes);
-      }
+    const auto one = [&](std::size_t i) {
+      const Source& src = sources[i];
+      std::memcpy(buffer.get() + src.offset, src.data, src.bytes);
     };
-    const auto n = static_cast<std::int64_t>(sources.size());
     if (parallel) {
-      at::parallel_for(0, n, 8, run);
+      parallel_for_by_size(
+          sources.size(), [&](std::size_t i) { return sources[i].bytes; }, one);
     } else {
-      run(0, n);
+      for (std::size_t i = 0; i < sources.size(); ++i) one(i);
     }
   }
 };

@@ -7,6 +7,7 @@
 
 #include <retrace/determinism.h>
 #include <retrace/number.h>
+#include <retrace/parallel.h>
 #include <retrace/observer.h>
 #include <retrace/rng.h>
 #include <retrace/verify.h>
@@ -181,23 +182,24 @@ HostScan scan_host(const std::vector<NamedTensor>& tensors, bool hash, bool chec
   scan.digests.resize(tensors.size());
   std::vector<std::exception_ptr> finite_errors(tensors.size());
   std::atomic<bool> finite{true};
-  at::parallel_for(0, static_cast<std::int64_t>(tensors.size()), 1, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t i = begin; i < end; ++i) {
-      const at::Tensor& t = tensors[i].tensor;
-      if (!t.defined() || !t.is_cpu()) continue;
-      try {
-        if (hash) scan.digests[i] = digest(t);
-      } catch (...) {
-        // No digest: compare() takes it again and throws the error where it is compared.
-      }
-      if (!check_finite) continue;  // every tensor checked, so that what is thrown is the same every run
-      try {
-        if (!retrace::all_finite(t)) finite.store(false, std::memory_order_relaxed);
-      } catch (...) {
-        finite_errors[i] = std::current_exception();
-      }
-    }
-  });
+  const auto host = [&](std::size_t i) { return tensors[i].tensor.defined() && tensors[i].tensor.is_cpu(); };
+  parallel_for_by_size(
+      tensors.size(), [&](std::size_t i) { return host(i) ? tensors[i].tensor.nbytes() : 0; },
+      [&](std::size_t i) {
+        if (!host(i)) return;
+        const at::Tensor& t = tensors[i].tensor;
+        try {
+          if (hash) scan.digests[i] = digest(t);
+        } catch (...) {
+          // No digest: compare() takes it again and throws the error where it is compared.
+        }
+        if (!check_finite) return;  // every tensor checked, so that what is thrown is the same every run
+        try {
+          if (!retrace::all_finite(t)) finite.store(false, std::memory_order_relaxed);
+        } catch (...) {
+          finite_errors[i] = std::current_exception();
+        }
+      });
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     if (finite_errors[i]) std::rethrow_exception(finite_errors[i]);  // the first in list order
   }
@@ -524,22 +526,22 @@ std::vector<NamedTensor> named_tensors(const TraceReader& trace, const Record& r
   // A bad tensor's error is kept with it and the first in table order thrown, whichever thread
   // met it first: the message does not depend on the thread count.
   std::vector<std::exception_ptr> errors(out.size());
-  at::parallel_for(0, static_cast<std::int64_t>(out.size()), 4, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t i = begin; i < end; ++i) {
-      try {
-        if (out[i].tensor.defined()) {  // an in-place target (each i is this thread's alone)
-          trace.decode_into(rec, *entries[i], out[i].tensor);
-        } else {
-          out[i].tensor = trace.decode(rec, *entries[i]);
+  parallel_for_by_size(
+      out.size(), [&](std::size_t i) { return entries[i]->stored_bytes; },
+      [&](std::size_t i) {
+        try {
+          if (out[i].tensor.defined()) {  // an in-place target (each i is this thread's alone)
+            trace.decode_into(rec, *entries[i], out[i].tensor);
+          } else {
+            out[i].tensor = trace.decode(rec, *entries[i]);
+          }
+        } catch (...) {
+          errors[i] = std::current_exception();
+          return;
         }
-      } catch (...) {
-        errors[i] = std::current_exception();
-        continue;
-      }
-      if (finite && all.load(std::memory_order_relaxed) && !retrace::all_finite(out[i].tensor))
-        all.store(false, std::memory_order_relaxed);
-    }
-  });
+        if (finite && all.load(std::memory_order_relaxed) && !retrace::all_finite(out[i].tensor))
+          all.store(false, std::memory_order_relaxed);
+      });
   for (const std::exception_ptr& e : errors) {
     if (e) std::rethrow_exception(e);
   }
