@@ -560,10 +560,26 @@ void replay_recorded(const std::string& trace_path, ScenarioResult& r) {
     r.replayed = true;
     // Bitwise means every step: a replay that stopped early verified only a prefix.
     r.replay_bitwise = rr.reproduced && rr.to_step == r.last_step;
-    if (rr.first_divergence) r.replay_report = rr.first_divergence->message();
-    else if (rr.to_step != r.last_step)
+    if (rr.first_divergence) {
+      r.replay_report = rr.first_divergence->message();
+    } else if (rr.to_step != r.last_step) {
       r.replay_report =
           "the replay stopped at step " + std::to_string(rr.to_step) + " of " + std::to_string(r.last_step);
+      // Where the run's own record shows the step went non-finite with no defense skipping it
+      // (its loss or norm non-finite and applied, or its parameters non-finite after it), say so:
+      // a replay ends at such a step, and the steps before it did reproduce.
+      const auto point =
+          std::find_if(r.steps.begin(), r.steps.end(), [&](const StepPoint& p) { return p.step == rr.to_step; });
+      const bool went_nonfinite = point != r.steps.end() && !point->skipped &&
+                                  (!std::isfinite(point->loss) || !std::isfinite(point->grad_norm) ||
+                                   (!r.params_finite && r.nonfinite_params_since == rr.to_step));
+      if (!rr.raised && went_nonfinite) {
+        r.replay_report += ": step " + std::to_string(rr.to_step) +
+                           " went non-finite and no defense skipped it, and a replay ends at such a step; steps " +
+                           std::to_string(rr.from_step) + ".." + std::to_string(rr.to_step) + " reproduced bitwise, " +
+                           std::to_string(rr.to_step + 1) + ".." + std::to_string(r.last_step) + " were not replayed";
+      }
+    }
   } catch (const std::exception& e) {
     r.replay_report = std::string("replay failed: ") + e.what();
   }

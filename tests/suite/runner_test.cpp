@@ -67,6 +67,29 @@ TEST(Runner, AFailedExpectationFailsAndADivergingControlPasses) {
   EXPECT_TRUE(r.expected_to_break);
 }
 
+// A run that goes non-finite with no defense and trains on: the replay ends at that step, so
+// replay_bitwise fails (steps after it were not verified), and the report says why instead of
+// leaving it to look like the replay's fault. Control: with the step skipped the replay reaches
+// the end and the check holds.
+TEST(Runner, AReplayEndingAtAnUnhandledNonFiniteStepSaysSo) {
+  ScenarioSpec spec = with("injections: [{type: grad_nonfinite, step: 2}]\n"
+                           "expect: {diverges: true, replay_bitwise: true}\n");
+  ScenarioResult r = run_scenario(spec);
+  ASSERT_GT(r.last_step, 2);
+  EXPECT_TRUE(r.replayed);
+  EXPECT_FALSE(r.replay_bitwise);
+  EXPECT_FALSE(r.passed);
+  EXPECT_EQ(r.replay_report, "the replay stopped at step 2 of " + std::to_string(r.last_step) +
+                                 ": step 2 went non-finite and no defense skipped it, and a replay ends at such a "
+                                 "step; steps 1..2 reproduced bitwise, 3.." +
+                                 std::to_string(r.last_step) + " were not replayed");
+  spec.defenses.skip_nonfinite = true;
+  spec.expect.diverges = false;
+  r = run_scenario(spec);
+  EXPECT_TRUE(r.replay_bitwise) << r.replay_report;
+  EXPECT_EQ(r.replay_report, "");
+}
+
 TEST(Runner, AnInjectionThatNeverFiresFailsTheScenario) {
   // Adam has no state before its first step: an optimizer flip at step 1 has nothing to flip.
   ScenarioResult r = run_scenario(with("injections: [{type: bit_flip, step: 1, target: optimizer, bit: 30}]\n"
