@@ -28,6 +28,13 @@ std::tuple<std::size_t, std::size_t, std::size_t> column_widths(const std::vecto
   }
   return {wn, wf, wd};
 }
+
+// The outcome column: as wide as "outcome" or the widest outcome shown ("broke early").
+int outcome_width(const std::vector<ScenarioResult>& results) {
+  std::size_t w = 7;
+  for (const ScenarioResult& r : results) w = std::max(w, r.outcome().size());
+  return static_cast<int>(w);
+}
 }  // namespace
 
 std::string failure_details(const ScenarioResult& r, const std::string& indent) {
@@ -44,11 +51,12 @@ std::string failure_details(const ScenarioResult& r, const std::string& indent) 
 std::string outcome_matrix(const std::vector<ScenarioResult>& results) {
   std::size_t wn = 0, wf = 0, wd = 0;  // (not a structured binding: the lambdas below capture them)
   std::tie(wn, wf, wd) = column_widths(results);
+  const int wo = outcome_width(results);
   std::ostringstream os;
   auto row = [&](const std::string& n, const std::string& f, const std::string& d, const std::string& o,
                  const std::string& e, const std::string& v) {
     os << std::left << std::setw(static_cast<int>(wn)) << n << "  " << std::setw(static_cast<int>(wf)) << f << "  "
-       << std::setw(static_cast<int>(wd)) << d << "  " << std::setw(7) << o << "  " << std::setw(8) << e << "  " << v
+       << std::setw(static_cast<int>(wd)) << d << "  " << std::setw(wo) << o << "  " << std::setw(8) << e << "  " << v
        << "\n";
   };
   row("scenario", "fault", "defense", "outcome", "expected", "verdict");
@@ -62,16 +70,17 @@ std::string outcome_matrix(const std::vector<ScenarioResult>& results) {
 std::string stability_table(const std::vector<ScenarioResult>& results) {
   std::size_t wn = 0, wf = 0, wd = 0;  // (not a structured binding: the lambdas below capture them)
   std::tie(wn, wf, wd) = column_widths(results);
+  const int wo = outcome_width(results);
   std::ostringstream os;
   os << std::left << std::setw(static_cast<int>(wn)) << "scenario"
      << "  " << std::setw(static_cast<int>(wf)) << "fault"
      << "  " << std::setw(static_cast<int>(wd)) << "defense"
-     << "  " << std::setw(7) << "outcome" << std::right << std::setw(8) << "skipped" << std::setw(10) << "recovery"
+     << "  " << std::setw(wo) << "outcome" << std::right << std::setw(8) << "skipped" << std::setw(10) << "recovery"
      << std::setw(14) << "loss delta" << std::setw(10) << "overhead"
      << "\n";
   for (const ScenarioResult& r : results) {
     os << std::left << std::setw(static_cast<int>(wn)) << r.name << "  " << std::setw(static_cast<int>(wf)) << r.fault
-       << "  " << std::setw(static_cast<int>(wd)) << r.defense << "  " << std::setw(7) << r.outcome() << std::right
+       << "  " << std::setw(static_cast<int>(wd)) << r.defense << "  " << std::setw(wo) << r.outcome() << std::right
        << std::setw(8) << r.skipped_steps;
     if (!r.bench.measured) {
       os << "  (not measured)\n";

@@ -298,6 +298,22 @@ std::string temp_trace_path(const std::string& name) {
 
 }  // namespace
 
+const char* to_string(Outcome o) {
+  switch (o) {
+    case Outcome::kHeld: return "held";
+    case Outcome::kBroke: return "broke";
+    case Outcome::kBrokeEarly: return "broke early";
+  }
+  return "?";
+}
+
+Outcome ScenarioResult::outcome_kind() const {
+  if (broke) return Outcome::kBroke;
+  const bool early = expected_to_break && std::any_of(breakage.begin(), breakage.end(),
+                                                      [&](const Breakage& x) { return x.step < fault_step; });
+  return early ? Outcome::kBrokeEarly : Outcome::kHeld;
+}
+
 const char* to_string(BreakKind kind) {
   switch (kind) {
     case BreakKind::kNonFiniteParams: return "non_finite_params";

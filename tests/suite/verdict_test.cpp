@@ -147,10 +147,20 @@ TEST(Verdict, BreakageBeforeTheFaultDoesNotCount) {
   EXPECT_TRUE(
       has_reason(r, "step 1 applied gradients from a recompute that was not bitwise, before the fault at step 3"))
       << why(r);
+  // The outcome matrix does not call such a run "held": it broke, before its fault.
+  EXPECT_EQ(r.outcome_kind(), Outcome::kBrokeEarly);
+  EXPECT_EQ(r.outcome(), "broke early");
+  EXPECT_EQ(ScenarioResult::from_json(r.to_json()).outcome(), "broke early");
   // Control: without the injection the configuration is the fault (step 1), and the control passes.
   r = run_scenario(with(run + "expect: {recompute_bitwise: true, diverges: true}\n"));
   EXPECT_TRUE(r.passed) << why(r);
   EXPECT_EQ(r.evidence()->kind, BreakKind::kSilentRecompute);
+  EXPECT_EQ(r.outcome(), "broke");
+  // And a control whose fault did not bite, with nothing broken before it, held.
+  r = run_scenario(with("injections: [{type: loss_spike, step: 3, factor: 1.0}]\nexpect: {params_finite: true, "
+                        "diverges: true}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "held") << why(r);
 }
 
 // --- "held" means training went on -----------------------------------------------------------

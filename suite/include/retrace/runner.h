@@ -75,6 +75,14 @@ struct StepNote {
   bool operator==(const StepNote& o) const { return step == o.step && kind == o.kind && text == o.text; }
 };
 
+// What a run did, as the outcome matrix shows it (ScenarioResult::outcome_kind).
+enum class Outcome {
+  kHeld,
+  kBroke,
+  kBrokeEarly,  // a negative control broken only before its fault's step
+};
+const char* to_string(Outcome o);  // "held", "broke", "broke early"
+
 // One entry of the scenario's injection list, and what became of it in the run.
 struct InjectionTally {
   std::size_t entry = 0;            // index in spec.injections
@@ -162,7 +170,10 @@ struct ScenarioResult {
   bool passed = false;
   std::vector<std::string> reasons;  // why it did not pass, one line each (empty when it passed)
 
-  std::string outcome() const { return broke ? "broke" : "held"; }
+  // held, broke, or broke early: a negative control whose only breakage came before its fault's
+  // step (it showed nothing about the fault, and the run did not hold either).
+  Outcome outcome_kind() const;
+  std::string outcome() const { return to_string(outcome_kind()); }
   // The notes of one kind, in step order.
   std::vector<StepNote> notes_of(StepNoteKind kind) const;
   // The first breakage that counts (a control's evidence), or nullptr.
