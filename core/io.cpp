@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <climits>
 #include <cstring>
+#include <dirent.h>
 #include <fcntl.h>
 #include <fstream>
 #include <sstream>
@@ -218,6 +219,25 @@ IoError::IoError(std::string operation, std::string path, std::string reason)
 FileSystem& posix_file_system() {
   static PosixFileSystem fs;
   return fs;
+}
+
+void remove_tree(const std::string& path) noexcept {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return;
+  if (!S_ISDIR(st.st_mode)) {
+    ::unlink(path.c_str());
+    return;
+  }
+  std::vector<std::string> inside;
+  if (DIR* d = ::opendir(path.c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      if (name != "." && name != "..") inside.push_back(path + "/" + name);
+    }
+    ::closedir(d);
+  }
+  for (const std::string& p : inside) remove_tree(p);
+  ::rmdir(path.c_str());
 }
 
 std::string read_file(const std::string& path) {

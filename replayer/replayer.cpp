@@ -7,8 +7,8 @@
 
 #include <retrace/determinism.h>
 #include <retrace/number.h>
-#include <retrace/parallel.h>
 #include <retrace/observer.h>
+#include <retrace/parallel.h>
 #include <retrace/rng.h>
 #include <retrace/verify.h>
 

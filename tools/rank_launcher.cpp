@@ -1,6 +1,7 @@
 #include "rank_launcher.h"
 
 #include <retrace/error.h>
+#include <retrace/io.h>
 
 #include <cerrno>
 #include <chrono>
@@ -53,16 +54,9 @@ int launch_ranks(int ranks, const std::vector<std::string>& args) {
   if (!::mkdtemp(dir_template))
     throw Error(std::string("cannot make the ranks' store folder: ") + std::strerror(errno));
   const std::string dir = dir_template;
-  // File by file: libtorch.so exports its own std::filesystem::remove_all, which crashes here.
   struct Cleanup {
     std::string dir;
-    ~Cleanup() {
-      std::error_code ec;
-      std::vector<std::string> files;
-      for (const auto& e : fs::directory_iterator(dir, ec)) files.push_back(e.path().string());
-      for (const std::string& f : files) ::unlink(f.c_str());
-      ::rmdir(dir.c_str());
-    }
+    ~Cleanup() { io::remove_tree(dir); }
   } cleanup{dir};
   std::random_device rd;
   std::ostringstream run_id;

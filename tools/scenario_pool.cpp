@@ -5,6 +5,7 @@
 #include "rank_launcher.h"
 
 #include <retrace/error.h>
+#include <retrace/io.h>
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -199,8 +200,7 @@ std::vector<ScenarioResult> run_in_children(const std::vector<ScenarioJob>& jobs
   const fs::path work = work_template;
   std::vector<Child> children(jobs.size());
   std::map<pid_t, std::size_t> running;
-  // On any exception from here on, stop and reap the children and remove their files (file by
-  // file: libtorch.so exports its own std::filesystem::remove_all, which crashes here).
+  // On any exception from here on, stop and reap the children and remove their files.
   struct Cleanup {
     std::map<pid_t, std::size_t>& running;
     std::string dir;
@@ -210,13 +210,8 @@ std::vector<ScenarioResult> run_in_children(const std::vector<ScenarioJob>& jobs
         int st = 0;
         ::waitpid(pid, &st, 0);
       }
-      // Every file of the folder, the ranks' results and traces of a data-parallel job included
-      // (file by file: libtorch.so exports its own std::filesystem::remove_all, which crashes here).
-      std::error_code ec;
-      std::vector<std::string> files;
-      for (const auto& e : fs::directory_iterator(dir, ec)) files.push_back(e.path().string());
-      for (const std::string& f : files) ::unlink(f.c_str());
-      ::rmdir(dir.c_str());
+      // Every file of the folder, the ranks' results and traces of a data-parallel job included.
+      io::remove_tree(dir);
     }
   } cleanup{running, work.string()};
 

@@ -3,6 +3,7 @@
 // record a built-in scenario program to a temporary trace, replay a trace, and rewrite a trace
 // record by record.
 
+#include <retrace/io.h>
 #include <retrace/recorder.h>
 #include <retrace/replayer.h>
 #include <retrace/scenario.h>
@@ -12,8 +13,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include <filesystem>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <string>
@@ -46,19 +47,7 @@ class TempPathSweeper : public ::testing::Environment {
     for (fs::directory_iterator it(fs::temp_directory_path(ec), ec), end; !ec && it != end; it.increment(ec)) {
       if (it->path().filename().string().rfind(prefix, 0) == 0) left.push_back(it->path());
     }
-    for (const fs::path& p : left) remove_tree(p);
-  }
-
- private:
-  // File by file: libtorch.so exports its own std::filesystem::remove_all, which crashes.
-  static void remove_tree(const fs::path& p) {
-    std::error_code ec;
-    if (fs::is_directory(fs::symlink_status(p, ec))) {
-      std::vector<fs::path> inside;
-      for (fs::directory_iterator it(p, ec), end; !ec && it != end; it.increment(ec)) inside.push_back(it->path());
-      for (const fs::path& q : inside) remove_tree(q);
-    }
-    fs::remove(p, ec);
+    for (const fs::path& p : left) io::remove_tree(p.string());
   }
 };
 inline ::testing::Environment* const temp_path_sweeper = ::testing::AddGlobalTestEnvironment(new TempPathSweeper);

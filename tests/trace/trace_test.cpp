@@ -333,6 +333,30 @@ TEST(Trace, PosixAppendAllWritesEveryPieceInOrder) {
   fs::remove(one_by_one);
 }
 
+// remove_tree: a folder with files and a subfolder goes, a symlink in it goes without what it
+// points at (lstat, not stat); a missing path is no error. (std::filesystem::remove_all, which
+// this replaces, crashes in a process that loads libtorch.so.)
+TEST(Trace, RemoveTreeRemovesAFolderButNotWhatItsLinksPointAt) {
+  const std::string dir = temp_path("tree"), outside = temp_path("outside");
+  fs::create_directories(dir + "/sub/deeper");
+  std::ofstream(dir + "/a") << "a";
+  std::ofstream(dir + "/sub/deeper/b") << "b";
+  std::ofstream(outside) << "kept";
+  fs::create_directory(outside + "_dir");
+  std::ofstream(outside + "_dir/c") << "c";
+  fs::create_symlink(outside, dir + "/link");
+  fs::create_directory_symlink(outside + "_dir", dir + "/sub/dirlink");
+  io::remove_tree(dir);
+  EXPECT_FALSE(fs::exists(fs::symlink_status(dir)));
+  EXPECT_EQ(slurp(outside), "kept");
+  EXPECT_TRUE(fs::exists(outside + "_dir/c"));
+  io::remove_tree(dir);      // gone already: nothing happens
+  io::remove_tree(outside);  // a plain file
+  EXPECT_FALSE(fs::exists(outside));
+  io::remove_tree(outside + "_dir");
+  EXPECT_FALSE(fs::exists(outside + "_dir"));
+}
+
 // A short writev (the file size limit reached mid-call, SIGXFSZ ignored): what was written is the
 // pieces' first bytes in order, and the next call's failure is an IoError naming the file.
 TEST(Trace, PosixAppendAllAfterAShortWriteFailsCleanly) {

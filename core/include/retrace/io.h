@@ -93,4 +93,9 @@ FileSystem& posix_file_system();
 // The whole file, or retrace::Error naming the path.
 std::string read_file(const std::string& path);
 
+// Removes `path` and, for a folder, everything in it, as far as it can (errors are ignored: for
+// cleaning up temporary files). Entry by entry with unlink(2) and rmdir(2), never
+// std::filesystem::remove_all: libtorch.so exports its own copy of it, which crashes when called.
+void remove_tree(const std::string& path) noexcept;
+
 }  // namespace retrace::io

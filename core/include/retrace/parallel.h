@@ -46,25 +46,22 @@ std::vector<std::size_t> chunk_by_size(std::size_t n, std::uint64_t min_bytes, c
 template <class Size, class Work>
 void parallel_for_by_size(std::size_t n, const Size& size, const Work& work,
                           std::uint64_t chunk_bytes = kParallelChunkBytes) {
-  if (n == 0) return;
   const int threads = at::get_num_threads();
-  if (threads <= 1 || n == 1 || at::in_parallel_region()) {
-    for (std::size_t i = 0; i < n; ++i) work(i);
-    return;
-  }
-  const std::vector<std::size_t> bounds = chunk_by_size(n, chunk_bytes, size);
-  const std::size_t chunks = bounds.size() - 1;
-  if (chunks == 1) {
-    for (std::size_t i = 0; i < n; ++i) work(i);
-    return;
-  }
-  std::atomic<std::size_t> next{0};
-  const auto team = static_cast<std::int64_t>(std::min<std::size_t>(static_cast<std::size_t>(threads), chunks));
-  at::parallel_for(0, team, 1, [&](std::int64_t, std::int64_t) {
-    for (std::size_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      for (std::size_t i = bounds[k]; i < bounds[k + 1]; ++i) work(i);
+  if (threads > 1 && n > 1 && !at::in_parallel_region()) {
+    const std::vector<std::size_t> bounds = chunk_by_size(n, chunk_bytes, size);
+    const std::size_t chunks = bounds.size() - 1;
+    if (chunks > 1) {
+      std::atomic<std::size_t> next{0};
+      const auto team = static_cast<std::int64_t>(std::min<std::size_t>(static_cast<std::size_t>(threads), chunks));
+      at::parallel_for(0, team, 1, [&](std::int64_t, std::int64_t) {
+        for (std::size_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+          for (std::size_t i = bounds[k]; i < bounds[k + 1]; ++i) work(i);
+        }
+      });
+      return;
     }
-  });
+  }
+  for (std::size_t i = 0; i < n; ++i) work(i);  // one thread, one chunk, or inside a parallel region
 }
 
 }  // namespace retrace
