@@ -606,13 +606,27 @@ std::int64_t target_step(const std::map<std::int64_t, StepRecords>& steps, const
     if (!recs.begins.empty()) last = s;
   }
   if (last < 0) throw Error("the trace holds no recorded step");
-  if (!options.step) return last;
-  const auto it = steps.find(*options.step);
-  if (it == steps.end() || it->second.begins.empty()) {
-    throw Error("the trace holds no step " + std::to_string(*options.step) + "; it has steps " +
-                std::to_string(steps.begin()->first) + ".." + std::to_string(last) + " (see retrace inspect)");
+  const std::string range = std::to_string(steps.begin()->first) + ".." + std::to_string(last);
+  std::int64_t target = last;
+  if (options.step) {
+    const auto it = steps.find(*options.step);
+    if (it == steps.end() || it->second.begins.empty()) {
+      throw Error("the trace holds no step " + std::to_string(*options.step) + "; it has steps " + range +
+                  " (see retrace inspect)");
+    }
+    target = *options.step;
   }
-  return *options.step;
+  // A start after the last step to replay would replay none of what was asked for: said, not
+  // clamped to the target.
+  if (options.from && *options.from > target) {
+    if (options.step) {
+      throw Error("replay from step " + std::to_string(*options.from) + " is after the last step to replay, " +
+                  std::to_string(target) + ": give a start at or before it");
+    }
+    throw Error("replay from step " + std::to_string(*options.from) + ": the trace's last step is " +
+                std::to_string(last) + " (it has steps " + range + "; see retrace inspect)");
+  }
+  return target;
 }
 
 struct Anchor {
@@ -841,7 +855,7 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
       break;
     }
   }
-  Anchor anchor = find_anchor(trace_, steps, options.from ? std::min(*options.from, target) : target, program_);
+  Anchor anchor = find_anchor(trace_, steps, options.from.value_or(target), program_);
   result.from_step = StepBeginRecord::decode(anchor.begin, trace_.path()).step;
   result.to_step = target;
   // The decoded snapshot is given to the program (its moments kept, not cloned): provenance

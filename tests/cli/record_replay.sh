@@ -28,6 +28,11 @@ set +e
 rc=$?
 set -e
 [[ $rc -eq 2 ]] && grep -q "holds no step 99; it has steps 1..3" "$work/err" || fail "--step 99: exit $rc, $(cat "$work/err")"
+set +e
+"$bin" replay "$work/digest.trace" --from 5 2>"$work/err" >/dev/null
+rc=$?
+set -e
+[[ $rc -eq 2 ]] && grep -q "replay from step 5: the trace's last step is 3" "$work/err" || fail "--from 5: exit $rc, $(cat "$work/err")"
 
 # Recorded under --deterministic: the fingerprint says so and replay applies the same settings.
 "$bin" record "$scenarios/tiny-gpt.yaml" -o "$work/det.trace" --steps 2 --deterministic >/dev/null

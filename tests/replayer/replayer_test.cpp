@@ -64,6 +64,16 @@ TEST(Replay, ContinuesPastAStepADefenseSkipped) {
   fs::remove(path);
 }
 
+// What replay() threw, or "" when it did not.
+std::string replay_error(const std::string& path, const ReplayOptions& options) {
+  try {
+    replay(path, options);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
 class ModesAndModels : public ::testing::TestWithParam<std::tuple<const char*, RecordMode>> {};
 
 TEST_P(ModesAndModels, RecordThenReplayIsBitwise) {
@@ -88,6 +98,22 @@ TEST_P(ModesAndModels, RecordThenReplayIsBitwise) {
   ReplayOptions two;
   two.step = 2;
   EXPECT_TRUE(replay(rec.path, two).reproduced);
+  // A start after the last step to replay is refused, not clamped to it (step 3 would be
+  // replayed, as if from step 4): past the trace's end, and past the step asked for.
+  ReplayOptions past_end;
+  past_end.from = 4;
+  EXPECT_EQ(replay_error(rec.path, past_end),
+            "replay from step 4: the trace's last step is 3 (it has steps 1..3; see retrace inspect)");
+  ReplayOptions after_target;
+  after_target.from = 3;
+  after_target.step = 2;
+  EXPECT_EQ(replay_error(rec.path, after_target),
+            "replay from step 3 is after the last step to replay, 2: give a start at or before it");
+  // The control: a start at the target is a replay of that one step.
+  after_target.from = 2;
+  const ReplayResult at_target = replay(rec.path, after_target);
+  EXPECT_TRUE(at_target.reproduced);
+  EXPECT_EQ(at_target.to_step, 2);
   fs::remove(rec.path);
 }
 
