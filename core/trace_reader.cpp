@@ -1,6 +1,7 @@
 #include <retrace/trace.h>
 
 #include "largest_first.h"
+#include "prefault.h"
 #include "trace_fields.h"
 #include "tensor_codec.h"
 #include "trace_format.h"
@@ -787,6 +788,9 @@ namespace {
 // Each thread that decodes keeps at most kKeptStagingBytes.
 constexpr std::size_t kKeptStagingBytes = std::size_t{64} << 20;
 
+// Tensors of at least this many bytes have their pages faulted in before they are decoded into.
+constexpr std::size_t kPrefaultBytes = std::size_t{1} << 20;
+
 char* staging_room(std::size_t bytes, std::unique_ptr<char[]>& once) {
   thread_local std::unique_ptr<char[]> kept;
   thread_local std::size_t capacity = 0;
@@ -905,6 +909,9 @@ void TraceReader::decode_to(const Record& record, const TensorEntry& e, at::Tens
         "tensor '" + e.name + "' payload does not declare its size of " + std::to_string(e.raw_bytes) + " bytes");
   }
   if (!out.defined()) out = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+  // A large tensor's memory is often fresh (a replay's optimizer moments, a program's parameters
+  // not yet written): its pages faulted in at once, not one fault per page during the decode.
+  if (out.nbytes() >= kPrefaultBytes) detail::prefault_for_write(out.data_ptr(), out.nbytes());
   try {
     decode_tensor_payload(src, e.stored_bytes, e.codec, out);
   } catch (const Error& err) {

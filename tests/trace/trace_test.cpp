@@ -5,6 +5,7 @@
 #include <retrace/records.h>
 #include <retrace/trace.h>
 
+#include "core/prefault.h"
 #include "core/tensor_codec.h"
 #include "fuzz/trace_framing.h"
 #include "support/watched_reads.h"
@@ -478,6 +479,62 @@ TEST(Trace, LargeBf16WeightsRoundTripInBothCompressions) {
   }
   EXPECT_LT(small_bytes, fast_bytes);
   EXPECT_LT(fast_bytes * 13, w.nbytes() * 10) << "bf16 weights stored at least 1.3x smaller than raw";
+}
+
+// prefault_for_write makes the whole pages inside its range present, and only those (mincore
+// shows which are); memory it cannot populate is refused, not an error.
+TEST(Trace, PrefaultForWriteMakesTheWholePagesInsideItsRangePresent) {
+  const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  constexpr std::size_t kPages = 16;
+  void* m = ::mmap(nullptr, kPages * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  const auto present = [&] {
+    std::vector<unsigned char> v(kPages);
+    EXPECT_EQ(::mincore(m, kPages * page, v.data()), 0);
+    std::string s;
+    for (unsigned char c : v) s += (c & 1) ? 'x' : '.';
+    return s;
+  };
+  EXPECT_EQ(present(), "................");
+  // From the middle of page 1 to the middle of page 10: pages 2..9 are the whole ones.
+  char* c = static_cast<char*>(m);
+  if (!detail::prefault_for_write(c + page + page / 2, 9 * page)) {
+    ::munmap(m, kPages * page);
+    GTEST_SKIP() << "this kernel has no MADV_POPULATE_WRITE (Linux 5.14)";
+  }
+  EXPECT_EQ(present(), "..xxxxxxxx......");
+  EXPECT_FALSE(detail::prefault_for_write(c, page / 2)) << "no whole page in the range";
+  EXPECT_EQ(present(), "..xxxxxxxx......");
+  ::munmap(m, kPages * page);
+  void* ro = ::mmap(nullptr, page, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(ro, MAP_FAILED);
+  EXPECT_FALSE(detail::prefault_for_write(ro, page)) << "read-only memory";
+  ::munmap(ro, page);
+}
+
+// A tensor large enough to be prefaulted decodes bitwise into fresh memory (decode) and into a
+// view that starts and ends inside pages of a larger tensor (decode_into), whose neighbours keep
+// their values.
+TEST(Trace, ALargeTensorDecodesIntoFreshMemoryAndIntoAViewInsideOthers) {
+  const std::string path = temp_path("prefault");
+  torch::manual_seed(3);
+  const at::Tensor t = torch::randn({(3 << 20) / 4 + 5});  // over 3 MiB, not whole pages
+  {
+    TraceWriter w(path, {{"program", {{"name", "test"}, {"config", "large"}}}});
+    w.append(RecordType::kStepBegin, {{"step", 1}, {"full", true}}, {{"state.w", t, true, std::nullopt}});
+    w.close();
+  }
+  const TraceReader r(path);
+  const Record table = r.read_table(0);
+  const TensorEntry& e = *table.find("state.w");
+  EXPECT_BITWISE_EQ(t, r.decode(table, e));
+  at::Tensor around = torch::full({t.numel() + 2 * 333}, 7.0f);
+  at::Tensor view = around.narrow(0, 333, t.numel());
+  r.decode_into(table, e, view);
+  EXPECT_BITWISE_EQ(t, view);
+  EXPECT_BITWISE_EQ(torch::full({333}, 7.0f), around.narrow(0, 0, 333));
+  EXPECT_BITWISE_EQ(torch::full({333}, 7.0f), around.narrow(0, 333 + t.numel(), 333));
+  fs::remove(path);
 }
 
 // A damaged payload is an error from the codec, never a crash or a read past the payload: every
