@@ -698,15 +698,35 @@ void find_provenance(const TraceReader& trace, const StepRecords& recs, Program&
   if (result.first_nonfinite) result.first_nonfinite->step = s;
 }
 
+// The run's first recorded step, whose start state the program's constructor made, and whether
+// the trace holds that state (a replay can start there: a digest- or full-mode trace does).
+struct RunStart {
+  std::int64_t step = -1;
+  bool snapshot = false;
+};
+
+RunStart run_start(const TraceReader& trace, const std::map<std::int64_t, StepRecords>& steps) {
+  for (const auto& [s, recs] : steps) {
+    if (recs.begins.empty()) continue;
+    RunStart start{s, false};
+    for (const std::size_t i : recs.begins) {
+      const StepBeginRecord b = StepBeginRecord::decode(trace.read_table(i), trace.path());
+      start.snapshot = start.snapshot || b.full || end_holding_state(trace, steps, b).has_value();
+    }
+    return start;
+  }
+  return {};
+}
+
 // Re-executes step `s` from `begin` and compares it with its records. Returns whether the replay
 // goes on: not after the first divergence, a step that raised, or a non-finite step no defense
 // handled. `anchor_state`: for the step restored from its snapshot, the record that snapshot is
-// stored in (null for the steps after it); `trained_to`: a step the recorded run reached by
-// training (not its first).
+// stored in (null for the steps after it); `start`: where the recorded run began.
 bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, const StepRecords& recs,
-                 const Record& begin, const Record* anchor_state, bool trained_to, const ReplayOptions& options,
+                 const Record& begin, const Record* anchor_state, const RunStart& start, const ReplayOptions& options,
                  ReplayResult& result, bool& stopped_before) {
   const bool anchor = anchor_state != nullptr;
+  const bool trained_to = s > start.step;  // a step the recorded run reached by training
   Comparer comparer(trace, s, recs);
   const StepBeginRecord begin_record = StepBeginRecord::decode(begin, trace.path());
   const std::vector<std::uint8_t> rng = rng_bytes(trace, begin, s);
@@ -795,6 +815,21 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
                "something the optimizer step depends on (optimizer moments or step counts, a schedule counter), "
                "which load_state() cannot restore (retrace record's state self-check finds this while "
                "recording, unless --no-state-check)";
+    } else if (anchor && trained_to && d.phase != "step_begin") {
+      // Its start state and RNG are the snapshot's own, so what differs is what the snapshot does
+      // not hold, or what no snapshot fixes. Which one, a replay from the run's first step tells:
+      // there the constructor made the missing part, in both runs.
+      d.hint = "the step re-executed from the snapshot of step " + std::to_string(s) +
+               ", the first one replayed, diverged in its " + d.phase +
+               ": either the program's state() leaves out something the step depends on (a step or schedule "
+               "counter, a warm-up, a loss-scale tracker), which load_state() cannot restore and retrace "
+               "record's state self-check at step 2 sees only when it already matters there, or the program "
+               "is not deterministic; " +
+               (start.snapshot
+                    ? "a replay from step " + std::to_string(start.step) + " (--from " + std::to_string(start.step) +
+                          ") tells them apart: it reproduces when state() is incomplete"
+                    : std::string("the trace holds no snapshot of the run's first step to tell them apart "
+                                  "(record in digest mode, which stores it)"));
     }
   }
   if (comparer.unrecorded) {
@@ -847,14 +882,7 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
 
   const std::map<std::int64_t, StepRecords> steps = index_steps(trace_);
   const std::int64_t target = target_step(steps, options);
-  // The run's first recorded step: its state is the program constructor's.
-  std::int64_t first_recorded = target;
-  for (const auto& [s, recs] : steps) {
-    if (!recs.begins.empty()) {
-      first_recorded = s;
-      break;
-    }
-  }
+  const RunStart start = run_start(trace_, steps);
   Anchor anchor = find_anchor(trace_, steps, options.from.value_or(target), program_);
   result.from_step = StepBeginRecord::decode(anchor.begin, trace_.path()).step;
   result.to_step = target;
@@ -870,7 +898,7 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
     bool stopped_before = false;
     const bool go_on = replay_step(
         trace_, program_, s, recs, s == result.from_step ? anchor.begin : trace_.read_table(recs.begins.front()),
-        s == result.from_step ? &anchor.stored() : nullptr, s > first_recorded, options, result, stopped_before);
+        s == result.from_step ? &anchor.stored() : nullptr, start, options, result, stopped_before);
     if (!go_on) {
       result.to_step = stopped_before ? s - 1 : s;
       break;

@@ -630,7 +630,9 @@ TEST(Recorder, RingEveryKeepsSnapshotsThatFarApartAndTheStepsBetween) {
       const CollectiveRecord c = CollectiveRecord::decode(r, path);
       const TensorEntry* out = r.find(tensor_names::collective_output(0));
       EXPECT_TRUE(out && out->has_data());
-      if (out && out->has_data()) EXPECT_TRUE(trace.decode(r, *out).eq(static_cast<double>(c.step)).all().item<bool>());
+      if (out && out->has_data()) {
+        EXPECT_TRUE(trace.decode(r, *out).eq(static_cast<double>(c.step)).all().item<bool>());
+      }
       steps.push_back(c.step);
     }
     fs::remove(path);

@@ -32,7 +32,10 @@ std::string temp_path(const std::string& name) {
 // one is the user program the check exists for.
 class AdamProgram : public Program {
  public:
-  AdamProgram(std::string name, bool complete) : name_(std::move(name)), complete_(complete) {
+  // `warmup`: the loss counts double from the program's third step on, by a step counter that
+  // state() leaves out (a hidden warm-up).
+  AdamProgram(std::string name, bool complete, bool warmup = false)
+      : name_(std::move(name)), complete_(complete), warmup_(warmup) {
     torch::manual_seed(11);
     fc_ = torch::nn::Linear(4, 2);
     adam_ = std::make_unique<torch::optim::Adam>(fc_->parameters(), torch::optim::AdamOptions(0.05));
@@ -83,7 +86,9 @@ class AdamProgram : public Program {
   StepOutcome step(std::int64_t, const std::vector<NamedTensor>& batch, StepMonitor* monitor) override {
     adam_->zero_grad();
     const at::Tensor x = torch::dropout(batch[0].tensor, 0.25, /*train=*/true);
-    const at::Tensor loss = torch::mse_loss(fc_->forward(x), batch[1].tensor);
+    at::Tensor loss = torch::mse_loss(fc_->forward(x), batch[1].tensor);
+    if (warmup_ && steps_taken_ >= 2) loss = loss * 2;
+    ++steps_taken_;
     loss.backward();
     std::vector<NamedTensor> grads;
     double squares = 0;
@@ -106,14 +111,18 @@ class AdamProgram : public Program {
  private:
   std::string name_;
   bool complete_;
+  bool warmup_;
+  std::int64_t steps_taken_ = 0;
   torch::nn::Linear fc_{nullptr};
   std::unique_ptr<torch::optim::Adam> adam_;
 };
 
 const char* kIncomplete = "test.adam.incomplete";
 const char* kComplete = "test.adam.complete";
+const char* kWarmup = "test.adam.warmup";  // complete but for its hidden warm-up counter
 
 void register_adam_programs() {
+  register_program(kWarmup, [](const std::string&) { return std::make_unique<AdamProgram>(kWarmup, true, true); });
   register_program(kIncomplete, [](const std::string&) { return std::make_unique<AdamProgram>(kIncomplete, false); });
   register_program(kComplete, [](const std::string&) { return std::make_unique<AdamProgram>(kComplete, true); });
 }
@@ -395,6 +404,79 @@ TEST(ReplayStateCheck, SnapshotOfAnIncompleteProgramSaysItsStateIsProbablyIncomp
   EXPECT_TRUE(start.reproduced) << (start.first_divergence ? start.first_divergence->message() : "");
   fs::remove(bad.path);
   fs::remove(good.path);
+}
+
+// A step's records with its state stored only as digests, as if the trace held no snapshot of it.
+void drop_snapshot(const std::string& from, const std::string& to, std::int64_t step) {
+  const TraceReader in(from);
+  nlohmann::json header = in.header();
+  header.erase("format_version");
+  header.erase("writer");
+  TraceWriter out(to, header);
+  for (std::size_t i = 0; i < in.records().size(); ++i) {
+    Record r = in.read(i);
+    const bool drop = r.type == RecordType::kStepBegin && in.records()[i].step == step;
+    std::vector<TensorToWrite> tensors;
+    for (const TensorEntry& e : r.tensors) {
+      if (!e.has_data() || (drop && e.name.rfind("state.", 0) == 0)) {
+        const at::Tensor like = at::empty(e.shape, at::TensorOptions().dtype(e.dtype).device(at::kMeta));
+        tensors.push_back(TensorToWrite::digest_only(e.name, like, e.digest));
+      } else {
+        tensors.push_back({e.name, in.decode(r, e), true, std::nullopt});
+      }
+    }
+    r.meta.erase("tensors");
+    if (drop) r.meta["full"] = false;
+    out.append(r.type, r.meta, tensors);
+  }
+  out.close();
+}
+
+// A counter state() leaves out that matters only from the program's third step on (a warm-up)
+// passes the self-check at step 2, where both programs are still before it. Replayed from step
+// 3's snapshot, the step diverges before its optimizer step, in the loss: the hint names both
+// causes (state() incomplete, not deterministic) and the replay that tells them apart, which
+// reproduces. A trace without the first step's snapshot says it cannot tell them apart. Control:
+// a divergence that is not in the first step replayed gets no hint (OtherDivergencesGetNoHint).
+TEST(ReplayStateCheck, AHiddenWarmUpCounterDivergesFromALaterSnapshotWithAHint) {
+  register_adam_programs();
+  RecorderOptions options;
+  options.mode = RecordMode::kFull;
+  AdamProgram warmup(kWarmup, true, true);
+  const Recording rec = record(warmup, "warmup", options, 4);
+  EXPECT_EQ(rec.stats.state_check.status, StateCheckResult::Status::kPassed) << rec.stats.state_check.message;
+  ReplayOptions at3;
+  at3.step = 3;
+  const ReplayResult r = replay(rec.path, at3);
+  EXPECT_EQ(r.from_step, 3);
+  ASSERT_TRUE(r.first_divergence);
+  const Divergence& d = *r.first_divergence;
+  EXPECT_EQ(d.step, 3);
+  EXPECT_NE(d.phase, "optimizer") << d.message();
+  EXPECT_NE(d.hint.find("the step re-executed from the snapshot of step 3, the first one replayed, diverged in its " +
+                        d.phase + ": either the program's state() leaves out something the step depends on"),
+            std::string::npos)
+      << d.message();
+  EXPECT_NE(d.hint.find("or the program is not deterministic; a replay from step 1 (--from 1) tells them apart: it "
+                        "reproduces when state() is incomplete"),
+            std::string::npos)
+      << d.hint;
+  EXPECT_EQ(d.to_json()["hint"], d.hint);
+
+  ReplayOptions from1 = at3;
+  from1.from = 1;
+  const ReplayResult start = replay(rec.path, from1);
+  EXPECT_TRUE(start.reproduced) << (start.first_divergence ? start.first_divergence->message() : "");
+
+  const std::string no_start = temp_path("warmup_no_start");
+  drop_snapshot(rec.path, no_start, 1);
+  const ReplayResult blind = replay(no_start, at3);
+  ASSERT_TRUE(blind.first_divergence);
+  EXPECT_NE(blind.first_divergence->hint.find("the trace holds no snapshot of the run's first step to tell them apart"),
+            std::string::npos)
+      << blind.first_divergence->hint;
+  fs::remove(rec.path);
+  fs::remove(no_start);
 }
 
 // A (state) divergence that is not the restored step's optimizer state gets no hint: the same

@@ -32,10 +32,12 @@ struct Divergence {
   Digest recorded, replayed;
   std::optional<DiffReport> diff;  // when the trace holds the recorded values
   std::string detail;              // for structural differences (missing record, other segment)
-  // What probably caused it, where the replay can tell; "" otherwise. Set for a (state)
-  // divergence after the optimizer in the first step replayed from a snapshot taken after the
-  // run's first step (everything before the optimizer step matched): the program's state()
-  // probably leaves out something that step depends on (optimizer moments, a schedule counter).
+  // What probably caused it, where the replay can tell; "" otherwise. Set for a divergence in the
+  // first step replayed from a snapshot taken after the run's first step: after its optimizer
+  // step in (state), everything before it matched, the program's state() probably leaves out
+  // something that step depends on (optimizer moments, a schedule counter); elsewhere, either
+  // state() leaves something out or the program is not deterministic, and the hint names the
+  // replay from the run's first step that tells them apart.
   std::string hint;
   std::string message() const;
   nlohmann::json to_json() const;
