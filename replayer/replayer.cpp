@@ -698,6 +698,31 @@ void find_provenance(const TraceReader& trace, const StepRecords& recs, Program&
   if (result.first_nonfinite) result.first_nonfinite->step = s;
 }
 
+// Which generators' states in `now` differ from those `recorded` (RngState::serialize bytes):
+// "the CPU generator's", "cuda:0's"; "" when none does.
+std::string generators_differing(const RngState& now, const std::vector<std::uint8_t>& recorded) {
+  if (now.serialize() == recorded) return "";
+  const RngState then = RngState::deserialize(recorded.data(), recorded.size());
+  std::string out;
+  const auto add = [&](const std::string& what) { out += (out.empty() ? "" : ", ") + what; };
+  for (const GeneratorState& g : then.generators()) {
+    const auto it = std::find_if(now.generators().begin(), now.generators().end(),
+                                 [&](const GeneratorState& n) { return n.device == g.device; });
+    if (it == now.generators().end()) {
+      add(g.device.str() + "'s, which this process does not have");
+    } else if (!(*it == g)) {
+      add(g.device.is_cpu() ? std::string("the CPU generator's") : g.device.str() + "'s");
+    }
+  }
+  for (const GeneratorState& n : now.generators()) {
+    if (std::none_of(then.generators().begin(), then.generators().end(),
+                     [&](const GeneratorState& g) { return g.device == n.device; })) {
+      add(n.device.str() + "'s, which the recorded run did not have");
+    }
+  }
+  return out.empty() ? "their order or encoding" : out;
+}
+
 // The run's first recorded step, whose start state the program's constructor made, and whether
 // the trace holds that state (a replay can start there: a digest- or full-mode trace does).
 struct RunStart {
@@ -737,9 +762,20 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
         comparer.compare(begin, tensor_names::state(st.name), st.tensor, "(state)", "step_begin");
       }
     }
-    if (!comparer.first && RngState::capture_all().serialize() != rng) {
-      comparer.diverge("", "step_begin", std::string(tensor_names::kRng),
-                       "the RNG state differs from the recorded one");
+    if (!comparer.first) {
+      if (const std::string differ = generators_differing(RngState::capture_all(), rng); !differ.empty()) {
+        comparer.diverge("", "step_begin", std::string(tensor_names::kRng),
+                         "the RNG state differs from the recorded one (" + differ + ")");
+        // The state matched: the recorded run drew from that generator after the previous step
+        // and before this one, where the replay, which runs only step(), does not.
+        comparer.first->hint =
+            "the state this step begins with matched, so the recorded run drew from that generator between "
+            "steps " +
+            std::to_string(s - 1) + " and " + std::to_string(s) +
+            " where the replay draws nothing: typically Program::batch() drawing from the global generator (a "
+            "batch must be deterministic in (config, step): draw it from a generator of its own seeded from the "
+            "step) or code the training loop runs between steps";
+      }
     }
   }
   RngState::deserialize(rng.data(), rng.size()).restore();

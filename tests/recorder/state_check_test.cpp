@@ -32,10 +32,13 @@ std::string temp_path(const std::string& name) {
 // one is the user program the check exists for.
 class AdamProgram : public Program {
  public:
-  // `warmup`: the loss counts double from the program's third step on, by a step counter that
-  // state() leaves out (a hidden warm-up).
-  AdamProgram(std::string name, bool complete, bool warmup = false)
-      : name_(std::move(name)), complete_(complete), warmup_(warmup) {
+  enum class Quirk {
+    kNone,
+    kHiddenWarmUp,  // the loss counts double from the third step on, by a counter state() leaves out
+    kGlobalBatch,   // batch() draws from the global generator, against Program's contract
+  };
+  AdamProgram(std::string name, bool complete, Quirk quirk = Quirk::kNone)
+      : name_(std::move(name)), complete_(complete), quirk_(quirk) {
     torch::manual_seed(11);
     fc_ = torch::nn::Linear(4, 2);
     adam_ = std::make_unique<torch::optim::Adam>(fc_->parameters(), torch::optim::AdamOptions(0.05));
@@ -78,6 +81,7 @@ class AdamProgram : public Program {
 
   std::vector<NamedTensor> batch(std::int64_t step) override {
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<std::uint64_t>(step));
+    if (quirk_ == Quirk::kGlobalBatch) gen = at::detail::getDefaultCPUGenerator();
     at::Tensor x = at::randn({8, 4}, gen, at::kFloat);
     at::Tensor y = at::randn({8, 2}, gen, at::kFloat);
     return {{"x", x}, {"y", y}};
@@ -87,7 +91,7 @@ class AdamProgram : public Program {
     adam_->zero_grad();
     const at::Tensor x = torch::dropout(batch[0].tensor, 0.25, /*train=*/true);
     at::Tensor loss = torch::mse_loss(fc_->forward(x), batch[1].tensor);
-    if (warmup_ && steps_taken_ >= 2) loss = loss * 2;
+    if (quirk_ == Quirk::kHiddenWarmUp && steps_taken_ >= 2) loss = loss * 2;
     ++steps_taken_;
     loss.backward();
     std::vector<NamedTensor> grads;
@@ -111,7 +115,7 @@ class AdamProgram : public Program {
  private:
   std::string name_;
   bool complete_;
-  bool warmup_;
+  Quirk quirk_;
   std::int64_t steps_taken_ = 0;
   torch::nn::Linear fc_{nullptr};
   std::unique_ptr<torch::optim::Adam> adam_;
@@ -119,10 +123,16 @@ class AdamProgram : public Program {
 
 const char* kIncomplete = "test.adam.incomplete";
 const char* kComplete = "test.adam.complete";
-const char* kWarmup = "test.adam.warmup";  // complete but for its hidden warm-up counter
+const char* kWarmup = "test.adam.warmup";             // complete but for its hidden warm-up counter
+const char* kGlobalBatch = "test.adam.global_batch";  // complete, its batch() drawn from the global generator
 
 void register_adam_programs() {
-  register_program(kWarmup, [](const std::string&) { return std::make_unique<AdamProgram>(kWarmup, true, true); });
+  register_program(kWarmup, [](const std::string&) {
+    return std::make_unique<AdamProgram>(kWarmup, true, AdamProgram::Quirk::kHiddenWarmUp);
+  });
+  register_program(kGlobalBatch, [](const std::string&) {
+    return std::make_unique<AdamProgram>(kGlobalBatch, true, AdamProgram::Quirk::kGlobalBatch);
+  });
   register_program(kIncomplete, [](const std::string&) { return std::make_unique<AdamProgram>(kIncomplete, false); });
   register_program(kComplete, [](const std::string&) { return std::make_unique<AdamProgram>(kComplete, true); });
 }
@@ -442,7 +452,7 @@ TEST(ReplayStateCheck, AHiddenWarmUpCounterDivergesFromALaterSnapshotWithAHint) 
   register_adam_programs();
   RecorderOptions options;
   options.mode = RecordMode::kFull;
-  AdamProgram warmup(kWarmup, true, true);
+  AdamProgram warmup(kWarmup, true, AdamProgram::Quirk::kHiddenWarmUp);
   const Recording rec = record(warmup, "warmup", options, 4);
   EXPECT_EQ(rec.stats.state_check.status, StateCheckResult::Status::kPassed) << rec.stats.state_check.message;
   ReplayOptions at3;
@@ -477,6 +487,33 @@ TEST(ReplayStateCheck, AHiddenWarmUpCounterDivergesFromALaterSnapshotWithAHint) 
       << blind.first_divergence->hint;
   fs::remove(rec.path);
   fs::remove(no_start);
+}
+
+// A batch() that draws from the global generator moves it between steps in the recorded run,
+// where the replay (which does not call batch()) does not: step 2's start state matches and its
+// RNG state does not. The divergence names the generator and the likely cause. Control: the same
+// program with its batch drawn from a generator of its own replays bitwise.
+TEST(ReplayStateCheck, ABatchDrawnFromTheGlobalGeneratorIsNamedAtTheNextStepsRngState) {
+  register_adam_programs();
+  AdamProgram global(kGlobalBatch, true, AdamProgram::Quirk::kGlobalBatch), own(kComplete, true);
+  const Recording bad = record(global, "global_batch", {}, 3);
+  const Recording good = record(own, "own_batch", {}, 3);
+  ReplayOptions from1;
+  from1.from = 1;
+  const ReplayResult r = replay(bad.path, from1);
+  ASSERT_TRUE(r.first_divergence);
+  const Divergence& d = *r.first_divergence;
+  EXPECT_EQ(d.step, 2);
+  EXPECT_EQ(d.phase, "step_begin");
+  EXPECT_EQ(d.detail, "the RNG state differs from the recorded one (the CPU generator's)");
+  EXPECT_NE(d.hint.find("the recorded run drew from that generator between steps 1 and 2 where the replay draws "
+                        "nothing: typically Program::batch() drawing from the global generator"),
+            std::string::npos)
+      << d.message();
+  const ReplayResult ok = replay(good.path, from1);
+  EXPECT_TRUE(ok.reproduced) << (ok.first_divergence ? ok.first_divergence->message() : "");
+  fs::remove(bad.path);
+  fs::remove(good.path);
 }
 
 // A (state) divergence that is not the restored step's optimizer state gets no hint: the same
