@@ -416,8 +416,10 @@ TEST(ReplayStateCheck, SnapshotOfAnIncompleteProgramSaysItsStateIsProbablyIncomp
   fs::remove(good.path);
 }
 
-// A step's records with its state stored only as digests, as if the trace held no snapshot of it.
-void drop_snapshot(const std::string& from, const std::string& to, std::int64_t step) {
+// Writes the trace at `from` again to `to`, record by record; `edit` may change a record's
+// metadata and its tensors (tensors[k] is r.tensors[k]: decoded where stored, else digest-only).
+void rewrite_trace(const std::string& from, const std::string& to,
+                   const std::function<void(Record& r, std::int64_t step, std::vector<TensorToWrite>& tensors)>& edit) {
   const TraceReader in(from);
   nlohmann::json header = in.header();
   header.erase("format_version");
@@ -425,10 +427,9 @@ void drop_snapshot(const std::string& from, const std::string& to, std::int64_t 
   TraceWriter out(to, header);
   for (std::size_t i = 0; i < in.records().size(); ++i) {
     Record r = in.read(i);
-    const bool drop = r.type == RecordType::kStepBegin && in.records()[i].step == step;
     std::vector<TensorToWrite> tensors;
     for (const TensorEntry& e : r.tensors) {
-      if (!e.has_data() || (drop && e.name.rfind("state.", 0) == 0)) {
+      if (!e.has_data()) {  // a step_end's digests (dtype and shape from a meta tensor: no bytes)
         const at::Tensor like = at::empty(e.shape, at::TensorOptions().dtype(e.dtype).device(at::kMeta));
         tensors.push_back(TensorToWrite::digest_only(e.name, like, e.digest));
       } else {
@@ -436,10 +437,24 @@ void drop_snapshot(const std::string& from, const std::string& to, std::int64_t 
       }
     }
     r.meta.erase("tensors");
-    if (drop) r.meta["full"] = false;
+    edit(r, in.records()[i].step, tensors);
     out.append(r.type, r.meta, tensors);
   }
   out.close();
+}
+
+// The trace at `from` with the state of `step`'s step_begin stored only as digests, as if it held
+// no snapshot of that step.
+void drop_snapshot(const std::string& from, const std::string& to, std::int64_t step) {
+  rewrite_trace(from, to, [step](Record& r, std::int64_t s, std::vector<TensorToWrite>& tensors) {
+    if (r.type != RecordType::kStepBegin || s != step) return;
+    r.meta["full"] = false;
+    for (std::size_t k = 0; k < tensors.size(); ++k) {
+      const TensorEntry& e = r.tensors[k];
+      if (e.name.rfind("state.", 0) == 0 && e.has_data())
+        tensors[k] = TensorToWrite::digest_only(e.name, tensors[k].tensor, e.digest);
+    }
+  });
 }
 
 // A counter state() leaves out that matters only from the program's third step on (a warm-up)
@@ -528,32 +543,13 @@ TEST(ReplayStateCheck, OtherDivergencesGetNoHint) {
   AdamProgram complete(kComplete, true);
   const Recording rec = record(complete, "nohint", options, 3);
   const std::string edited = temp_path("nohint_edited");
-  {
-    const TraceReader in(rec.path);
-    nlohmann::json header = in.header();
-    header.erase("format_version");
-    header.erase("writer");
-    TraceWriter out(edited, header);
-    for (std::size_t i = 0; i < in.records().size(); ++i) {
-      Record r = in.read(i);
-      std::vector<TensorToWrite> tensors;
-      for (const TensorEntry& e : r.tensors) {
-        if (!e.has_data()) {  // a step_end's digests (dtype and shape from a meta tensor: no bytes)
-          const at::Tensor like = at::empty(e.shape, at::TensorOptions().dtype(e.dtype).device(at::kMeta));
-          tensors.push_back(TensorToWrite::digest_only(e.name, like, e.digest));
-          continue;
-        }
-        at::Tensor t = in.decode(r, e).clone();
-        // step 2's recorded start state: one parameter element off
-        if (r.type == RecordType::kStepBegin && in.records()[i].step == 2 && e.name == "state.param.bias") t[0] += 1;
-        tensors.push_back({e.name, t, true, std::nullopt});
-      }
-      r.meta.erase("tensors");
-      r.meta.erase("state_as_step_end");
-      out.append(r.type, r.meta, tensors);
+  rewrite_trace(rec.path, edited, [](Record& r, std::int64_t step, std::vector<TensorToWrite>& tensors) {
+    r.meta.erase("state_as_step_end");
+    if (r.type != RecordType::kStepBegin || step != 2) return;
+    for (TensorToWrite& t : tensors) {
+      if (t.name == "state.param.bias") t.tensor[0] += 1;  // step 2's recorded start state: one element off
     }
-    out.close();
-  }
+  });
   ReplayOptions from1;
   from1.from = 1;
   const ReplayResult r = replay(edited, from1);
