@@ -665,11 +665,14 @@ StepOutcome DefendedStep::finish() {
                : d.scaler_->backoffs() > backoffs
                    ? "loss scaler: non-finite gradients, scale backed off"
                    : "loss scaler: non-finite gradients, scale at its floor (min_scale)");
+        } else {
+          d.injector_->lr_applied();
         }
       } else if (!finite_grads && d.options_.skip_nonfinite) {
         skip("non-finite gradients");
       } else {
         d.optimizer_->step();
+        d.injector_->lr_applied();
       }
     } else if (d.scaler_) {
       d.scaler_->discard_unscale();  // the step is not taken: the scale stays as it was

@@ -146,6 +146,7 @@ void Injector::begin_step(std::int64_t step) {
   std::lock_guard<std::mutex> lock(mutex_);
   step_ = step;
   fired_.clear();
+  lr_spikes_.clear();
   hit_invocations_.clear();
   segment_done_.assign(specs_.size(), 0);
 }
@@ -174,12 +175,19 @@ std::vector<InjectionEvent> Injector::fired() const {
 double Injector::lr_factor() {
   std::lock_guard<std::mutex> lock(mutex_);
   double f = 1.0;
+  lr_spikes_.clear();
   for (std::size_t i = 0; i < specs_.size(); ++i) {
     if (specs_[i].type != InjectionType::kLrSpike || !fires(i)) continue;
     f *= specs_[i].effective_factor();
-    note(specs_[i], "lr", "x" + number(specs_[i].effective_factor()));
+    lr_spikes_.push_back(i);
   }
   return f;
+}
+
+void Injector::lr_applied() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const std::size_t i : lr_spikes_) note(specs_[i], "lr", "x" + number(specs_[i].effective_factor()));
+  lr_spikes_.clear();
 }
 
 void Injector::corrupt_batch(std::vector<NamedTensor>& batch, std::int64_t vocab) {
@@ -276,7 +284,11 @@ void Injector::on_grads(const std::vector<NamedTensor>& grads) {
 }
 
 bool Injector::targets(const InjectionSpec& spec, const std::string& segment) const {
-  if (spec.segment.empty() || spec.segment == segment) return true;
+  return segment_targeted(spec.segment, segment);
+}
+
+bool segment_targeted(const std::string& wanted, const std::string& segment) {
+  if (wanted.empty() || wanted == segment) return true;
   // A stage inside a range "block0..block3": same prefix, number within the range.
   const auto dots = segment.find("..");
   if (dots == std::string::npos) return false;
@@ -290,8 +302,7 @@ bool Injector::targets(const InjectionSpec& spec, const std::string& segment) co
   };
   std::string pa, pb, ps;
   long a = 0, b = 0, x = 0;
-  if (!split(segment.substr(0, dots), pa, a) || !split(segment.substr(dots + 2), pb, b) ||
-      !split(spec.segment, ps, x)) {
+  if (!split(segment.substr(0, dots), pa, a) || !split(segment.substr(dots + 2), pb, b) || !split(wanted, ps, x)) {
     return false;
   }
   return pa == pb && pa == ps && a <= x && x <= b;

@@ -1,6 +1,7 @@
 #include <retrace/runner.h>
 
 #include <retrace/error.h>
+#include <retrace/injectors.h>
 #include <retrace/number.h>
 #include <retrace/recorder.h>
 #include <retrace/replayer.h>
@@ -174,9 +175,23 @@ void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
     if (in.rank >= 0 && in.rank != r.rank) continue;  // another rank's: accounted in that rank's result
     if (!t.due.empty()) {
       std::string observed = "did not fire";
-      // A segment fault whose segment never ran: say which segments did (a typo in the name).
-      if (in.in_segment() && !in.segment.empty() &&
-          std::find(r.segments_seen.begin(), r.segments_seen.end(), in.segment) == r.segments_seen.end()) {
+      // Due only on steps skipped before it could act (an LR spike on a step whose batch was
+      // invalid): say so, with the defenses' reasons.
+      const std::vector<StepNote> skips = r.notes_of(StepNoteKind::kSkipped);
+      std::string skipped;
+      std::size_t skipped_due = 0;
+      for (const std::int64_t due : t.due) {
+        const auto n = std::find_if(skips.begin(), skips.end(), [&](const StepNote& s) { return s.step == due; });
+        if (n == skips.end()) continue;
+        ++skipped_due;
+        skipped += (skipped.empty() ? "" : ", ") + std::to_string(due) + " (" + n->text + ")";
+      }
+      if (skipped_due == t.due.size()) {
+        observed += "; every step it was due on was skipped before it could act: step " + skipped;
+      } else if (in.in_segment() &&
+                 std::none_of(r.segments_seen.begin(), r.segments_seen.end(),
+                              [&](const std::string& s) { return segment_targeted(in.segment, s); })) {
+        // A segment fault whose segment never ran: say which segments did (a typo in the name).
         std::string seen;
         for (const std::string& n : r.segments_seen) seen += (seen.empty() ? "" : ", ") + n;
         observed +=

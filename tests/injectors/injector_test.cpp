@@ -58,10 +58,23 @@ TEST(Injector, FiresOnItsScheduleAndNeverTouchesLibTorchsGenerator) {
   for (std::int64_t s = 1; s <= 5; ++s) {
     injector.begin_step(s);
     factors.push_back(injector.lr_factor());
-    EXPECT_EQ(injector.fired().size(), (s == 3 || s == 4) ? 1u : 0u) << "step " << s;
+    EXPECT_TRUE(injector.fired().empty()) << "step " << s << ": a spike counts once the optimizer step applied it";
+    if (s != 4) injector.lr_applied();  // step 4 skipped before its update: its spike did nothing
+    EXPECT_EQ(injector.fired().size(), s == 3 ? 1u : 0u) << "step " << s;
   }
   EXPECT_EQ(factors, (std::vector<double>{1, 1, 10, 10, 1}));
   EXPECT_BITWISE_EQ(torch::rand({4}), before);  // the injector drew nothing from it
+}
+
+TEST(Injector, SegmentTargetedMatchesANameAndAStageInsideARange) {
+  EXPECT_TRUE(segment_targeted("", "block3"));
+  EXPECT_TRUE(segment_targeted("block1", "block1"));
+  EXPECT_TRUE(segment_targeted("block0", "block0..block1"));
+  EXPECT_TRUE(segment_targeted("block3", "block0..block3"));
+  EXPECT_FALSE(segment_targeted("block4", "block0..block3"));
+  EXPECT_FALSE(segment_targeted("block1", "block2"));
+  EXPECT_FALSE(segment_targeted("layer1", "block0..block3"));
+  EXPECT_FALSE(segment_targeted("block", "block0..block3"));
 }
 
 TEST(Injector, ProbabilityIsSeededAndReproducible) {

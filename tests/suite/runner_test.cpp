@@ -103,6 +103,59 @@ TEST(Runner, AnInjectionThatNeverFiresFailsTheScenario) {
   for (const ExpectationCheck& c : r.checks) EXPECT_NE(c.name, "injection_fired");  // it fired at step 2
 }
 
+// An LR spike due on a step that validate_batch skips (its batch corrupted by another entry) never
+// reaches an optimizer step: it did not fire, and the scenario cannot say the defense held against
+// it (found by an outsider test: it said held). The reason names the skip. Control: the same
+// spike on a step that is applied fires.
+TEST(Runner, AnLrSpikeOnASkippedStepDidNotFire) {
+  const auto sgd = [](const std::string& extra) {
+    ScenarioSpec spec = with("defenses: {validate_batch: true}\n" + extra);
+    spec.training.steps = 6;
+    spec.training.optimizer = "sgd";
+    spec.training.lr = 1.0;
+    return spec;
+  };
+  ScenarioResult r = run_scenario(sgd("injections: [{type: lr_spike, step: 3, factor: 1.0e6}, "
+                                      "{type: corrupt_batch, step: 3}]\nexpect: {params_finite: true}\n"));
+  EXPECT_FALSE(r.passed);
+  const ExpectationCheck* fired = nullptr;
+  for (const ExpectationCheck& c : r.checks) {
+    if (c.name == "injection_fired" && !c.passed) fired = &c;
+  }
+  ASSERT_NE(fired, nullptr) << r.verdict();
+  EXPECT_EQ(fired->expected, "injections[0] lr_spike fires (due at step 3)");
+  EXPECT_EQ(fired->observed,
+            "did not fire; every step it was due on was skipped before it could act: step 3 (invalid batch: token ids "
+            "outside the vocabulary in 'input')");
+  r = run_scenario(sgd("injections: [{type: lr_spike, step: 3, factor: 1.0e6}]\nexpect: {params_finite: true}\n"));
+  for (const ExpectationCheck& c : r.checks) EXPECT_NE(c.name, "injection_fired") << c.observed;
+  ASSERT_FALSE(r.injections.empty());
+  EXPECT_EQ(r.injections[0].fired, (std::vector<std::int64_t>{3}));
+}
+
+// A segment fault naming a stage inside a range segment ("block0" in "block0..block1") targets it:
+// when it does not fire (its step skipped), the reason says so and does not claim its segment
+// never ran (segment_targeted: Injector.SegmentTargetedMatchesANameAndAStageInsideARange).
+TEST(Runner, ASegmentInsideARangeIsNotSaidToHaveNeverRun) {
+  const auto one_segment = [](const std::string& extra) {
+    ScenarioSpec spec = with(extra);
+    spec.training.segments = 1;
+    return spec;
+  };
+  ScenarioResult r = run_scenario(one_segment("defenses: {validate_batch: true}\n"
+                                              "injections: [{type: corrupt_batch, step: 3}, "
+                                              "{type: layernorm_input, step: 3, mode: nan, segment: block0}]\n"
+                                              "expect: {params_finite: true}\n"));
+  bool said = false;
+  for (const ExpectationCheck& c : r.checks) {
+    if (c.name != "injection_fired") continue;
+    said = true;
+    EXPECT_EQ(c.observed.find("never ran"), std::string::npos) << c.observed;
+    EXPECT_NE(c.observed.find("skipped before it could act: step 3"), std::string::npos) << c.observed;
+  }
+  EXPECT_TRUE(said) << r.verdict();
+}
+
 TEST(Runner, RaisesMatchesTheErrorAndAHarnessErrorNeverPasses) {
   const std::string fault = "injections: [{type: grad_nonfinite, step: 2, mode: inf}]\n"
                             "defenses: {clip: {mode: global, max_norm: 1.0, error_if_nonfinite: true}}\n";

@@ -33,6 +33,11 @@ struct InjectionEvent {
   std::size_t entry = 0;  // index of the InjectionSpec that fired (its place in the scenario's list)
 };
 
+// Whether an injection's `segment:` (`wanted`) targets the segment named `segment`: "" targets
+// every one; a name, the segment of that name and a range segment holding it ("block1" targets
+// "block0..block3": same prefix, its number within the range).
+bool segment_targeted(const std::string& wanted, const std::string& segment);
+
 class Injector : public SegmentObserver {
  public:
   explicit Injector(std::vector<InjectionSpec> specs);
@@ -49,8 +54,13 @@ class Injector : public SegmentObserver {
 
   // Call once at the start of each step, before any other hook; clears fired().
   void begin_step(std::int64_t step);
-  // LR multiplier for this step (kLrSpike), 1 when none fires.
+  // LR multiplier for this step (kLrSpike), 1 when none is due.
   double lr_factor();
+  // The optimizer step ran with lr_factor()'s LR: each spike in it is noted in fired() now, not
+  // when lr_factor() was asked. A step skipped before its update (an invalid batch, a loss
+  // scaler's overflow, non-finite gradients) never used the spiked LR, and an injection that did
+  // nothing must not count as fired: a defense would "hold" against it.
+  void lr_applied();
   // kCorruptBatch: corrupts the tensors of kind kInput in `batch` (copies first; never the
   // caller's storage); token ids become `vocab` + 7.
   void corrupt_batch(std::vector<NamedTensor>& batch, std::int64_t vocab);
@@ -91,6 +101,7 @@ class Injector : public SegmentObserver {
   mutable std::mutex mutex_;  // fired_ and the per-invocation bookkeeping (backward runs on the
                               // autograd engine's thread)
   std::vector<InjectionEvent> fired_;
+  std::vector<std::size_t> lr_spikes_;  // the kLrSpike specs in this step's lr_factor()
   // Segment forwards injected this step (invocation, spec), whose recompute gets the same fault.
   std::vector<std::pair<std::uint64_t, std::size_t>> hit_invocations_;
   std::vector<char> segment_done_;  // per spec: its segment fault fired this step
