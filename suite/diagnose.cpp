@@ -230,6 +230,12 @@ void time_again(const Variant& v, const Window& w, std::int64_t last, VariantRes
   out.seconds_per_step = sorted[sorted.size() / 2];
 }
 
+std::string joined(const std::vector<std::string>& items) {
+  std::string out;
+  for (const std::string& i : items) out += (out.empty() ? "" : "; ") + i;
+  return out;
+}
+
 // Re-executes `step` twice from the window's state (which must start at `step`) and compares the
 // two runs with each other and with what the run did the first time.
 Classification classify(const ScenarioSpec& spec, const Window& w, double original_loss, double original_norm) {
@@ -239,20 +245,24 @@ Classification classify(const ScenarioSpec& spec, const Window& w, double origin
     double loss, norm;
     std::vector<Digest> state;
     std::vector<std::string> injected;
+    // As the diagnosis finds a failing step: a non-finite step no defense skipped, or parameters
+    // non-finite after it (an LR spike's update with a finite loss and gradient norm).
+    bool failed;
   };
   auto once = [&](const ScenarioSpec& spec) {
     const std::unique_ptr<Program> p = make_scenario_program(spec);
     p->load_state(w.state);
     w.rng.restore();
     const StepOutcome o = p->step(w.start, p->batch(w.start), nullptr);
-    Run r{o.loss, o.grad_norm, {}, o.injected};
-    for (const NamedTensor& n : p->state()) r.state.push_back(digest(n.tensor));
+    const std::vector<NamedTensor> after = p->state();
+    Run r{o.loss, o.grad_norm, {}, o.injected, (!o.finite() && !o.skipped) || !parameters_finite(after)};
+    for (const NamedTensor& n : after) r.state.push_back(digest(n.tensor));
     return r;
   };
   try {
     const Run a = once(spec), b = once(spec);
     const bool same = same_bits(a.loss, b.loss) && same_bits(a.norm, b.norm) && a.state == b.state;
-    const bool fails = !std::isfinite(a.loss) || !std::isfinite(a.norm);
+    const bool fails = a.failed;
     if (!same) {
       c.kind = "nondeterministic";
       c.detail = "two re-executions from the same state and RNG differ (loss " + fmt(a.loss, 9) + " vs " +
@@ -268,15 +278,22 @@ Classification classify(const ScenarioSpec& spec, const Window& w, double origin
         ScenarioSpec clean = spec;
         clean.injections.clear();
         const Run c2 = once(clean);
-        const bool fails_clean = !std::isfinite(c2.loss) || !std::isfinite(c2.norm);
+        const bool fails_clean = c2.failed;
+        // Bad data comes back with its batch: only the other faults pass with a retry.
+        const bool data = std::any_of(a.injected.begin(), a.injected.end(),
+                                      [](const std::string& i) { return i.rfind("corrupt_batch", 0) == 0; });
         c.detail = "re-executing the step from its state fails again" +
-                   std::string(as_before ? ", bit for bit as the run did," : "") + " with the scenario's injection (" +
-                   a.injected.front() + ") applied again; without the injections it " +
+                   std::string(as_before ? ", bit for bit as the run did," : "") + " with the scenario's " +
+                   (a.injected.size() > 1 ? "injections (" : "injection (") + joined(a.injected) +
+                   ") applied again; without the injections it " +
                    (fails_clean ? "fails too: the cause is in the state, the data or the code"
-                                : "does not fail (loss " + fmt(c2.loss) +
-                                      "): the injected fault is the cause -- in a real "
-                                      "run a fault like it (a bit flip, an overflow) is transient, and a rollback and "
-                                      "retry is enough");
+                    : data      ? "does not fail (loss " + fmt(c2.loss) +
+                                 "): the injected bad batch is the cause -- in a real run bad data comes back with "
+                                 "its batch, and a retry fails again: validate or fix the data"
+                           : "does not fail (loss " + fmt(c2.loss) +
+                                 "): the injected fault is the cause -- in a real "
+                                 "run a fault like it (a bit flip, an overflow) is transient, and a rollback and "
+                                 "retry is enough");
       }
     } else {
       c.kind = "transient";
@@ -515,9 +532,12 @@ std::string Diagnosis::report() const {
   line("-", baseline);
   int n = 0;
   for (const VariantResult& v : variants) line(v.fixes ? std::to_string(++n) : "", v);
-  if (n == 0)
-    os << "\nno variant avoids the failure from step " << from_step
-       << "; try a larger DiagnoseOptions::lookback (retrace diagnose --lookback).\n";
+  if (n == 0) {
+    os << "\nno variant avoids the failure from step " << from_step;
+    // From step 1 there is nothing earlier to start from.
+    if (from_step > 1) os << "; try a larger DiagnoseOptions::lookback (retrace diagnose --lookback)";
+    os << ".\n";
+  }
   if (!not_applicable.empty()) {
     os << "\nnot tried (the scenario's program owns the setting):\n";
     for (const std::string& why : not_applicable) os << "  " << why << "\n";

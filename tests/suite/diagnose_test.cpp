@@ -56,6 +56,47 @@ TEST(Diagnose, NamesTheFixForFp16OverflowLrSpikeAndRngDesync) {
   EXPECT_EQ(fixing(desync), std::vector<std::string>{"checkpointing off"}) << desync.report();
 }
 
+// A step whose update leaves the parameters non-finite with a finite loss and gradient norm (an LR
+// spike) fails again when re-executed from its state: persistent, not transient (found by an
+// outsider test: the classification looked at the loss and norm only, and called it transient).
+TEST(Diagnose, AStepThatLeavesOnlyTheParametersNonFiniteIsPersistent) {
+  ScenarioSpec spec =
+      test::with("injections: [{type: lr_spike, step: 3, factor: 1.0e30}, {type: lr_spike, step: 3, factor: 1.0e7}, "
+                 "{type: loss_spike, step: 3, factor: 1.0e4}]\nexpect: {params_finite: true}\n");
+  spec.training.optimizer = "sgd";
+  spec.training.lr = 0.1;
+  spec.training.steps = 5;
+  const Diagnosis d = diagnose_scenario(spec, untimed());
+  EXPECT_EQ(d.failing_step, 3) << d.report();
+  EXPECT_EQ(d.failure_kind, "parameters") << d.report();
+  EXPECT_EQ(d.classification.kind, "persistent") << d.report();
+  EXPECT_NE(d.classification.detail.find("with the scenario's injections (loss_spike loss: x1e+04; lr_spike lr: "
+                                         "x1e+30; lr_spike lr: x1e+07) applied again; without the injections it "
+                                         "does not fail"),
+            std::string::npos)
+      << d.classification.detail;
+}
+
+// Bad data at every step: the injected batch is the cause, and a retry would fail again (not "a
+// rollback and retry is enough"); from step 1 there is no earlier start to suggest.
+TEST(Diagnose, BadDataIsNotCalledTransientAndStep1SuggestsNoLookback) {
+  const Diagnosis d = diagnose_scenario(
+      parse_scenario_text("name: bad-data\n"
+                          "model: {type: mlp, layers: 2, hidden: 16, in_features: 8, out_features: 2, dropout: 0.0}\n"
+                          "data: {batch: 8, seed: 1}\ntraining: {steps: 4, optimizer: adamw, lr: 0.003}\n"
+                          "injections: [{type: corrupt_batch, step: 1, duration: 4}]\nexpect: {params_finite: true}\n",
+                          "bad-data.yaml"),
+      untimed());
+  EXPECT_EQ(d.failing_step, 1) << d.report();
+  EXPECT_EQ(d.classification.kind, "persistent") << d.report();
+  EXPECT_NE(d.classification.detail.find("the injected bad batch is the cause -- in a real run bad data comes back "
+                                         "with its batch, and a retry fails again"),
+            std::string::npos)
+      << d.classification.detail;
+  EXPECT_EQ(d.classification.detail.find("retry is enough"), std::string::npos) << d.classification.detail;
+  EXPECT_NE(d.report().find("no variant avoids the failure from step 1.\n"), std::string::npos) << d.report();
+}
+
 TEST(Diagnose, NothingToDiagnoseInAHealthyRun) {
   const Diagnosis d = diagnose_scenario(load_scenario("builtin:bf16-clean"));
   EXPECT_TRUE(d.variants.empty());
