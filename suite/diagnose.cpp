@@ -365,7 +365,18 @@ Diagnosis diagnose_whole_run(const ScenarioSpec& spec, const DiagnoseOptions& op
   const VariantResult r =
       run_variant(Variant{"as is", "none", spec, false, ""}, start, spec.training.steps, spec.expect);
   if (r.fixes) {
-    d.failure = "none: the run meets its expectations";
+    // Nothing a variant could change failed. The scenario may still fail on what diagnose does not
+    // judge -- how a defense worked (min_skipped_steps), an injection that never fired, a negative
+    // control that held -- and is then not said to meet its expectations: its verdict, as retrace
+    // run gives it.
+    const ScenarioResult run = run_scenario(spec);
+    d.failure = run.passed ? "none: the run meets its expectations"
+                           : "none that a variant could fix: no step went non-finite or raised" +
+                                 std::string(spec.expect.final_loss_below ? ", training went on and the final loss met "
+                                                                            "its bound"
+                                                                          : " and training went on") +
+                                 "; the scenario fails on what diagnose does not judge (" + joined(run.reasons) +
+                                 "), as retrace run reports";
     d.failure_kind = "none";
     d.from_step = 1;
     d.to_step = spec.training.steps;

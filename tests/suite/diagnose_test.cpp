@@ -100,7 +100,32 @@ TEST(Diagnose, BadDataIsNotCalledTransientAndStep1SuggestsNoLookback) {
 TEST(Diagnose, NothingToDiagnoseInAHealthyRun) {
   const Diagnosis d = diagnose_scenario(load_scenario("builtin:bf16-clean"));
   EXPECT_TRUE(d.variants.empty());
-  EXPECT_NE(d.failure.find("none"), std::string::npos);
+  EXPECT_EQ(d.failure, "none: the run meets its expectations");
+}
+
+// A scenario that fails only on what diagnose does not judge -- a negative control whose benign
+// mantissa flip does not bite, an expectation on how a defense worked -- has nothing for a variant
+// to fix, and is not said to meet its expectations (found by an outsider test: it was).
+TEST(Diagnose, ARunFailingOnlyWhatDiagnoseDoesNotJudgeIsNotSaidToMeetItsExpectations) {
+  const Diagnosis control =
+      diagnose_scenario(test::with("injections: [{type: bit_flip, step: 2, target: weights, bit: 2}]\n"
+                                   "expect: {params_finite: true, diverges: true}\n"),
+                        untimed());
+  EXPECT_EQ(control.failure_kind, "none");
+  EXPECT_TRUE(control.variants.empty());
+  EXPECT_EQ(control.failure,
+            "none that a variant could fix: no step went non-finite or raised and training went on; the scenario "
+            "fails on what diagnose does not judge (negative control held: the fault did not bite), as retrace run "
+            "reports");
+  const Diagnosis mechanism =
+      diagnose_scenario(test::with("defenses: {skip_nonfinite: true}\n"
+                                   "expect: {params_finite: true, min_skipped_steps: 1, final_loss_below: 100}\n"),
+                        untimed());
+  EXPECT_EQ(mechanism.failure_kind, "none");
+  EXPECT_NE(mechanism.failure.find("training went on and the final loss met its bound; the scenario fails on what "
+                                   "diagnose does not judge (min_skipped_steps: expected >= 1, got 0)"),
+            std::string::npos)
+      << mechanism.failure;
 }
 
 }  // namespace
