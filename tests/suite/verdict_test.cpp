@@ -216,6 +216,12 @@ TEST(Verdict, FinalLossAndLossFiniteLookAtAppliedStepsAtTheEndOnly) {
   EXPECT_TRUE(r.passed) << why(r);
   EXPECT_EQ(r.final_window_first, 3);
   EXPECT_EQ(r.final_loss, r.losses[3]);
+  // Steps at the end applied with a NaN loss (no defense): the final loss is NaN because of them,
+  // not for want of an applied step (found by an outsider test: it said "no applied step").
+  r = run_scenario(with("injections: [{type: grad_nonfinite, step: 2}]\nexpect: {final_loss_below: 100}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_TRUE(std::isnan(r.final_loss));
+  EXPECT_EQ(find_check(r, "final_loss_below")->observed, "nan") << why(r);
 }
 
 // --- every injection entry fires --------------------------------------------------------------
