@@ -848,7 +848,8 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
     if (anchor && trained_to && d.segment == "(state)" && d.phase == "optimizer" && d.detail.empty()) {
       d.hint = "the step re-executed from the snapshot of step " + std::to_string(s) +
                " matched up to the optimizer step; the program's state() is probably incomplete: it leaves out "
-               "something the optimizer step depends on (optimizer moments or step counts, a schedule counter), "
+               "something the optimizer step depends on (optimizer moments or step counts, a schedule counter, a "
+               "rollback defense's snapshots), "
                "which load_state() cannot restore (retrace record's state self-check finds this while "
                "recording, unless --no-state-check)";
     } else if (anchor && trained_to && d.phase != "step_begin") {
