@@ -477,7 +477,17 @@ Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options
       d.failure = failure_text(d.failing_step, d.failure_kind);
     }
   }
-  if (d.failing_step < 0) return diagnose_whole_run(spec, options, std::move(d));
+  if (d.failing_step < 0) {
+    // No recorded step failed. A run that stopped before its scenario's last step (--steps, a
+    // kill) is diagnosed over the steps it reached: a failure after them is not the trace's.
+    std::int64_t last_recorded = 0;
+    for (const RecordInfo& r : trace.records()) {
+      if (r.type == RecordType::kStepEnd) last_recorded = std::max(last_recorded, r.step);
+    }
+    ScenarioSpec reached = spec;
+    if (last_recorded > 0 && last_recorded < spec.training.steps) reached.training.steps = last_recorded;
+    return diagnose_whole_run(reached, options, std::move(d));
+  }
   // The state before a step, by replaying the trace up to it (bit for bit, or we say so).
   auto state_before = [&](std::int64_t step) {
     const ThreadsGuard as_recorded(recorded_threads);

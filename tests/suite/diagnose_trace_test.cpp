@@ -63,5 +63,32 @@ TEST(Diagnose, TraceFailureIsPersistentAndWithoutItsCauseTransient) {
   fs::remove(cured);
 }
 
+// A trace of a run stopped before its failure (recorded with --steps 3; the scenario fails at
+// step 4) holds no failure: diagnosed over the steps it reached, not blamed for step 4 (found by
+// an outsider test). Control: the whole run's trace diagnoses step 4.
+TEST(Diagnose, ATraceStoppedBeforeTheFailureIsDiagnosedOverTheStepsItHolds) {
+  ScenarioSpec spec = load_scenario("builtin:fp16-overflow-loss-scaling-off");
+  spec.origin = "test";
+  register_builtin_programs();
+  const auto record_steps = [&](std::int64_t steps, const std::string& name) {
+    ScenarioProgram program(spec);
+    const std::string path = temp_path(name);
+    Recorder recorder(path, program);
+    record_run(program, recorder, steps);
+    recorder.close();
+    return path;
+  };
+  const std::string short_run = record_steps(3, "diagnose-short"),
+                    whole = record_steps(spec.training.steps, "diagnose-whole");
+  const Diagnosis d = diagnose_trace(short_run, DiagnoseOptions{3, 1});
+  EXPECT_EQ(d.failing_step, -1) << d.report();
+  EXPECT_EQ(d.failure_kind, "none") << d.report();
+  EXPECT_EQ(d.to_step, 3) << d.report();
+  const Diagnosis all = diagnose_trace(whole, DiagnoseOptions{3, 1});
+  EXPECT_EQ(all.failing_step, 4) << all.report();
+  fs::remove(short_run);
+  fs::remove(whole);
+}
+
 }  // namespace
 }  // namespace retrace
