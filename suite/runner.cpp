@@ -128,8 +128,13 @@ void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
     const bool any_applied = std::any_of(r.steps.begin(), r.steps.end(), [&](const StepPoint& p) {
       return p.step >= r.final_window_first && !p.skipped;
     });
-    check(r, "final_loss_below", "< " + fmt(*e.final_loss_below) + " (" + window + ")",
-          any_applied ? fmt(r.final_loss) : "no applied step in " + window,
+    // Digits enough to show the two apart where 6 print them alike (a loss just at its bound).
+    int digits = 6;
+    while (digits < 17 && r.final_loss != *e.final_loss_below &&
+           number_text(r.final_loss, digits) == number_text(*e.final_loss_below, digits))
+      ++digits;
+    check(r, "final_loss_below", "< " + number_text(*e.final_loss_below, digits) + " (" + window + ")",
+          any_applied ? number_text(r.final_loss, digits) : "no applied step in " + window,
           std::isfinite(r.final_loss) && r.final_loss < *e.final_loss_below);
   }
   // Progress: a defense that skips or rolls back (almost) every step after the fault did not let

@@ -222,6 +222,15 @@ TEST(Verdict, FinalLossAndLossFiniteLookAtAppliedStepsAtTheEndOnly) {
   EXPECT_FALSE(r.passed) << why(r);
   EXPECT_TRUE(std::isnan(r.final_loss));
   EXPECT_EQ(find_check(r, "final_loss_below")->observed, "nan") << why(r);
+  // A bound just below the final loss prints with the digits that tell them apart.
+  const ScenarioResult healthy = run_scenario(with("expect: {final_loss_below: 100}\n"));
+  ScenarioSpec at_bound = with("");
+  at_bound.expect.final_loss_below = std::nextafter(healthy.final_loss, 0.0);
+  r = run_scenario(at_bound);
+  EXPECT_FALSE(r.passed) << why(r);
+  const ExpectationCheck* c = find_check(r, "final_loss_below");
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->expected.find("< " + c->observed + " "), std::string::npos) << c->expected << " / " << c->observed;
 }
 
 // --- every injection entry fires --------------------------------------------------------------
