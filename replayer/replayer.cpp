@@ -866,7 +866,7 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
                     ? "a replay from step " + std::to_string(start.step) + " (--from " + std::to_string(start.step) +
                           ") tells them apart: it reproduces when state() is incomplete"
                     : std::string("the trace holds no snapshot of the run's first step to tell them apart "
-                                  "(record in digest mode, which stores it)"));
+                                  "(retrace record always stores one: this trace was edited or cut)"));
     }
   }
   if (comparer.unrecorded) {
