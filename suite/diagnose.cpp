@@ -2,6 +2,7 @@
 
 #include <retrace/digest.h>
 #include <retrace/error.h>
+#include <retrace/injectors.h>
 #include <retrace/number.h>
 #include <retrace/replayer.h>
 #include <retrace/records.h>
@@ -17,6 +18,7 @@
 #include <deque>
 #include <iomanip>
 #include <limits>
+#include <optional>
 #include <sstream>
 
 namespace retrace {
@@ -41,6 +43,15 @@ bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; 
 // What went non-finite in a step: the first of loss, gradient norm, parameters (after it).
 std::string nonfinite_kind(double loss, double norm) {
   return !std::isfinite(loss) ? "loss" : !std::isfinite(norm) ? "gradient norm" : "parameters";
+}
+
+// Whether a step failed, as diagnose finds failing steps and classifies them: the kind
+// (nonfinite_kind) of a non-finite loss or gradient norm no defense skipped (a skipped one was
+// handled), "parameters" when its update left them non-finite; nullopt when it did not fail.
+std::optional<std::string> step_failure(const StepOutcome& o, const std::vector<NamedTensor>& state_after) {
+  if (!o.finite() && !o.skipped) return nonfinite_kind(o.loss, o.grad_norm);
+  if (!parameters_finite(state_after)) return "parameters";
+  return std::nullopt;
 }
 
 std::string failure_text(std::int64_t step, const std::string& kind) {
@@ -245,9 +256,7 @@ Classification classify(const ScenarioSpec& spec, const Window& w, double origin
     double loss, norm;
     std::vector<Digest> state;
     std::vector<std::string> injected;
-    // As the diagnosis finds a failing step: a non-finite step no defense skipped, or parameters
-    // non-finite after it (an LR spike's update with a finite loss and gradient norm).
-    bool failed;
+    bool failed;  // step_failure: by the rule that found the failing step
   };
   auto once = [&](const ScenarioSpec& spec) {
     const std::unique_ptr<Program> p = make_scenario_program(spec);
@@ -255,7 +264,7 @@ Classification classify(const ScenarioSpec& spec, const Window& w, double origin
     w.rng.restore();
     const StepOutcome o = p->step(w.start, p->batch(w.start), nullptr);
     const std::vector<NamedTensor> after = p->state();
-    Run r{o.loss, o.grad_norm, {}, o.injected, (!o.finite() && !o.skipped) || !parameters_finite(after)};
+    Run r{o.loss, o.grad_norm, {}, o.injected, step_failure(o, after).has_value()};
     for (const NamedTensor& n : after) r.state.push_back(digest(n.tensor));
     return r;
   };
@@ -279,9 +288,13 @@ Classification classify(const ScenarioSpec& spec, const Window& w, double origin
         clean.injections.clear();
         const Run c2 = once(clean);
         const bool fails_clean = c2.failed;
-        // Bad data comes back with its batch: only the other faults pass with a retry.
-        const bool data = std::any_of(a.injected.begin(), a.injected.end(),
-                                      [](const std::string& i) { return i.rfind("corrupt_batch", 0) == 0; });
+        // Bad data comes back with its batch: only the other faults pass with a retry. (A
+        // corrupt_batch due on the step fires: it always has inputs to corrupt.)
+        const Injector schedule(spec.injections);
+        bool data = false;
+        for (std::size_t i = 0; i < spec.injections.size(); ++i) {
+          data = data || (spec.injections[i].type == InjectionType::kCorruptBatch && schedule.scheduled(i, w.start));
+        }
         c.detail = "re-executing the step from its state fails again" +
                    std::string(as_before ? ", bit for bit as the run did," : "") + " with the scenario's " +
                    (a.injected.size() > 1 ? "injections (" : "injection (") + joined(a.injected) +
@@ -407,12 +420,11 @@ Diagnosis diagnose_scenario(const ScenarioSpec& spec, const DiagnoseOptions& opt
       while (static_cast<std::int64_t>(recent.size()) > options.lookback + 1) recent.pop_front();
       try {
         const StepOutcome o = p->step(s, p->batch(s), nullptr);
-        const bool unhandled = !o.finite() && !o.skipped;  // a skipped non-finite step was handled
-        if (unhandled || !parameters_finite(p->state())) {
+        if (std::optional<std::string> kind = step_failure(o, p->state())) {
           d.failing_step = s;
           loss = o.loss;
           norm = o.grad_norm;
-          d.failure_kind = unhandled ? nonfinite_kind(o.loss, o.grad_norm) : "parameters";
+          d.failure_kind = std::move(*kind);
           d.failure = failure_text(s, d.failure_kind);
           break;
         }
