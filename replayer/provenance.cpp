@@ -14,6 +14,7 @@
 #include <cmath>
 #include <limits>
 #include <mutex>
+#include <unordered_map>
 
 namespace retrace {
 
@@ -49,6 +50,18 @@ struct Probe {
   std::optional<NonFiniteOrigin> found;
   std::atomic<bool> backward_ran{false};  // an autograd backward function has run in this step
   std::atomic<bool> after_backward{false};
+  // Infinities by design (guarded by mutex): each op given an infinity as an argument that made
+  // one, as it would be reported; the storages holding those infinities, or ones that later ops
+  // carried on from them (a scale after masking, a norm of an infinite gradient), with the index
+  // of their op. The weak reference keeps a freed storage's address from being reused.
+  std::vector<NonFiniteOrigin> given;
+  struct Carrier {
+    c10::weak_intrusive_ptr<c10::StorageImpl> keep;
+    std::size_t given;
+  };
+  std::unordered_map<const c10::StorageImpl*, Carrier> carriers;
+  std::optional<std::size_t> last_carried;  // the infinity the last carrying op carried on
+  std::string last_carrier;                 // that op
 };
 Probe* g_probe = nullptr;
 thread_local int t_backward_depth = 0;
@@ -63,6 +76,13 @@ struct ProbeContext : at::ObserverContext {
   std::string name;
   std::vector<at::Tensor> inputs;
   bool infinite_scalar = false;  // e.g. masked_fill(mask, -inf): infinities by design
+  // Inputs (tensor-list elements too) in a storage that holds an infinity by design, as they were
+  // before the op, with the index of the op that made it (Probe::given).
+  struct Handed {
+    at::Tensor tensor;
+    std::size_t given;
+  };
+  std::vector<Handed> handed_given;
 };
 
 bool has_nonfinite(const at::Tensor& t) {
@@ -73,6 +93,11 @@ bool has_nonfinite(const at::Tensor& t) {
 bool has_nan(const at::Tensor& t) {
   if (!t.defined() || !(t.is_floating_point() || t.is_complex()) || t.numel() == 0) return false;
   return at::isnan(t.detach()).any().item<bool>();
+}
+
+bool has_inf(const at::Tensor& t) {
+  if (!t.defined() || !(t.is_floating_point() || t.is_complex()) || t.numel() == 0) return false;
+  return at::isinf(t.detach()).any().item<bool>();
 }
 
 // In-place ops (trailing '_': copy_, add_, fill_, ...) write into their first input.
@@ -100,6 +125,22 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     else if (v.isScalar() && v.toScalar().isFloatingPoint() && !std::isfinite(v.toScalar().toDouble()))
       ctx->infinite_scalar = true;
   }
+  {
+    std::lock_guard<std::mutex> lock(g_probe->mutex);
+    if (!g_probe->carriers.empty()) {
+      auto note = [&](const at::Tensor& t) {
+        if (!t.defined() || !t.has_storage()) return;
+        const auto it = g_probe->carriers.find(t.storage().unsafeGetStorageImpl());
+        if (it != g_probe->carriers.end()) ctx->handed_given.push_back({t, it->second.given});
+      };
+      for (const c10::IValue& v : fn.inputs()) {
+        if (v.isTensor()) note(v.toTensor());
+        else if (v.isTensorList()) {
+          for (const at::Tensor& t : v.toTensorVector()) note(t);
+        }
+      }
+    }
+  }
   // An in-place op overwrites its first input (and any input sharing its storage): keep a copy of
   // them as they are now, so that a report shows what the op was handed, not what it wrote.
   if (is_in_place(fn.name()) && !fn.inputs().empty() && fn.inputs()[0].isTensor() && ctx->inputs[0].defined() &&
@@ -114,8 +155,57 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
       if (in.defined() && in.has_storage() && in.storage().is_alias_of(destination)) in = in.detach().clone();
     }
   }
+  // An in-place op on a list (_foreach_mul_) overwrites its elements: keep those holding an
+  // infinity by design as they are now.
+  if (is_in_place(fn.name()) && !ctx->handed_given.empty()) {
+    t_inside = true;
+    struct Reset {
+      ~Reset() { t_inside = false; }
+    } reset;
+    at::DisableRecordFunctionGuard no_recursion;
+    for (ProbeContext::Handed& h : ctx->handed_given) h.tensor = h.tensor.detach().clone();
+  }
   t_open.push_back(ctx.get());
   return ctx;
+}
+
+// The report of an op (or of `maker`, an op open around it whose kernel made what it returned):
+// its segment and phase and, with `stats`, the stats of its inputs and outputs.
+NonFiniteOrigin describe_op(const at::RecordFunction& fn, const ProbeContext* self, const ProbeContext* maker,
+                            const std::vector<at::Tensor>& outputs, bool stats) {
+  NonFiniteOrigin origin;
+  origin.op = fn.name();
+  if (maker) {
+    origin.op = maker->name;
+    origin.inner_op = fn.name();
+  }
+  ActiveSegment active;
+  if (current_segment(&active)) {
+    origin.segment = active.segment;
+    origin.phase = to_string(active.phase);
+  }
+  // Outside segments: before backward, forward; after autograd's backward and before the
+  // program's after_backward call, post-backward (gradient faults and hooks) -- unless the op
+  // builds an autograd graph, as a next micro-batch's forward does; after that call, optimizer.
+  const auto builds_graph = [&] {
+    for (const at::Tensor& t : outputs) {
+      if (t.defined() && t.requires_grad()) return true;
+    }
+    return false;
+  };
+  if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION || t_backward_depth > 0) origin.phase = "backward";
+  else if (origin.phase.empty() && g_probe->after_backward) origin.phase = "optimizer";
+  else if (origin.phase.empty()) origin.phase = g_probe->backward_ran && !builds_graph() ? "post-backward" : "forward";
+  if (!stats) return origin;
+  if (const ProbeContext* ctx = maker ? maker : self) {
+    for (std::size_t i = 0; i < ctx->inputs.size(); ++i) {
+      origin.inputs.push_back(tensor_stats("input " + std::to_string(i), ctx->inputs[i]));
+    }
+  }
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    origin.outputs.push_back(tensor_stats("output " + std::to_string(i), outputs[i]));
+  }
+  return origin;
 }
 
 void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
@@ -152,32 +242,110 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
       for (const at::Tensor& t : v.toTensorVector()) outputs.push_back(t);
     }
   }
-  bool bad = false;
   // A view op's output aliases its input: no new values were computed (and a view of a fresh
   // allocation shows uninitialized bytes). In-place ops (trailing '_') do compute into their input,
   // and so do out= variants (overload "out", "IntList_out", ...: sum into a given tensor, as
   // mean and mse_loss do inside), whose output is their `out` argument.
   const bool in_place = is_in_place(name) || is_out_variant(fn);
+  const auto* self = static_cast<ProbeContext*>(raw);
   auto aliases_input = [&](const at::Tensor& t) {
-    if (in_place || !raw || !t.has_storage()) return false;
-    for (const at::Tensor& in : static_cast<ProbeContext*>(raw)->inputs) {
+    if (in_place || !self || !t.has_storage()) return false;
+    for (const at::Tensor& in : self->inputs) {
       if (in.defined() && in.has_storage() && t.storage().is_alias_of(in.storage())) return true;
     }
     return false;
   };
-  // NaN always counts; an infinity counts unless the op was handed one (masking with -inf).
-  const bool inf_by_design = raw && static_cast<ProbeContext*>(raw)->infinite_scalar;
+  std::vector<at::Tensor> made;  // the outputs this op computed
+  bool made_nan = false, made_inf = false;
   for (const at::Tensor& t : outputs) {
     if (aliases_input(t)) continue;
-    bad = bad || (inf_by_design ? has_nan(t) : has_nonfinite(t));
+    made.push_back(t);
+    if (has_nonfinite(t)) {
+      const bool nan = has_nan(t);
+      made_nan = made_nan || nan;
+      made_inf = made_inf || !nan || has_inf(t);
+    }
   }
-  if (!bad) return;
+  if (!made_nan && !made_inf) {
+    // An op that overwrote a storage holding an infinity by design with finite values ends it.
+    if (in_place) {
+      std::lock_guard<std::mutex> lock(g_probe->mutex);
+      for (const at::Tensor& t : made) {
+        if (t.defined() && t.has_storage()) g_probe->carriers.erase(t.storage().unsafeGetStorageImpl());
+      }
+    }
+    return;
+  }
+  // An infinity by design -- an op given one as an argument (masked_fill(mask, -inf)) makes it,
+  // later ops may carry it on (a scale after the masking) -- is no fault while it stays an infinity:
+  // a softmax absorbs it. It is named when it turns into a NaN, or when it is what the step ends
+  // with (see find_first_nonfinite).
+  const bool given_infinity = self && self->infinite_scalar;
+  std::optional<std::size_t> handed_given;  // the earliest infinity by design this op was handed
+  std::vector<at::Tensor> handed;
+  if (self) {
+    for (const ProbeContext::Handed& h : self->handed_given) {
+      if (!has_inf(h.tensor)) continue;  // overwritten since with finite values
+      handed.push_back(h.tensor);
+      handed_given = handed_given ? std::min(*handed_given, h.given) : h.given;
+    }
+  }
+  auto carry = [&](std::size_t given, bool replace) {
+    for (const at::Tensor& t : made) {
+      if (!t.defined() || !t.has_storage() || !has_inf(t)) continue;
+      const c10::Storage& storage = t.storage();
+      const auto it = g_probe->carriers.find(storage.unsafeGetStorageImpl());
+      if (it == g_probe->carriers.end()) {
+        g_probe->carriers.emplace(storage.unsafeGetStorageImpl(), Probe::Carrier{storage.getWeakStorageImpl(), given});
+      } else if (replace) {
+        it->second.given = given;
+      }
+    }
+  };
+  if (given_infinity && !made_nan) {
+    NonFiniteOrigin origin = describe_op(fn, self, nullptr, outputs, /*stats=*/true);
+    origin.given_infinity = true;
+    std::lock_guard<std::mutex> lock(g_probe->mutex);
+    g_probe->given.push_back(std::move(origin));
+    // masked_fill runs masked_fill_ on a clone inside it: the outer op, ending last, is named.
+    carry(g_probe->given.size() - 1, /*replace=*/true);
+    return;
+  }
+  if (handed_given && !made_nan) {
+    // Carried on, unless it made an infinity where no input of its shape held one.
+    bool new_inf = false;
+    for (const at::Tensor& t : made) {
+      if (!has_inf(t)) continue;
+      at::Tensor covered;
+      for (const at::Tensor& h : handed) {
+        if (h.sizes() != t.sizes()) continue;
+        covered = covered.defined() ? covered.logical_or(at::isinf(h)) : at::isinf(h);
+      }
+      if (covered.defined()) new_inf = new_inf || at::isinf(t).logical_and(covered.logical_not()).any().item<bool>();
+    }
+    if (!new_inf) {
+      std::lock_guard<std::mutex> lock(g_probe->mutex);
+      carry(*handed_given, /*replace=*/false);
+      g_probe->last_carried = *handed_given;
+      g_probe->last_carrier = fn.name();
+      return;
+    }
+  }
+  if (handed_given && made_nan) {
+    // The infinity by design turned into a NaN here: its op is the first non-finite one.
+    std::lock_guard<std::mutex> lock(g_probe->mutex);
+    if (g_probe->found) return;
+    NonFiniteOrigin origin = g_probe->given[*handed_given];
+    const NonFiniteOrigin here = describe_op(fn, self, nullptr, outputs, /*stats=*/false);
+    origin.nan_op = here.op;
+    origin.nan_segment = here.segment;
+    origin.nan_phase = here.phase;
+    g_probe->found = std::move(origin);
+    return;
+  }
 
-  NonFiniteOrigin origin;
-  origin.op = fn.name();
   // Handed a non-finite input it did not make: the value came from the kernel of an op still
   // open around this one -- the innermost one whose own inputs are all finite made it.
-  const auto* self = static_cast<ProbeContext*>(raw);
   const bool handed_nonfinite =
       self && !self->infinite_scalar &&
       std::any_of(self->inputs.begin(), self->inputs.end(), [](const at::Tensor& t) { return has_nonfinite(t); });
@@ -189,35 +357,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
       if (finite_inputs && !(*it)->infinite_scalar) maker = *it;
     }
   }
-  if (maker) {
-    origin.op = maker->name;
-    origin.inner_op = fn.name();
-  }
-  ActiveSegment active;
-  if (current_segment(&active)) {
-    origin.segment = active.segment;
-    origin.phase = to_string(active.phase);
-  }
-  // Outside segments: before backward, forward; after autograd's backward and before the
-  // program's after_backward call, post-backward (gradient faults and hooks) -- unless the op
-  // builds an autograd graph, as a next micro-batch's forward does; after that call, optimizer.
-  const auto builds_graph = [&] {
-    for (const at::Tensor& t : outputs) {
-      if (t.defined() && t.requires_grad()) return true;
-    }
-    return false;
-  };
-  if (backward_scope || t_backward_depth > 0) origin.phase = "backward";
-  else if (origin.phase.empty() && g_probe->after_backward) origin.phase = "optimizer";
-  else if (origin.phase.empty()) origin.phase = g_probe->backward_ran && !builds_graph() ? "post-backward" : "forward";
-  if (const ProbeContext* ctx = maker ? maker : static_cast<ProbeContext*>(raw)) {
-    for (std::size_t i = 0; i < ctx->inputs.size(); ++i) {
-      origin.inputs.push_back(tensor_stats("input " + std::to_string(i), ctx->inputs[i]));
-    }
-  }
-  for (std::size_t i = 0; i < outputs.size(); ++i) {
-    origin.outputs.push_back(tensor_stats("output " + std::to_string(i), outputs[i]));
-  }
+  NonFiniteOrigin origin = describe_op(fn, self, maker, outputs, /*stats=*/true);
   std::lock_guard<std::mutex> lock(g_probe->mutex);
   if (!g_probe->found) g_probe->found = std::move(origin);
 }
@@ -252,6 +392,13 @@ std::optional<NonFiniteOrigin> find_first_nonfinite(Program& program, std::int64
   }
   at::removeCallback(handle);
   g_probe = nullptr;
+  // No op made a NaN or an infinity it was not given, yet the step is non-finite: an infinity by
+  // design that ops carried on to the end (the loss, a gradient norm, the parameters). Name the op
+  // that made the one carried last.
+  if (!probe.found && probe.last_carried) {
+    probe.found = probe.given[*probe.last_carried];
+    probe.found->carried_to = probe.last_carrier;
+  }
   return probe.found;
 }
 

@@ -70,6 +70,14 @@ std::string NonFiniteOrigin::message() const {
   os << "first non-finite value at step " << step << ": op " << op
      << (inner_op.empty() ? "" : " (made inside it, first returned by its inner " + inner_op + ")") << " in "
      << (segment.empty() ? "(outside segments)" : "segment '" + segment + "'") << ", phase " << phase;
+  if (given_infinity && nan_op.empty()) {
+    os << " (an infinity it was given as an argument, which no later op absorbed: "
+       << (carried_to.empty() ? "the step ended with it" : carried_to + " was the last op to carry it on") << ")";
+  } else if (given_infinity) {
+    os << " (an infinity it was given as an argument, which " << nan_op << " turned into NaN in "
+       << (nan_segment.empty() ? "(outside segments)" : "segment '" + nan_segment + "'") << ", phase " << nan_phase
+       << ")";
+  }
   for (const TensorStats& s : outputs) {
     os << "; " << s.name << " " << s.meta << " nan=" << s.nonfinite.nan << " +inf=" << s.nonfinite.pos_inf
        << " -inf=" << s.nonfinite.neg_inf;
@@ -106,6 +114,13 @@ nlohmann::json NonFiniteOrigin::to_json() const {
                       {"outputs", stats(outputs)},
                       {"message", message()}};
   if (!inner_op.empty()) j["inner_op"] = inner_op;
+  if (given_infinity) {
+    j["given_infinity"] = true;
+    j["nan_op"] = nan_op.empty() ? nlohmann::json() : nlohmann::json(nan_op);
+    j["nan_segment"] = nan_segment;
+    j["nan_phase"] = nan_phase;
+    j["carried_to"] = carried_to.empty() ? nlohmann::json() : nlohmann::json(carried_to);
+  }
   return j;
 }
 

@@ -341,8 +341,24 @@ std::string html_replay_report(const std::string& trace_name, const ReplayResult
     os << "<table class=\"kv nonfinite\"><tbody>";
     kv(os, "step", std::to_string(n->step));
     kv(os, "op", "<span class=\"mono\">" + html_escape(n->op) + "</span>");
+    if (!n->inner_op.empty()) {
+      kv(os, "made inside it, first returned by", "<span class=\"mono\">" + html_escape(n->inner_op) + "</span>");
+    }
     kv(os, "segment", n->segment.empty() ? "(outside segments)" : html_escape(n->segment));
     kv(os, "phase", html_escape(n->phase));
+    if (n->given_infinity && !n->nan_op.empty()) {
+      kv(os, "infinity by design",
+         "given to it as an argument; <span class=\"mono\">" + html_escape(n->nan_op) +
+             "</span> turned it into NaN in " +
+             (n->nan_segment.empty() ? "(outside segments)" : "segment " + html_escape(n->nan_segment)) + ", phase " +
+             html_escape(n->nan_phase));
+    } else if (n->given_infinity) {
+      kv(os, "infinity by design",
+         "given to it as an argument; no later op absorbed it" +
+             (n->carried_to.empty()
+                  ? std::string()
+                  : ": <span class=\"mono\">" + html_escape(n->carried_to) + "</span> was the last op to carry it on"));
+    }
     os << "</tbody></table>\n<table "
           "class=\"stats\"><thead><tr><th></th><th>tensor</th><th>dtype[shape]</th><th>min</th>"
           "<th>max</th><th>|max|</th><th>NaN</th><th>+Inf</th><th>-Inf</th></tr></thead><tbody>\n";

@@ -53,6 +53,20 @@ class OpProgram : public Program {
       y = w_.sqrt();
     } else if (config_ == "mse") {
       y = torch::mse_loss(w_ * 1e20f, torch::zeros({3}));  // squares past float's range inside mse_loss
+    } else if (config_.rfind("masked", 0) == 0) {
+      // Attention-like scores masked with -inf and scaled: "masked-scale" overflows after the
+      // softmax, "masked-overflow" scales the scores past float's range, "masked-row" masks a
+      // whole row (its softmax is NaN).
+      const at::Tensor scores = w_.unsqueeze(0).repeat({2, 1});
+      const at::Tensor mask = config_ == "masked-row"
+                                  ? torch::tensor({false, true, true, true, true, true}).view({2, 3})
+                                  : torch::tensor({false, true, true, false, false, true}).view({2, 3});
+      const at::Tensor masked = scores.masked_fill(mask, -std::numeric_limits<double>::infinity());
+      const at::Tensor p = at::softmax(masked.mul(config_ == "masked-overflow" ? 1e38 : 0.5), -1);
+      y = config_ == "masked-scale" ? p.mul(1e30).mul(1e30) : p;
+    } else if (config_ == "fill-inf") {
+      y = w_.clone();
+      y.fill_(std::numeric_limits<double>::infinity());  // an infinity by design the loss carries on
     } else {
       y = batch[0].tensor.mul(2);
     }
@@ -152,6 +166,78 @@ TEST(Provenance, AnOpThatMakesTheValueInsideItIsNamedNotItsInnerOp) {
   EXPECT_EQ(o.inputs[0].nonfinite.pos_inf + o.inputs[0].nonfinite.nan, 0) << o.message();
   EXPECT_NE(o.message().find("(made inside it, first returned by its inner aten::"), std::string::npos) << o.message();
   EXPECT_EQ(o.to_json()["inner_op"], o.inner_op);
+}
+
+// An infinity an op was given as an argument (masked_fill(mask, -inf)) is no fault while ops carry
+// it on (the scale after the masking) and a softmax absorbs it: the op named is the one that
+// overflowed later, with finite inputs. Control: the scale was handed the infinity and returned
+// one, so a rule that names any op returning an infinity it did not make names it.
+TEST(Provenance, AnInfinityByDesignCarriedOnAndAbsorbedIsNoFault) {
+  const ReplayResult r = record_and_replay_ops("masked-scale");
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  const NonFiniteOrigin& o = *r.first_nonfinite;
+  EXPECT_EQ(o.op, "aten::mul") << o.message();
+  EXPECT_FALSE(o.given_infinity) << o.message();
+  ASSERT_FALSE(o.inputs.empty());
+  EXPECT_EQ(o.inputs[0].nonfinite.neg_inf + o.inputs[0].nonfinite.pos_inf, 0) << o.message();  // not the scale
+  EXPECT_GT(o.inputs[0].abs_max, 1e29) << o.message();  // the second multiply by 1e30
+  EXPECT_EQ(o.to_json().count("given_infinity"), 0u);
+}
+
+// An op handed an infinity by design that makes infinities where its input held none (scores
+// scaled past float's range) is named itself. Control: the masked_fill's output holds -inf too,
+// and naming the infinity's maker would blame the mask.
+TEST(Provenance, AnOpThatAddsInfinitiesToOnesByDesignIsNamed) {
+  const ReplayResult r = record_and_replay_ops("masked-overflow");
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  const NonFiniteOrigin& o = *r.first_nonfinite;
+  EXPECT_EQ(o.op, "aten::mul") << o.message();
+  EXPECT_FALSE(o.given_infinity);
+  ASSERT_FALSE(o.inputs.empty());
+  EXPECT_EQ(o.inputs[0].nonfinite.neg_inf, 3) << o.message();  // handed the mask's three -inf
+  ASSERT_FALSE(o.outputs.empty());
+  EXPECT_EQ(o.outputs[0].nonfinite.pos_inf, 2) << o.message();  // and made +inf of the two unmasked 4s
+}
+
+// An infinity by design that turns into a NaN (a softmax of a row masked whole) is named at the op
+// that was given it, with the op that made the NaN. Control: the softmax's output is where the
+// NaN first appears, and a rule that names the first NaN names it.
+TEST(Provenance, AnInfinityByDesignThatTurnsIntoANanNamesItsOpAndTheNansOp) {
+  const ReplayResult r = record_and_replay_ops("masked-row");
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  const NonFiniteOrigin& o = *r.first_nonfinite;
+  EXPECT_EQ(o.op, "aten::masked_fill") << o.message();
+  EXPECT_TRUE(o.given_infinity);
+  EXPECT_NE(o.nan_op.find("softmax"), std::string::npos) << o.message();
+  EXPECT_EQ(o.nan_phase, "forward");
+  ASSERT_FALSE(o.outputs.empty());
+  EXPECT_EQ(o.outputs[0].nonfinite.neg_inf, 5) << o.message();
+  EXPECT_EQ(o.outputs[0].nonfinite.nan, 0);
+  const std::string text = o.message();
+  EXPECT_NE(text.find("op aten::masked_fill in (outside segments), phase forward (an infinity it was given as an "
+                      "argument, which aten::"),
+            std::string::npos)
+      << text;
+  const nlohmann::json j = o.to_json();
+  EXPECT_EQ(j["given_infinity"], true);
+  EXPECT_EQ(j["nan_op"], o.nan_op);
+  EXPECT_TRUE(j["carried_to"].is_null());
+}
+
+// An infinity by design that the step ends with (the loss sums it) is named at the op given it,
+// with the last op that carried it on. Control: that sum returned the first infinity not made by
+// an op given one, and a search that stops at such ops names it.
+TEST(Provenance, AnInfinityByDesignTheStepEndsWithNamesItsOp) {
+  const ReplayResult r = record_and_replay_ops("fill-inf");
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  const NonFiniteOrigin& o = *r.first_nonfinite;
+  EXPECT_EQ(o.op, "aten::fill_") << o.message();
+  EXPECT_TRUE(o.given_infinity);
+  EXPECT_TRUE(o.nan_op.empty());
+  EXPECT_EQ(o.carried_to, "aten::sum") << o.message();
+  EXPECT_NE(o.message().find("which no later op absorbed: aten::sum was the last op to carry it on"), std::string::npos)
+      << o.message();
+  EXPECT_EQ(o.to_json()["carried_to"], "aten::sum");
 }
 
 // An all-NaN tensor has no min or max: NaN, not 0, in text and JSON; and a loss of -nan prints as

@@ -541,11 +541,16 @@ TEST(Replay, StepThatRaisedReproducesItsException) {
   bool noted = false;
   for (const std::string& n : r.notes) noted = noted || n.find("step 3 raised, as the recorded run did: ") == 0;
   EXPECT_TRUE(noted);
-  // What went non-finite before it raised: the gradient norm over the injected Inf, after the
-  // program handed over its gradients.
+  // What went non-finite before it raised: the injected Inf (a fill_ given an infinity, after
+  // backward), carried on to the gradient norm that clipping refused -- not the norm, which was
+  // handed it.
   ASSERT_TRUE(r.first_nonfinite.has_value());
   EXPECT_EQ(r.first_nonfinite->step, 3);
-  EXPECT_EQ(r.first_nonfinite->phase, "optimizer") << r.first_nonfinite->message();
+  EXPECT_EQ(r.first_nonfinite->op, "aten::fill_") << r.first_nonfinite->message();
+  EXPECT_EQ(r.first_nonfinite->phase, "post-backward") << r.first_nonfinite->message();
+  EXPECT_TRUE(r.first_nonfinite->given_infinity);
+  EXPECT_TRUE(r.first_nonfinite->nan_op.empty()) << r.first_nonfinite->message();
+  EXPECT_EQ(r.first_nonfinite->carried_to, "aten::norm") << r.first_nonfinite->message();
   const nlohmann::json j = r.to_json();
   EXPECT_EQ(j["raised"]["step"], 3);
   EXPECT_EQ(j["raised"]["what"], event->what);
@@ -655,6 +660,31 @@ TEST(Replay, GradientFaultIsPostBackward) {
   EXPECT_EQ(r.first_nonfinite->op, "aten::fill_");
   EXPECT_EQ(r.first_nonfinite->segment, "");
   EXPECT_EQ(r.first_nonfinite->phase, "post-backward") << r.first_nonfinite->message();
+  EXPECT_FALSE(r.first_nonfinite->given_infinity);  // fill_(nan): a NaN is never by design
+  fs::remove(path);
+}
+
+// An injected Inf gradient (fill_ given an infinity) that clipping lets through is named at the
+// fill_, with the optimizer op that turned it into NaN -- not at the gradient norm handed it, nor
+// at AdamW's update that made the NaN. Control: those ops' outputs are non-finite too (the norm
+// +inf, the update NaN), and naming the first op to return a non-finite value it was not given as
+// an argument names the norm.
+TEST(Replay, AnInfGradientIsNamedAtTheOpThatMadeIt) {
+  ScenarioSpec spec = load_scenario("builtin:grad-inf-clip-only");
+  spec.expect = ExpectSpec{};
+  const std::string path = record_spec(spec, "inf_gradient");
+  const ReplayResult r = replay(path);
+  EXPECT_TRUE(r.reproduced);
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  const NonFiniteOrigin& o = *r.first_nonfinite;
+  EXPECT_EQ(o.step, 3);
+  EXPECT_EQ(o.op, "aten::fill_") << o.message();
+  EXPECT_EQ(o.phase, "post-backward");
+  EXPECT_TRUE(o.given_infinity);
+  EXPECT_EQ(o.nan_op, "aten::addcdiv_") << o.message();
+  EXPECT_EQ(o.nan_phase, "optimizer");
+  ASSERT_EQ(o.outputs.size(), 1u);
+  EXPECT_EQ(o.outputs[0].nonfinite.pos_inf, 1);
   fs::remove(path);
 }
 

@@ -246,6 +246,22 @@ TEST(Report, ReplayPageNamesTheDivergenceAndTheFirstNonFiniteOp) {
   EXPECT_EQ(count(html, "<svg class=\"chart\""), 4u);
   EXPECT_EQ(count(html, "class=\"divergence\""), 4u);  // a line on each chart
   EXPECT_EQ(count(html, "class=\"nonfinite\""), 4u);
+  EXPECT_EQ(html.find("infinity by design"), std::string::npos);  // the control for the next report
+
+  // An infinity by design that turned into NaN names the op that did, in the report as in the text.
+  r.first_nonfinite->op = "aten::fill_";
+  r.first_nonfinite->given_infinity = true;
+  r.first_nonfinite->nan_op = "aten::addcdiv_";
+  r.first_nonfinite->nan_phase = "optimizer";
+  const std::string given = html_replay_report("run.trace", r, recorded);
+  EXPECT_NE(given.find("given to it as an argument; <span class=\"mono\">aten::addcdiv_</span> turned it into NaN in "
+                       "(outside segments), phase optimizer"),
+            std::string::npos);
+  r.first_nonfinite->nan_op.clear();
+  r.first_nonfinite->carried_to = "aten::norm";
+  const std::string carried = html_replay_report("run.trace", r, recorded);
+  EXPECT_NE(carried.find("no later op absorbed it: <span class=\"mono\">aten::norm</span> was the last op"),
+            std::string::npos);
 }
 
 TEST(Report, RecordedRunReadsTheStepEndRecords) {

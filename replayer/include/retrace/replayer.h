@@ -64,6 +64,14 @@ struct NonFiniteOrigin {
   // When `op` made the value inside its own kernel and handed it to a nested op, that nested op
   // (the first to return it): op "aten::mse_loss", inner_op "aten::sum". Empty otherwise.
   std::string inner_op;
+  // `op` was given an infinity as an argument (masked_fill(mask, -inf), fill_(inf)): an infinity by
+  // design, named because no later op absorbed it. `nan_op` (in `nan_segment`, `nan_phase`) is the
+  // first op that turned it into a NaN (a softmax of a row masked whole, a product with 0); empty
+  // when it stayed an infinity, and `carried_to` is the last op that carried it on (the loss's
+  // sum, a gradient norm, a parameter update).
+  bool given_infinity = false;
+  std::string nan_op, nan_segment, nan_phase;
+  std::string carried_to;
   std::vector<TensorStats> inputs;   // `op`'s, as they were before it ran (an in-place op's too)
   std::vector<TensorStats> outputs;  // of the op that first returned the value (inner_op, else op)
   std::string message() const;
