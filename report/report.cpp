@@ -76,6 +76,7 @@ h3{font-size:14px;margin:0;display:inline}
 .failed{background:#fce8e6;color:#a50e0e}
 .held{color:#137333;font-weight:600}
 .broke{color:#b06000;font-weight:600}
+.idle{color:#5f6368;font-weight:600}
 .legend{display:flex;flex-wrap:wrap;gap:4px 18px;font-size:12px;color:#3c4043;margin:6px 0 10px}
 .legend span{white-space:nowrap}
 .legend svg{vertical-align:middle;margin-right:4px}
@@ -170,6 +171,17 @@ void add_note(std::map<std::int64_t, std::string>& notes, std::int64_t step, con
 
 const char* verdict_class(const ScenarioResult& r) { return r.passed ? "ok" : "failed"; }
 
+// The outcome's colour: held green, broke (early too) amber, not exercised grey.
+const char* outcome_class(const ScenarioResult& r) {
+  switch (r.outcome_kind()) {
+    case Outcome::kHeld: return "held";
+    case Outcome::kBroke:
+    case Outcome::kBrokeEarly: return "broke";
+    case Outcome::kNotExercised: return "idle";
+  }
+  return "";
+}
+
 }  // namespace
 
 std::string html_run_report(const std::vector<ScenarioResult>& results, double seconds) {
@@ -189,7 +201,7 @@ std::string html_run_report(const std::vector<ScenarioResult>& results, double s
     const std::string expected = r.expected_to_break ? "broke" : "held";
     os << "<tr class=\"row\"><td><a href=\"#s" << i << "\">" << html_escape(r.name) << "</a></td><td class=\"mono\">"
        << html_escape(r.fault) << "</td><td class=\"mono\">" << html_escape(r.defense) << "</td><td class=\""
-       << r.outcome() << "\">" << r.outcome() << "</td><td>" << expected << "</td><td class=\"verdict "
+       << outcome_class(r) << "\">" << r.outcome() << "</td><td>" << expected << "</td><td class=\"verdict "
        << verdict_class(r) << "\">" << html_escape(r.verdict()) << "</td></tr>\n";
   }
   os << "</tbody></table>\n";
@@ -206,7 +218,7 @@ std::string html_run_report(const std::vector<ScenarioResult>& results, double s
     os << "<section class=\"scenario\" id=\"s" << i << "\"><div class=\"head\"><h3>" << html_escape(r.name) << "</h3>"
        << "<span class=\"badge " << verdict_class(r) << "\">" << (r.passed ? "ok" : "FAILED") << "</span>"
        << "<span class=\"meta mono\">" << html_escape(r.fault) << " &#215; " << html_escape(r.defense) << "</span>"
-       << "<span class=\"meta\"><span class=\"" << r.outcome() << "\">" << r.outcome() << "</span>, expected "
+       << "<span class=\"meta\"><span class=\"" << outcome_class(r) << "\">" << r.outcome() << "</span>, expected "
        << (r.expected_to_break ? "broke" : "held") << "; " << r.steps_run << " steps, " << r.skipped_steps
        << " skipped";
     if (r.rollbacks) os << ", " << r.rollbacks << " rollbacks";

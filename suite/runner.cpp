@@ -80,6 +80,15 @@ bool is_evidence_check(const std::string& name) {
          name == "recompute_bitwise" || name == "min_applied_steps";
 }
 
+// A failed check that says the fault or the defense never acted: an injection that did not fire,
+// a defense action the scenario expected that did not happen (a raise included, when none came).
+bool says_not_exercised(const ExpectationCheck& c, bool raised) {
+  if (c.passed) return false;
+  return c.name == "injection_fired" || c.name == "injections_fired" || c.name == "min_skipped_steps" ||
+         c.name == "min_scale_backoffs" || c.name == "min_scale_growths" || c.name == "min_rollbacks" ||
+         (c.name == "raises" && !raised);
+}
+
 // "steps A..B": the final window the final loss averages (or that the run never reached it).
 std::string final_window(const ScenarioResult& r) {
   return r.last_step >= r.final_window_first
@@ -268,14 +277,20 @@ void find_breakage(const ExpectSpec& e, ScenarioResult& r) {
 // one line each, the only such text; the reporters render these lines and never derive their own.
 void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
   const bool raise_expected = e.raises.value_or(false);
-  bool all = true;
-  for (const ExpectationCheck& c : r.checks) all = all && c.passed;
   r.expected_to_break = e.diverges;
   r.reasons.clear();
   auto reason = [&](std::string why) { r.reasons.push_back(std::move(why)); };
   if (r.harness_error) reason("harness error: " + r.error);
   if (!e.diverges) {
-    r.broke = (r.raised && !raise_expected) || !r.params_finite || !all;
+    // What broke: a raise it did not ask for (or not the one it asked for), non-finite parameters,
+    // a check of what breaks. A check that fails otherwise (an injection that never fired,
+    // max_skipped_steps, replay_bitwise) fails the verdict, not the run.
+    const bool wrong_raise = r.raised && std::any_of(r.checks.begin(), r.checks.end(), [](const ExpectationCheck& c) {
+                               return c.name == "raises" && !c.passed;
+                             });
+    r.broke = (r.raised && !raise_expected) || wrong_raise || !r.params_finite ||
+              std::any_of(r.checks.begin(), r.checks.end(),
+                          [](const ExpectationCheck& c) { return !c.passed && is_evidence_check(c.name); });
     if (r.raised && !raise_expected && !r.harness_error)
       reason("raised at step " + std::to_string(r.raised_at_step) + ": " + r.error);
     if (!r.params_finite && !e.params_finite) reason("non-finite parameters at the end");
@@ -327,6 +342,7 @@ const char* to_string(Outcome o) {
     case Outcome::kHeld: return "held";
     case Outcome::kBroke: return "broke";
     case Outcome::kBrokeEarly: return "broke early";
+    case Outcome::kNotExercised: return "not exercised";
   }
   return "?";
 }
@@ -335,7 +351,10 @@ Outcome ScenarioResult::outcome_kind() const {
   if (broke) return Outcome::kBroke;
   const bool early = expected_to_break && std::any_of(breakage.begin(), breakage.end(),
                                                       [&](const Breakage& x) { return x.step < fault_step; });
-  return early ? Outcome::kBrokeEarly : Outcome::kHeld;
+  if (early) return Outcome::kBrokeEarly;
+  const bool idle = std::any_of(checks.begin(), checks.end(),
+                                [&](const ExpectationCheck& c) { return says_not_exercised(c, raised); });
+  return idle ? Outcome::kNotExercised : Outcome::kHeld;
 }
 
 const char* to_string(BreakKind kind) {

@@ -163,6 +163,58 @@ TEST(Verdict, BreakageBeforeTheFaultDoesNotCount) {
   EXPECT_EQ(r.outcome(), "held") << why(r);
 }
 
+// --- the outcome says what the run did, the verdict what that proves ---------------------------
+
+// A scenario expecting to hold whose fault or defense never acted did not break: its outcome is
+// "not exercised" (and the verdict FAILED), not "broke". Controls: the same fault acting on an
+// undefended run broke; a defense that acted more than allowed (max_skipped_steps) held and failed.
+TEST(Verdict, AHeldScenarioWhoseFaultOrDefenseNeverActedIsNotExercised) {
+  const std::string skip = "defenses: {skip_nonfinite: true}\n";
+  const struct {
+    std::string text;
+    std::string failed_check;
+  } idle[] = {
+      // the learning-rate spike is due on a step the defense skipped (the NaN gradient's)
+      {skip + "injections: [{type: grad_nonfinite, step: 3}, {type: lr_spike, step: 3, factor: 1.0e6}]\n"
+              "expect: {params_finite: true}\n",
+       "injection_fired"},
+      // no fault, and the defense was expected to skip
+      {skip + "expect: {params_finite: true, min_skipped_steps: 1}\n", "min_skipped_steps"},
+      // a raise expected (clipping refusing an infinite norm) that never came: no fault
+      {"defenses: {clip: {max_norm: 1.0, error_if_nonfinite: true}}\nexpect: {raises: true}\n", "raises"},
+  };
+  for (const auto& c : idle) {
+    const ScenarioResult r = run_scenario(with(c.text));
+    EXPECT_FALSE(r.passed) << c.text << why(r);
+    EXPECT_FALSE(r.broke) << c.text << why(r);
+    EXPECT_EQ(r.outcome_kind(), Outcome::kNotExercised) << c.text << why(r);
+    EXPECT_EQ(r.outcome(), "not exercised");
+    EXPECT_EQ(ScenarioResult::from_json(r.to_json()).outcome(), "not exercised");
+    const ExpectationCheck* failed = find_check(r, c.failed_check);
+    ASSERT_NE(failed, nullptr) << c.text << why(r);
+    EXPECT_FALSE(failed->passed);
+  }
+  // Control: the fault acts and nothing defends: broke.
+  ScenarioResult r =
+      run_scenario(with("injections: [{type: grad_nonfinite, step: 2}]\nexpect: {params_finite: true}\n"));
+  EXPECT_TRUE(r.broke) << why(r);
+  EXPECT_EQ(r.outcome(), "broke");
+  EXPECT_EQ(ScenarioResult::from_json(r.to_json()).outcome(), "broke");
+  // Control: a defense that skipped more than allowed held the run, and failed its expectation.
+  r = run_scenario(with(
+      skip + "injections: [{type: grad_nonfinite, step: 2}]\nexpect: {params_finite: true, max_skipped_steps: 0}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_TRUE(has_reason(r, "max_skipped_steps: expected <= 0, got 1")) << why(r);
+  EXPECT_EQ(r.outcome(), "held") << why(r);
+  // Control: the raise it asked for, with another message: broke.
+  r = run_scenario(with("defenses: {clip: {max_norm: 1.0, error_if_nonfinite: true}}\n"
+                        "injections: [{type: grad_nonfinite, step: 2, mode: inf}]\n"
+                        "expect: {raises: true, raises_match: 'no such message'}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_TRUE(r.raised);
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+}
+
 // --- "held" means training went on -----------------------------------------------------------
 
 TEST(Verdict, HeldNeedsTrainingToGoOnAfterTheFault) {

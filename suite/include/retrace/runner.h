@@ -79,9 +79,12 @@ struct StepNote {
 enum class Outcome {
   kHeld,
   kBroke,
-  kBrokeEarly,  // a negative control broken only before its fault's step
+  kBrokeEarly,    // a negative control broken only before its fault's step
+  kNotExercised,  // nothing broke, but the fault or the defense never acted: an injection entry
+                  // that did not fire, a defense's expected action that did not happen
+                  // (min_skipped_steps, min_scale_*, min_rollbacks, a raise expected and not raised)
 };
-const char* to_string(Outcome o);  // "held", "broke", "broke early"
+const char* to_string(Outcome o);  // "held", "broke", "broke early", "not exercised"
 
 // One entry of the scenario's injection list, and what became of it in the run.
 struct InjectionTally {
@@ -162,16 +165,20 @@ struct ScenarioResult {
 
   // Verdict.
   std::vector<ExpectationCheck> checks;
-  // A scenario that expects to hold broke when it raised (unless expect.raises), ended with
-  // non-finite parameters or failed any check. A negative control broke when some breakage
-  // counts: at or after fault_step, of the kinds its expectations name.
+  // A scenario that expects to hold broke when it raised (unless expect.raises, and then when it
+  // raised another message), ended with non-finite parameters or failed a check of what breaks
+  // (params_finite, loss_finite, final_loss_below, recompute_bitwise, min_applied_steps). A
+  // negative control broke when some breakage counts: at or after fault_step, of the kinds its
+  // expectations name.
   bool broke = false;
   bool expected_to_break = false;  // expect.diverges (a negative control)
   bool passed = false;
   std::vector<std::string> reasons;  // why it did not pass, one line each (empty when it passed)
 
-  // held, broke, or broke early: a negative control whose only breakage came before its fault's
-  // step (it showed nothing about the fault, and the run did not hold either).
+  // held, broke, broke early (a negative control whose only breakage came before its fault's
+  // step: it showed nothing about the fault, and the run did not hold either), or not exercised
+  // (nothing broke, and a check says the fault or the defense never acted: such a run held
+  // nothing, whatever it expected).
   Outcome outcome_kind() const;
   std::string outcome() const { return to_string(outcome_kind()); }
   // The notes of one kind, in step order.
