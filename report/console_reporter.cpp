@@ -42,7 +42,8 @@ std::string failure_details(const ScenarioResult& r, const std::string& indent) 
   std::string out;
   for (const std::string& why : r.reasons) out += indent + "- " + why + "\n";
   for (const ExpectationCheck& c : r.checks) {
-    out += indent + (c.passed ? "  " : "! ") + c.name + ": expected " + c.expected + ", observed " + c.observed + "\n";
+    out +=
+        indent + (c.passed ? "  " : "! ") + c.name() + ": expected " + c.expected + ", observed " + c.observed + "\n";
   }
   if (!r.replay_report.empty()) out += indent + "replay: " + r.replay_report + "\n";
   return out;

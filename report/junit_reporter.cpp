@@ -40,7 +40,7 @@ std::string junit_xml(const std::vector<ScenarioResult>& results, double seconds
       for (const std::string& why : r.reasons) msg += (msg.empty() ? "" : "; ") + why;
       os << "      <failure message=\"" << xml_escape(msg) << "\">";
       for (const ExpectationCheck& c : r.checks) {
-        os << xml_escape(c.name + ": expected " + c.expected + ", observed " + c.observed +
+        os << xml_escape(std::string(c.name()) + ": expected " + c.expected + ", observed " + c.observed +
                          (c.passed ? "" : "  <-- failed"))
            << "\n";
       }

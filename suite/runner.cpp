@@ -36,8 +36,8 @@ double from_num(const nlohmann::json& j) {
   return number_from_json(j).value_or(std::numeric_limits<double>::quiet_NaN());
 }
 
-void check(ScenarioResult& r, const char* name, std::string expected, std::string observed, bool passed) {
-  r.checks.push_back({name, std::move(expected), std::move(observed), passed});
+void check(ScenarioResult& r, CheckKind kind, std::string expected, std::string observed, bool passed) {
+  r.checks.push_back({kind, std::move(expected), std::move(observed), passed});
 }
 
 std::string steps_text(const std::vector<std::int64_t>& steps) {
@@ -73,20 +73,10 @@ class RunObserver : public SegmentObserver {
   std::vector<std::string> names_;
 };
 
-// The checks whose failure is a fault getting through (a negative control's evidence); every
-// other check describes the run and must pass in a control too.
-bool is_evidence_check(const std::string& name) {
-  return name == "params_finite" || name == "loss_finite" || name == "final_loss_below" ||
-         name == "recompute_bitwise" || name == "min_applied_steps";
-}
-
-// A failed check that says the fault or the defense never acted: an injection that did not fire,
-// a defense action the scenario expected that did not happen (a raise included, when none came).
+// A failed check that says the fault or the defense never acted (CheckRole::kExercise); a raise
+// expected counts only when none came (another raise broke the run).
 bool says_not_exercised(const ExpectationCheck& c, bool raised) {
-  if (c.passed) return false;
-  return c.name == "injection_fired" || c.name == "injections_fired" || c.name == "min_skipped_steps" ||
-         c.name == "min_scale_backoffs" || c.name == "min_scale_growths" || c.name == "min_rollbacks" ||
-         (c.name == "raises" && !raised);
+  return !c.passed && role_of(c.kind) == CheckRole::kExercise && !(c.kind == CheckKind::kRaises && raised);
 }
 
 // "steps A..B": the final window the final loss averages (or that the run never reached it).
@@ -104,32 +94,32 @@ void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
   auto b = [](bool v) { return std::string(v ? "true" : "false"); };
   const std::string window = final_window(r);
   if (e.params_finite)
-    check(r, "params_finite", b(*e.params_finite), b(r.params_finite), r.params_finite == *e.params_finite);
+    check(r, CheckKind::kParamsFinite, b(*e.params_finite), b(r.params_finite), r.params_finite == *e.params_finite);
   if (e.loss_finite) {
     // Vacuous when every step at the end was skipped: then no loss at the end was looked at.
     const bool looked = !std::isnan(r.final_loss) || !r.all_losses_finite;
     const bool finite = r.all_losses_finite && looked;
-    check(r, "loss_finite", b(*e.loss_finite), looked ? b(r.all_losses_finite) : "no applied step in " + window,
-          finite == *e.loss_finite);
+    check(r, CheckKind::kLossFinite, b(*e.loss_finite),
+          looked ? b(r.all_losses_finite) : "no applied step in " + window, finite == *e.loss_finite);
   }
   if (e.max_skipped_steps) {
-    check(r, "max_skipped_steps", "<= " + std::to_string(*e.max_skipped_steps), std::to_string(r.skipped_steps),
+    check(r, CheckKind::kMaxSkippedSteps, "<= " + std::to_string(*e.max_skipped_steps), std::to_string(r.skipped_steps),
           r.skipped_steps <= *e.max_skipped_steps);
   }
   if (e.min_skipped_steps) {
-    check(r, "min_skipped_steps", ">= " + std::to_string(*e.min_skipped_steps), std::to_string(r.skipped_steps),
+    check(r, CheckKind::kMinSkippedSteps, ">= " + std::to_string(*e.min_skipped_steps), std::to_string(r.skipped_steps),
           r.skipped_steps >= *e.min_skipped_steps);
   }
   if (e.min_scale_backoffs) {
-    check(r, "min_scale_backoffs", ">= " + std::to_string(*e.min_scale_backoffs), std::to_string(r.scale_backoffs),
-          r.scale_backoffs >= *e.min_scale_backoffs);
+    check(r, CheckKind::kMinScaleBackoffs, ">= " + std::to_string(*e.min_scale_backoffs),
+          std::to_string(r.scale_backoffs), r.scale_backoffs >= *e.min_scale_backoffs);
   }
   if (e.min_scale_growths) {
-    check(r, "min_scale_growths", ">= " + std::to_string(*e.min_scale_growths), std::to_string(r.scale_growths),
+    check(r, CheckKind::kMinScaleGrowths, ">= " + std::to_string(*e.min_scale_growths), std::to_string(r.scale_growths),
           r.scale_growths >= *e.min_scale_growths);
   }
   if (e.min_rollbacks) {
-    check(r, "min_rollbacks", ">= " + std::to_string(*e.min_rollbacks), std::to_string(r.rollbacks),
+    check(r, CheckKind::kMinRollbacks, ">= " + std::to_string(*e.min_rollbacks), std::to_string(r.rollbacks),
           r.rollbacks >= *e.min_rollbacks);
   }
   if (e.final_loss_below) {
@@ -142,7 +132,7 @@ void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
     while (digits < 17 && r.final_loss != *e.final_loss_below &&
            number_text(r.final_loss, digits) == number_text(*e.final_loss_below, digits))
       ++digits;
-    check(r, "final_loss_below", "< " + number_text(*e.final_loss_below, digits) + " (" + window + ")",
+    check(r, CheckKind::kFinalLossBelow, "< " + number_text(*e.final_loss_below, digits) + " (" + window + ")",
           any_applied ? number_text(r.final_loss, digits) : "no applied step in " + window,
           std::isfinite(r.final_loss) && r.final_loss < *e.final_loss_below);
   }
@@ -154,24 +144,24 @@ void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
     const std::string span = "of steps " + std::to_string(r.fault_step) + ".." + std::to_string(r.last_step);
     std::string observed = std::to_string(r.applied_from_fault) + " applied";
     if (e.min_applied_steps) {
-      check(r, "min_applied_steps", ">= " + std::to_string(*e.min_applied_steps) + " applied " + span, observed,
+      check(r, CheckKind::kMinAppliedSteps, ">= " + std::to_string(*e.min_applied_steps) + " applied " + span, observed,
             r.applied_from_fault >= *e.min_applied_steps);
     } else {
       const std::int64_t half = (after + 1) / 2;
       if (!r.last_step_applied) observed += ", the last skipped";
-      check(r, "min_applied_steps", ">= " + std::to_string(half) + " applied " + span + ", the last among them",
+      check(r, CheckKind::kMinAppliedSteps, ">= " + std::to_string(half) + " applied " + span + ", the last among them",
             observed, r.applied_from_fault >= half && r.last_step_applied);
     }
   }
   if (e.recompute_bitwise) {
     const bool bitwise = r.silent_recompute_mismatches == 0;
-    check(r, "recompute_bitwise", b(*e.recompute_bitwise),
+    check(r, CheckKind::kRecomputeBitwise, b(*e.recompute_bitwise),
           b(bitwise) + " (" + std::to_string(r.silent_recompute_mismatches) + " applied, " +
               std::to_string(r.caught_recompute_mismatches) + " caught)",
           bitwise == *e.recompute_bitwise);
   }
   if (e.replay_bitwise) {
-    check(r, "replay_bitwise", b(*e.replay_bitwise),
+    check(r, CheckKind::kReplayBitwise, b(*e.replay_bitwise),
           r.replayed ? b(r.replay_bitwise)
                      : "not replayed (" +
                            (r.harness_error ? std::string("the run never reached its fault") : r.replay_report) + ")",
@@ -179,7 +169,7 @@ void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
   }
   if (e.injections_fired) {
     const std::size_t fired = r.notes_of(StepNoteKind::kInjected).size();
-    check(r, "injections_fired", b(*e.injections_fired), std::to_string(fired) + " fired",
+    check(r, CheckKind::kInjectionsFired, b(*e.injections_fired), std::to_string(fired) + " fired",
           (fired == 0) != *e.injections_fired);
   }
   // Every injection entry must have fired on a step it was due: an injection that did nothing
@@ -215,10 +205,11 @@ void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
         observed +=
             "; segment '" + in.segment + "' never ran (the segments that ran: " + (seen.empty() ? "none" : seen) + ")";
       }
-      check(r, "injection_fired", what + " (due at step " + steps_text(t.due) + ")", observed, false);
+      check(r, CheckKind::kInjectionFired, what + " (due at step " + steps_text(t.due) + ")", observed, false);
     } else if (!(r.raised && raise_expected && !e.diverges)) {
       const std::int64_t last_due = in.step + in.duration - 1;
-      check(r, "injection_fired", what + " (steps " + std::to_string(in.step) + ".." + std::to_string(last_due) + ")",
+      check(r, CheckKind::kInjectionFired,
+            what + " (steps " + std::to_string(in.step) + ".." + std::to_string(last_due) + ")",
             in.step > r.last_step ? "the run stopped at step " + std::to_string(r.last_step)
                                   : "due on no step (probability " + fmt(in.probability) + ")",
             false);
@@ -226,7 +217,7 @@ void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
   }
   if (e.raises) {
     const bool matches = e.raises_match.empty() || r.error.find(e.raises_match) != std::string::npos;
-    check(r, "raises", b(*e.raises) + (e.raises_match.empty() ? "" : " with '" + e.raises_match + "'"),
+    check(r, CheckKind::kRaises, b(*e.raises) + (e.raises_match.empty() ? "" : " with '" + e.raises_match + "'"),
           r.raised ? "raised: " + r.error : "did not raise", r.raised == *e.raises && (!r.raised || matches));
   }
 }
@@ -234,9 +225,9 @@ void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
 // What broke, and when: r.breakage, from the run and its failed checks.
 void find_breakage(const ExpectSpec& e, ScenarioResult& r) {
   const bool raise_expected = e.raises.value_or(false);
-  auto failed = [&](const char* name) {
+  auto failed = [&](CheckKind kind) {
     return std::any_of(r.checks.begin(), r.checks.end(),
-                       [&](const ExpectationCheck& c) { return c.name == name && !c.passed; });
+                       [&](const ExpectationCheck& c) { return c.kind == kind && !c.passed; });
   };
   auto add = [&](BreakKind kind, std::int64_t step, std::string detail, bool accepted) {
     r.breakage.push_back({kind, step, std::move(detail), accepted && step >= r.fault_step});
@@ -245,22 +236,22 @@ void find_breakage(const ExpectSpec& e, ScenarioResult& r) {
     add(BreakKind::kNonFiniteParams, r.nonfinite_params_since,
         "parameters non-finite from step " + std::to_string(r.nonfinite_params_since) + " on", true);
   }
-  if (failed("loss_finite") && r.first_nonfinite_loss_step > 0) {
+  if (failed(CheckKind::kLossFinite) && r.first_nonfinite_loss_step > 0) {
     add(BreakKind::kNonFiniteLoss, r.first_nonfinite_loss_step,
         "step " + std::to_string(r.first_nonfinite_loss_step) + " applied a non-finite loss", true);
   }
-  if (failed("final_loss_below")) {
+  if (failed(CheckKind::kFinalLossBelow)) {
     add(BreakKind::kFinalLoss, r.last_step,
         "final loss " + fmt(r.final_loss) + " (" + final_window(r) + "), expected below " + fmt(*e.final_loss_below),
         true);
   }
-  if (failed("recompute_bitwise") && r.first_silent_mismatch_step > 0) {
+  if (failed(CheckKind::kRecomputeBitwise) && r.first_silent_mismatch_step > 0) {
     add(BreakKind::kSilentRecompute, r.first_silent_mismatch_step,
         "step " + std::to_string(r.first_silent_mismatch_step) +
             " applied gradients from a recompute that was not bitwise",
         true);
   }
-  if (e.diverges && failed("min_applied_steps")) {
+  if (e.diverges && failed(CheckKind::kMinAppliedSteps)) {
     add(BreakKind::kNoProgress, r.last_step,
         std::to_string(r.applied_from_fault) + " of steps " + std::to_string(r.fault_step) + ".." +
             std::to_string(r.last_step) + " applied, expected at least " + std::to_string(*e.min_applied_steps),
@@ -269,7 +260,7 @@ void find_breakage(const ExpectSpec& e, ScenarioResult& r) {
   if (r.raised && !r.harness_error) {
     // For a control the raise is evidence only when it asked for it (and it matched).
     add(BreakKind::kRaised, r.raised_at_step, "step " + std::to_string(r.raised_at_step) + " raised: " + r.error,
-        e.diverges && raise_expected && !failed("raises"));
+        e.diverges && raise_expected && !failed(CheckKind::kRaises));
   }
 }
 
@@ -286,16 +277,17 @@ void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
     // a check of what breaks. A check that fails otherwise (an injection that never fired,
     // max_skipped_steps, replay_bitwise) fails the verdict, not the run.
     const bool wrong_raise = r.raised && std::any_of(r.checks.begin(), r.checks.end(), [](const ExpectationCheck& c) {
-                               return c.name == "raises" && !c.passed;
+                               return c.kind == CheckKind::kRaises && !c.passed;
                              });
     r.broke = (r.raised && !raise_expected) || wrong_raise || !r.params_finite ||
-              std::any_of(r.checks.begin(), r.checks.end(),
-                          [](const ExpectationCheck& c) { return !c.passed && is_evidence_check(c.name); });
+              std::any_of(r.checks.begin(), r.checks.end(), [](const ExpectationCheck& c) {
+                return !c.passed && role_of(c.kind) == CheckRole::kBreakage;
+              });
     if (r.raised && !raise_expected && !r.harness_error)
       reason("raised at step " + std::to_string(r.raised_at_step) + ": " + r.error);
     if (!r.params_finite && !e.params_finite) reason("non-finite parameters at the end");
     for (const ExpectationCheck& c : r.checks) {
-      if (!c.passed) reason(c.name + ": expected " + c.expected + ", got " + c.observed);
+      if (!c.passed) reason(std::string(c.name()) + ": expected " + c.expected + ", got " + c.observed);
     }
   } else {
     r.broke = std::any_of(r.breakage.begin(), r.breakage.end(), [](const Breakage& x) { return x.counts; });
@@ -311,8 +303,8 @@ void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
                "or the raise that expect.raises names)");
       }
       for (const ExpectationCheck& c : r.checks) {
-        if (!c.passed && !is_evidence_check(c.name))
-          reason(c.name + ": expected " + c.expected + ", got " + c.observed);
+        if (!c.passed && role_of(c.kind) != CheckRole::kBreakage)
+          reason(std::string(c.name()) + ": expected " + c.expected + ", got " + c.observed);
       }
       if (!r.broke) {
         std::string early;
@@ -357,6 +349,46 @@ Outcome ScenarioResult::outcome_kind() const {
   return idle ? Outcome::kNotExercised : Outcome::kHeld;
 }
 
+const char* to_string(CheckKind kind) {
+  switch (kind) {
+    case CheckKind::kParamsFinite: return "params_finite";
+    case CheckKind::kLossFinite: return "loss_finite";
+    case CheckKind::kMaxSkippedSteps: return "max_skipped_steps";
+    case CheckKind::kMinSkippedSteps: return "min_skipped_steps";
+    case CheckKind::kMinScaleBackoffs: return "min_scale_backoffs";
+    case CheckKind::kMinScaleGrowths: return "min_scale_growths";
+    case CheckKind::kMinRollbacks: return "min_rollbacks";
+    case CheckKind::kFinalLossBelow: return "final_loss_below";
+    case CheckKind::kMinAppliedSteps: return "min_applied_steps";
+    case CheckKind::kRecomputeBitwise: return "recompute_bitwise";
+    case CheckKind::kReplayBitwise: return "replay_bitwise";
+    case CheckKind::kInjectionsFired: return "injections_fired";
+    case CheckKind::kInjectionFired: return "injection_fired";
+    case CheckKind::kRaises: return "raises";
+  }
+  return "?";
+}
+
+CheckRole role_of(CheckKind kind) {
+  switch (kind) {
+    case CheckKind::kParamsFinite:
+    case CheckKind::kLossFinite:
+    case CheckKind::kFinalLossBelow:
+    case CheckKind::kRecomputeBitwise:
+    case CheckKind::kMinAppliedSteps: return CheckRole::kBreakage;
+    case CheckKind::kInjectionFired:
+    case CheckKind::kInjectionsFired:
+    case CheckKind::kMinSkippedSteps:
+    case CheckKind::kMinScaleBackoffs:
+    case CheckKind::kMinScaleGrowths:
+    case CheckKind::kMinRollbacks:
+    case CheckKind::kRaises: return CheckRole::kExercise;
+    case CheckKind::kMaxSkippedSteps:
+    case CheckKind::kReplayBitwise: return CheckRole::kOther;
+  }
+  return CheckRole::kOther;
+}
+
 const char* to_string(BreakKind kind) {
   switch (kind) {
     case BreakKind::kNonFiniteParams: return "non_finite_params";
@@ -399,6 +431,21 @@ BreakKind parse_break_kind(const std::string& name) {
     if (name == to_string(k)) return k;
   }
   throw Error("unknown breakage kind '" + name + "' in a scenario result");
+}
+
+constexpr CheckKind kCheckKinds[] = {
+    CheckKind::kParamsFinite,     CheckKind::kLossFinite,       CheckKind::kMaxSkippedSteps,
+    CheckKind::kMinSkippedSteps,  CheckKind::kMinScaleBackoffs, CheckKind::kMinScaleGrowths,
+    CheckKind::kMinRollbacks,     CheckKind::kFinalLossBelow,   CheckKind::kMinAppliedSteps,
+    CheckKind::kRecomputeBitwise, CheckKind::kReplayBitwise,    CheckKind::kInjectionsFired,
+    CheckKind::kInjectionFired,   CheckKind::kRaises,
+};
+
+CheckKind parse_check_kind(const std::string& name) {
+  for (CheckKind k : kCheckKinds) {
+    if (name == to_string(k)) return k;
+  }
+  throw Error("unknown check '" + name + "' in a scenario result");
 }
 }  // namespace
 
@@ -851,7 +898,8 @@ nlohmann::json ScenarioResult::to_json() const {
   j["reasons"] = reasons;
   j["checks"] = nlohmann::json::array();
   for (const ExpectationCheck& c : checks) {
-    j["checks"].push_back({{"name", c.name}, {"expected", c.expected}, {"observed", c.observed}, {"passed", c.passed}});
+    j["checks"].push_back(
+        {{"name", c.name()}, {"expected", c.expected}, {"observed", c.observed}, {"passed", c.passed}});
   }
   return j;
 }
@@ -935,8 +983,10 @@ ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
                           x.at("detail").get<std::string>(), x.at("counts").get<bool>()});
   }
   r.reasons = j.at("reasons").get<std::vector<std::string>>();
-  for (const auto& c : j.at("checks"))
-    r.checks.push_back({c.at("name"), c.at("expected"), c.at("observed"), c.at("passed")});
+  for (const auto& c : j.at("checks")) {
+    r.checks.push_back(
+        {parse_check_kind(c.at("name").get<std::string>()), c.at("expected"), c.at("observed"), c.at("passed")});
+  }
   return r;
 }
 

@@ -152,7 +152,7 @@ TEST(Report, EveryScenarioGetsItsChartsAndAMatrixRow) {
   crashed.error = "the scenario's process died by signal 9 (Killed)";
   results.push_back(crashed);
   ScenarioResult hostile = result("<script>alert(\"x\")</script>", steps_with_losses({4.0, kNaN}), false);
-  hostile.checks.push_back({"final_loss_below", "< 3 & <b>", "nan", false});
+  hostile.checks.push_back({CheckKind::kFinalLossBelow, "< 3 & <b>", "nan", false});
   hostile.reasons.push_back("final_loss_below: expected < 3 & <b>, got nan");  // as evaluate() words it
   results.push_back(hostile);
 

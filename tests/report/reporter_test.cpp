@@ -21,7 +21,7 @@ ScenarioResult passed_result() {
   r.defense = "skip_nonfinite";
   r.passed = true;
   r.seconds = 1.25;
-  r.checks.push_back({"params_finite", "true", "true", true});
+  r.checks.push_back({CheckKind::kParamsFinite, "true", "true", true});
   r.notes = {{3, StepNoteKind::kInjected, "grad_nonfinite grad.w: element 4 = nan"},
              {3, StepNoteKind::kSkipped, "non-finite gradients"}};
   return r;
@@ -35,8 +35,8 @@ ScenarioResult failed_result() {
   r.broke = true;
   r.passed = false;
   r.seconds = 2.0;
-  r.checks.push_back({"params_finite", "true", "false", false});
-  r.checks.push_back({"max_skipped_steps", "<= 1", "0", true});
+  r.checks.push_back({CheckKind::kParamsFinite, "true", "false", false});
+  r.checks.push_back({CheckKind::kMaxSkippedSteps, "<= 1", "0", true});
   r.reasons = {"params_finite: expected true, got false", "raised at step 4: boom"};
   r.replay_report = "step 2 differs";
   return r;

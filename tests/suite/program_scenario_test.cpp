@@ -35,7 +35,7 @@ ScenarioSpec program_scenario(const std::string& body) {
 std::string why(const ScenarioResult& r) {
   std::string out = r.verdict() + (r.error.empty() ? "" : " error: " + r.error) + "\n";
   for (const ExpectationCheck& c : r.checks)
-    out += "  " + c.name + ": " + c.expected + " / " + c.observed + (c.passed ? "" : " FAILED") + "\n";
+    out += "  " + std::string(c.name()) + ": " + c.expected + " / " + c.observed + (c.passed ? "" : " FAILED") + "\n";
   return out;
 }
 

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <cmath>
 #include <limits>
+#include <set>
 
 namespace retrace {
 namespace {
@@ -36,6 +37,46 @@ TEST(Runner, ResultsRoundTripThroughJson) {
   const nlohmann::json j = r.to_json();
   EXPECT_EQ(j.at("skip_reasons"), nlohmann::json::array({"step 3: non-finite gradients"}));
   EXPECT_EQ(j.at("notes").at(1), (nlohmann::json{{"step", 3}, {"kind", "skipped"}, {"text", "non-finite gradients"}}));
+  // A check's name is its kind: one the reader does not know is an error, not a check of no kind.
+  ASSERT_FALSE(r.checks.empty());
+  EXPECT_EQ(j.at("checks").at(0).at("name"), r.checks[0].name());
+  EXPECT_EQ(back.checks[0].kind, r.checks[0].kind);
+  nlohmann::json unknown = j;
+  unknown["checks"][0]["name"] = "params_finit";
+  try {
+    ScenarioResult::from_json(unknown);
+    ADD_FAILURE() << "an unknown check was read";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown check 'params_finit'"), std::string::npos) << e.what();
+  }
+}
+
+// Every check kind has its `expect` key as its name, and a role: the verdict's rules ask the role,
+// not the name.
+TEST(Runner, EveryCheckKindHasANameAndARole) {
+  const std::pair<CheckKind, CheckRole> kinds[] = {
+      {CheckKind::kParamsFinite, CheckRole::kBreakage},     {CheckKind::kLossFinite, CheckRole::kBreakage},
+      {CheckKind::kMaxSkippedSteps, CheckRole::kOther},     {CheckKind::kMinSkippedSteps, CheckRole::kExercise},
+      {CheckKind::kMinScaleBackoffs, CheckRole::kExercise}, {CheckKind::kMinScaleGrowths, CheckRole::kExercise},
+      {CheckKind::kMinRollbacks, CheckRole::kExercise},     {CheckKind::kFinalLossBelow, CheckRole::kBreakage},
+      {CheckKind::kMinAppliedSteps, CheckRole::kBreakage},  {CheckKind::kRecomputeBitwise, CheckRole::kBreakage},
+      {CheckKind::kReplayBitwise, CheckRole::kOther},       {CheckKind::kInjectionsFired, CheckRole::kExercise},
+      {CheckKind::kInjectionFired, CheckRole::kExercise},   {CheckKind::kRaises, CheckRole::kExercise},
+  };
+  std::set<std::string> names;
+  for (const auto& [kind, role] : kinds) {
+    EXPECT_EQ(role_of(kind), role) << to_string(kind);
+    EXPECT_NE(std::string(to_string(kind)), "?");
+    names.insert(to_string(kind));
+  }
+  EXPECT_EQ(names.size(), std::size(kinds));
+  // The names are the expect keys the scenario parser accepts (the automatic injection_fired aside).
+  for (const std::string& n : names) {
+    if (n == "injection_fired") continue;
+    const std::string value = n == "final_loss_below" ? "1.0" : (n.rfind("m", 0) == 0 ? "1" : "true");
+    EXPECT_NO_THROW(with("expect: {" + n + ": " + value + "}\n")) << n;
+  }
+  EXPECT_THROW(with("expect: {params_finit: true}\n"), Error);  // the control: a name it does not know
 }
 
 TEST(Runner, StabilityFiguresCountASkippedStepAsDisturbed) {
@@ -96,11 +137,11 @@ TEST(Runner, AnInjectionThatNeverFiresFailsTheScenario) {
                                        "expect: {params_finite: true}\n"));
   EXPECT_FALSE(r.passed);
   bool named = false;
-  for (const ExpectationCheck& c : r.checks) named = named || (c.name == "injection_fired" && !c.passed);
+  for (const ExpectationCheck& c : r.checks) named = named || (c.kind == CheckKind::kInjectionFired && !c.passed);
   EXPECT_TRUE(named);
   r = run_scenario(with("injections: [{type: bit_flip, step: 2, target: optimizer, bit: 30}]\n"
                         "expect: {params_finite: true, diverges: true}\n"));
-  for (const ExpectationCheck& c : r.checks) EXPECT_NE(c.name, "injection_fired");  // it fired at step 2
+  for (const ExpectationCheck& c : r.checks) EXPECT_NE(c.kind, CheckKind::kInjectionFired);  // it fired at step 2
 }
 
 // An LR spike due on a step that validate_batch skips (its batch corrupted by another entry) never
@@ -120,7 +161,7 @@ TEST(Runner, AnLrSpikeOnASkippedStepDidNotFire) {
   EXPECT_FALSE(r.passed);
   const ExpectationCheck* fired = nullptr;
   for (const ExpectationCheck& c : r.checks) {
-    if (c.name == "injection_fired" && !c.passed) fired = &c;
+    if (c.kind == CheckKind::kInjectionFired && !c.passed) fired = &c;
   }
   ASSERT_NE(fired, nullptr) << r.verdict();
   EXPECT_EQ(fired->expected, "injections[0] lr_spike fires (due at step 3)");
@@ -128,7 +169,7 @@ TEST(Runner, AnLrSpikeOnASkippedStepDidNotFire) {
             "did not fire; every step it was due on was skipped before it could act: step 3 (invalid batch: token ids "
             "outside the vocabulary in 'input')");
   r = run_scenario(sgd("injections: [{type: lr_spike, step: 3, factor: 1.0e6}]\nexpect: {params_finite: true}\n"));
-  for (const ExpectationCheck& c : r.checks) EXPECT_NE(c.name, "injection_fired") << c.observed;
+  for (const ExpectationCheck& c : r.checks) EXPECT_NE(c.kind, CheckKind::kInjectionFired) << c.observed;
   ASSERT_FALSE(r.injections.empty());
   EXPECT_EQ(r.injections[0].fired, (std::vector<std::int64_t>{3}));
 }
@@ -148,7 +189,7 @@ TEST(Runner, ASegmentInsideARangeIsNotSaidToHaveNeverRun) {
                                               "expect: {params_finite: true}\n"));
   bool said = false;
   for (const ExpectationCheck& c : r.checks) {
-    if (c.name != "injection_fired") continue;
+    if (c.kind != CheckKind::kInjectionFired) continue;
     said = true;
     EXPECT_EQ(c.observed.find("never ran"), std::string::npos) << c.observed;
     EXPECT_NE(c.observed.find("skipped before it could act: step 3"), std::string::npos) << c.observed;

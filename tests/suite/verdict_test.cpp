@@ -29,7 +29,7 @@ using test::with;
 std::string why(const ScenarioResult& r) {
   std::string out = r.verdict() + "\n";
   for (const ExpectationCheck& c : r.checks)
-    out += "  " + c.name + ": " + c.expected + " / " + c.observed + (c.passed ? "" : " FAILED") + "\n";
+    out += "  " + std::string(c.name()) + ": " + c.expected + " / " + c.observed + (c.passed ? "" : " FAILED") + "\n";
   return out;
 }
 
@@ -40,7 +40,7 @@ bool has_reason(const ScenarioResult& r, const std::string& text) {
 
 const ExpectationCheck* find_check(const ScenarioResult& r, const std::string& name) {
   for (const ExpectationCheck& c : r.checks) {
-    if (c.name == name) return &c;
+    if (c.name() == name) return &c;
   }
   return nullptr;
 }

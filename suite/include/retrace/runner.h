@@ -31,11 +31,44 @@ struct StepPoint {
   bool rolled_back = false;  // a rollback restored an earlier step-start state
 };
 
+// The checks a run is judged by (docs/scenarios.md, "Expectations and the verdict"): one per
+// `expect` key that makes one, plus the automatic progress (kMinAppliedSteps) and per-entry
+// injection (kInjectionFired) checks.
+enum class CheckKind {
+  kParamsFinite,
+  kLossFinite,
+  kMaxSkippedSteps,
+  kMinSkippedSteps,
+  kMinScaleBackoffs,
+  kMinScaleGrowths,
+  kMinRollbacks,
+  kFinalLossBelow,
+  kMinAppliedSteps,
+  kRecomputeBitwise,
+  kReplayBitwise,
+  kInjectionsFired,
+  kInjectionFired,
+  kRaises,
+};
+const char* to_string(CheckKind kind);  // "params_finite", ...: the `expect` key and the JSON's name
+
+// What a failed check says of the run.
+enum class CheckRole {
+  kBreakage,  // a fault got through (a negative control's evidence; a held scenario broke):
+              // params_finite, loss_finite, final_loss_below, recompute_bitwise, min_applied_steps
+  kExercise,  // the fault or the defense never acted (outcome "not exercised"): injection_fired,
+              // injections_fired, min_skipped_steps, min_scale_backoffs, min_scale_growths,
+              // min_rollbacks, raises (when nothing was raised; a wrong raise breaks)
+  kOther,     // describes the run: max_skipped_steps, replay_bitwise
+};
+CheckRole role_of(CheckKind kind);
+
 struct ExpectationCheck {
-  std::string name;      // "params_finite", "max_skipped_steps", ...
+  CheckKind kind = CheckKind::kParamsFinite;
   std::string expected;  // "true", "<= 1", "< 3.5"
   std::string observed;  // "false", "3", "4.12"
   bool passed = false;
+  const char* name() const { return to_string(kind); }
 };
 
 // What broke a run, and the first step that showed it: the evidence a negative control's verdict
