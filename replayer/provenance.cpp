@@ -4,6 +4,7 @@
 #include <retrace/verify.h>
 
 #include <ATen/record_function.h>
+#include <ATen/ExpandUtils.h>
 #include <ATen/ops/abs.h>
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/isnan.h>
@@ -58,6 +59,7 @@ struct Probe {
   struct Carrier {
     c10::weak_intrusive_ptr<c10::StorageImpl> keep;
     std::size_t given;
+    c10::ScalarType dtype;  // of the tensor that carried it (to read the storage at the end)
   };
   std::unordered_map<const c10::StorageImpl*, Carrier> carriers;
   std::optional<std::size_t> last_carried;  // the infinity the last carrying op carried on
@@ -296,9 +298,11 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
       const c10::Storage& storage = t.storage();
       const auto it = g_probe->carriers.find(storage.unsafeGetStorageImpl());
       if (it == g_probe->carriers.end()) {
-        g_probe->carriers.emplace(storage.unsafeGetStorageImpl(), Probe::Carrier{storage.getWeakStorageImpl(), given});
+        g_probe->carriers.emplace(storage.unsafeGetStorageImpl(),
+                                  Probe::Carrier{storage.getWeakStorageImpl(), given, t.scalar_type()});
       } else if (replace) {
         it->second.given = given;
+        it->second.dtype = t.scalar_type();
       }
     }
   };
@@ -312,24 +316,38 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
     return;
   }
   if (handed_given && !made_nan) {
-    // Carried on, unless it made an infinity where no input of its shape held one.
-    bool new_inf = false;
+    // Carried on -- unless it made infinities of its own: where no input it was handed (broadcast
+    // to the output's shape) held one, and more of them than those inputs held (a sort or a flip
+    // moves them, an overflow beside a mask adds some). Such infinities are its own, named if they
+    // are not absorbed, as an infinity by design is.
+    bool made_own = false;
     for (const at::Tensor& t : made) {
       if (!has_inf(t)) continue;
       at::Tensor covered;
+      std::int64_t held = 0;
       for (const at::Tensor& h : handed) {
-        if (h.sizes() != t.sizes()) continue;
-        covered = covered.defined() ? covered.logical_or(at::isinf(h)) : at::isinf(h);
+        if (!at::is_expandable_to(h.sizes(), t.sizes())) continue;
+        const at::Tensor inf = at::isinf(h).expand(t.sizes());
+        held += inf.sum().item<std::int64_t>();
+        covered = covered.defined() ? covered.logical_or(inf) : inf;
       }
-      if (covered.defined()) new_inf = new_inf || at::isinf(t).logical_and(covered.logical_not()).any().item<bool>();
+      if (!covered.defined()) continue;  // a reduction, a reshape: carried
+      const at::Tensor own = at::isinf(t);
+      made_own = made_own ||
+                 (own.logical_and(covered.logical_not()).any().item<bool>() && own.sum().item<std::int64_t>() > held);
     }
-    if (!new_inf) {
-      std::lock_guard<std::mutex> lock(g_probe->mutex);
+    std::lock_guard<std::mutex> lock(g_probe->mutex);
+    if (!made_own) {
       carry(*handed_given, /*replace=*/false);
       g_probe->last_carried = *handed_given;
       g_probe->last_carrier = fn.name();
       return;
     }
+    g_probe->given.push_back(describe_op(fn, self, nullptr, outputs, /*stats=*/true));
+    carry(g_probe->given.size() - 1, /*replace=*/true);
+    g_probe->last_carried = g_probe->given.size() - 1;
+    g_probe->last_carrier.clear();
+    return;
   }
   if (handed_given && made_nan) {
     // The infinity by design turned into a NaN here: its op is the first non-finite one.
@@ -374,7 +392,7 @@ class AfterBackwardFlag : public StepMonitor {
 }  // namespace
 
 std::optional<NonFiniteOrigin> find_first_nonfinite(Program& program, std::int64_t step,
-                                                    const std::vector<NamedTensor>& batch) {
+                                                    const std::vector<NamedTensor>& batch, bool known_nonfinite) {
   Probe probe;
   g_probe = &probe;
   const at::CallbackHandle handle =
@@ -392,10 +410,26 @@ std::optional<NonFiniteOrigin> find_first_nonfinite(Program& program, std::int64
   }
   at::removeCallback(handle);
   g_probe = nullptr;
-  // No op made a NaN or an infinity it was not given, yet the step is non-finite: an infinity by
-  // design that ops carried on to the end (the loss, a gradient norm, the parameters). Name the op
-  // that made the one carried last.
-  if (!probe.found && probe.last_carried) {
+  if (probe.found || !probe.last_carried) return probe.found;
+  // No op made a NaN or an infinity of its own: an infinity by design that no op absorbed. One
+  // that the step left behind (in the gradients, the parameters) is named first, the earliest
+  // such; else, when the step is known to be non-finite (its loss, its gradient norm), the one
+  // carried last. A step that raised with nothing left holding one gets no op: its raise was not
+  // about an infinity.
+  std::optional<std::size_t> left;
+  for (const auto& [impl, carrier] : probe.carriers) {
+    const c10::intrusive_ptr<c10::StorageImpl> alive = carrier.keep.lock();
+    if (!alive || (left && *left <= carrier.given)) continue;
+    const std::size_t item = c10::elementSize(carrier.dtype);
+    const auto numel = static_cast<std::int64_t>(alive->nbytes() / item);
+    if (numel == 0) continue;
+    at::Tensor t = at::empty({0}, at::TensorOptions().dtype(carrier.dtype).device(alive->device()));
+    t.set_(c10::Storage(alive), 0, {numel}, {1});
+    if (has_inf(t)) left = carrier.given;
+  }
+  if (left) {
+    probe.found = probe.given[*left];
+  } else if (known_nonfinite) {
     probe.found = probe.given[*probe.last_carried];
     probe.found->carried_to = probe.last_carrier;
   }

@@ -70,11 +70,13 @@ std::string NonFiniteOrigin::message() const {
   os << "first non-finite value at step " << step << ": op " << op
      << (inner_op.empty() ? "" : " (made inside it, first returned by its inner " + inner_op + ")") << " in "
      << (segment.empty() ? "(outside segments)" : "segment '" + segment + "'") << ", phase " << phase;
-  if (given_infinity && nan_op.empty()) {
-    os << " (an infinity it was given as an argument, which no later op absorbed: "
+  const char* which = given_infinity ? " (an infinity it was given as an argument"
+                                     : " (an infinity it made, handed infinities by design";
+  if ((given_infinity || !carried_to.empty()) && nan_op.empty()) {
+    os << which << ", which no later op absorbed: "
        << (carried_to.empty() ? "the step ended with it" : carried_to + " was the last op to carry it on") << ")";
-  } else if (given_infinity) {
-    os << " (an infinity it was given as an argument, which " << nan_op << " turned into NaN in "
+  } else if (!nan_op.empty()) {
+    os << which << ", which " << nan_op << " turned into NaN in "
        << (nan_segment.empty() ? "(outside segments)" : "segment '" + nan_segment + "'") << ", phase " << nan_phase
        << ")";
   }
@@ -114,8 +116,8 @@ nlohmann::json NonFiniteOrigin::to_json() const {
                       {"outputs", stats(outputs)},
                       {"message", message()}};
   if (!inner_op.empty()) j["inner_op"] = inner_op;
-  if (given_infinity) {
-    j["given_infinity"] = true;
+  if (given_infinity || !nan_op.empty() || !carried_to.empty()) {
+    j["given_infinity"] = given_infinity;
     j["nan_op"] = nan_op.empty() ? nlohmann::json() : nlohmann::json(nan_op);
     j["nan_segment"] = nan_segment;
     j["nan_phase"] = nan_phase;
@@ -704,12 +706,12 @@ Anchor find_anchor(const TraceReader& trace, const std::map<std::int64_t, StepRe
 // What went non-finite first in step `s`, re-run from the state and RNG it started from.
 void find_provenance(const TraceReader& trace, const StepRecords& recs, Program& program, std::int64_t s,
                      const std::vector<NamedTensor>& state_before, const std::vector<std::uint8_t>& rng,
-                     const std::vector<NamedTensor>& batch, ReplayResult& result) {
+                     const std::vector<NamedTensor>& batch, bool known_nonfinite, ReplayResult& result) {
   program.load_state(state_before);
   RngState::deserialize(rng.data(), rng.size()).restore();
   CollectiveTape tape(trace, s, recs, nullptr);  // the step's collectives again, served only
   CollectiveReplayScope collectives(tape);
-  result.first_nonfinite = find_first_nonfinite(program, s, batch);
+  result.first_nonfinite = find_first_nonfinite(program, s, batch, known_nonfinite);
   if (result.first_nonfinite) result.first_nonfinite->step = s;
 }
 
@@ -843,7 +845,7 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
     }
     // What went non-finite before it raised (a non-finite gradient norm that clipping refuses).
     if (options.provenance && !result.first_nonfinite)
-      find_provenance(trace, recs, program, s, state_before(), rng, batch, result);
+      find_provenance(trace, recs, program, s, state_before(), rng, batch, /*known_nonfinite=*/false, result);
     return false;
   }
   if (const std::size_t left = tape.unconsumed(); left > 0 && !comparer.first) {
@@ -911,7 +913,7 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
     result.notes.push_back("step " + std::to_string(s) + " went non-finite and a defense skipped it (" +
                            outcome.skip_reason + "); the replay goes on");
   } else if (nonfinite && options.provenance && !result.first_nonfinite) {
-    find_provenance(trace, recs, program, s, state_before(), rng, batch, result);
+    find_provenance(trace, recs, program, s, state_before(), rng, batch, /*known_nonfinite=*/true, result);
   }
   return !result.first_divergence && !(nonfinite && !handled);
 }

@@ -64,6 +64,33 @@ class OpProgram : public Program {
       const at::Tensor masked = scores.masked_fill(mask, -std::numeric_limits<double>::infinity());
       const at::Tensor p = at::softmax(masked.mul(config_ == "masked-overflow" ? 1e38 : 0.5), -1);
       y = config_ == "masked-scale" ? p.mul(1e30).mul(1e30) : p;
+    } else if (config_ == "bias-overflow") {
+      // Finite scores plus a broadcast bias masked with -inf: their sum overflows (4 x 3e37 +
+      // 2.5e38) beside the mask, and the softmax of that row is NaN.
+      const at::Tensor scores = w_.unsqueeze(0).repeat({2, 1}) * 3e37;
+      const at::Tensor bias =
+          torch::tensor({2.5e38f, 0.0f, 0.0f})
+              .masked_fill(torch::tensor({false, false, true}), -std::numeric_limits<double>::infinity());
+      y = at::softmax(scores + bias, -1);
+    } else if (config_ == "sort-row") {
+      // A masked element moved by an ascending sort ({4, -inf, 9} to {-inf, 4, 9}), then times 0:
+      // the mask's infinity, moved, turns into NaN.
+      const at::Tensor masked =
+          w_.masked_fill(torch::tensor({false, true, false}), -std::numeric_limits<double>::infinity());
+      y = std::get<0>(masked.sort(-1)).mul(0.0);
+    } else if (config_ == "sort-then-sqrt") {
+      // The masked -inf moved by an ascending sort, absorbed by the softmax; then a real NaN.
+      const at::Tensor masked = w_.unsqueeze(0).repeat({2, 1}).masked_fill(
+          torch::tensor({false, true, false, false, false, true}).view({2, 3}),
+          -std::numeric_limits<double>::infinity());
+      const at::Tensor p = at::softmax(std::get<0>(masked.sort(-1)), -1);
+      y = (p.sum() - 1e6).sqrt();
+    } else if (config_ == "raise-after-mask") {
+      // Masked, absorbed, then the step raises: nothing non-finite is left.
+      const at::Tensor masked =
+          w_.masked_fill(torch::tensor({false, true, false}), -std::numeric_limits<double>::infinity());
+      y = at::softmax(masked.mul(0.5), -1);  // the scale carries the -inf on, the softmax absorbs it
+      throw std::runtime_error("a loader hiccup");
     } else if (config_ == "fill-inf") {
       y = w_.clone();
       y.fill_(std::numeric_limits<double>::infinity());  // an infinity by design the loss carries on
@@ -88,7 +115,11 @@ ReplayResult record_and_replay_ops(const std::string& config, bool drop_step_end
   const std::string path = temp_path("ops_" + config);
   {
     Recorder recorder(path, program);
-    const std::vector<StepOutcome> outcomes = record_run(program, recorder, 1);
+    std::vector<StepOutcome> outcomes;
+    try {
+      outcomes = record_run(program, recorder, 1);
+    } catch (const std::exception&) {  // "raise-after-mask": the trace notes it
+    }
     if (recorded && !outcomes.empty()) *recorded = outcomes.front();
     recorder.close();
   }
@@ -238,6 +269,50 @@ TEST(Provenance, AnInfinityByDesignTheStepEndsWithNamesItsOp) {
   EXPECT_NE(o.message().find("which no later op absorbed: aten::sum was the last op to carry it on"), std::string::npos)
       << o.message();
   EXPECT_EQ(o.to_json()["carried_to"], "aten::sum");
+}
+
+// An op handed an infinity by design that overflows beside it -- a broadcast bias masked with
+// -inf plus finite scores -- made an infinity of its own: named, with the softmax that made it NaN.
+// Control: the bias (shape [3]) is handed to the add broadcast over [2, 3], so a rule that only
+// compares inputs of the output's own shape takes the add for a carrier and names the mask.
+TEST(Provenance, AnOverflowBesideABroadcastMaskIsNamedNotTheMask) {
+  const ReplayResult r = record_and_replay_ops("bias-overflow");
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  const NonFiniteOrigin& o = *r.first_nonfinite;
+  EXPECT_EQ(o.op, "aten::add") << o.message();
+  EXPECT_FALSE(o.given_infinity);
+  EXPECT_NE(o.nan_op.find("softmax"), std::string::npos) << o.message();
+  ASSERT_FALSE(o.outputs.empty());
+  EXPECT_EQ(o.outputs[0].nonfinite.pos_inf, 2) << o.message();  // row 0 and row 1, first column
+  EXPECT_NE(o.message().find("(an infinity it made, handed infinities by design, which aten::"), std::string::npos)
+      << o.message();
+  EXPECT_EQ(o.to_json()["given_infinity"], false);
+}
+
+// Moving masked infinities (an ascending sort) makes none: the real NaN later (sqrt of a negative)
+// is named. Control: the sort's output holds -inf where its input held finite values, so a rule
+// that compares positions alone names the sort.
+TEST(Provenance, AnOpThatMovesInfinitiesByDesignMakesNone) {
+  const ReplayResult r = record_and_replay_ops("sort-then-sqrt");
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  EXPECT_EQ(r.first_nonfinite->op, "aten::sqrt") << r.first_nonfinite->message();
+  EXPECT_FALSE(r.first_nonfinite->given_infinity);
+  // And when the moved infinity turns into a NaN, the mask is named, not the sort (whose output
+  // holds as many infinities as its input: none of its own).
+  const ReplayResult row = record_and_replay_ops("sort-row");
+  ASSERT_TRUE(row.first_nonfinite.has_value());
+  EXPECT_EQ(row.first_nonfinite->op, "aten::masked_fill") << row.first_nonfinite->message();
+  EXPECT_EQ(row.first_nonfinite->nan_op, "aten::mul") << row.first_nonfinite->message();
+}
+
+// A step that raises with every infinity by design absorbed gets no first non-finite op: its raise
+// was not about one. Control: the replay did re-run it (it reproduced the raise), and a scale
+// carried the mask's infinity on, which a step known to be non-finite would name (fill-inf).
+TEST(Provenance, ARaisedStepWithItsInfinitiesAbsorbedNamesNoOp) {
+  const ReplayResult r = record_and_replay_ops("raise-after-mask");
+  ASSERT_TRUE(r.raised.has_value()) << r.to_json().dump(1);
+  EXPECT_EQ(r.raised->what, "a loader hiccup");
+  EXPECT_FALSE(r.first_nonfinite.has_value()) << r.first_nonfinite->message();
 }
 
 // An all-NaN tensor has no min or max: NaN, not 0, in text and JSON; and a loss of -nan prints as
