@@ -226,6 +226,18 @@ std::unique_ptr<Program> make_scenario_program(const ScenarioSpec& spec) {
   } catch (const Error& e) {  // the program refuses its config: say which file and key
     throw Error(spec.origin + ": key 'config': program '" + spec.program + "' refuses it: " + e.what());
   }
+  // Launched as a rank, a program that joins no group trains alone, as rank 0: a data-parallel
+  // scenario's verdict would rest on runs that synced nothing (and an injection for rank 1 would
+  // never be due). (Not launched as one -- `retrace run` checking the scenario before it starts the
+  // ranks -- the program has no group to join yet.)
+  if (spec.world_size > 1 && !replayed_rank() && RendezvousOptions::from_env().world_size == spec.world_size &&
+      inner->ranks().world_size != spec.world_size) {
+    throw Error(spec.origin + ": key 'world_size': the scenario asks for " + std::to_string(spec.world_size) +
+                " ranks, but program '" + spec.program + "' trains as one of " +
+                std::to_string(inner->ranks().world_size) +
+                " (Program::ranks(): it joins no rank group); drop world_size, or make the program data-parallel "
+                "(retrace::RankGroup, docs/data-parallel.md)");
+  }
   Defenses* d = inner->defenses();
   if (!d) {
     if (spec.defenses.any() || !spec.injections.empty()) {

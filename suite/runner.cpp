@@ -397,6 +397,7 @@ const char* to_string(BreakKind kind) {
     case BreakKind::kSilentRecompute: return "silent_recompute";
     case BreakKind::kNoProgress: return "no_progress";
     case BreakKind::kRaised: return "raised";
+    case BreakKind::kRanksSplit: return "ranks_split";
   }
   return "?";
 }
@@ -426,8 +427,9 @@ StepNoteKind parse_step_note_kind(const std::string& name) {
 }
 
 BreakKind parse_break_kind(const std::string& name) {
-  for (BreakKind k : {BreakKind::kNonFiniteParams, BreakKind::kNonFiniteLoss, BreakKind::kFinalLoss,
-                      BreakKind::kSilentRecompute, BreakKind::kNoProgress, BreakKind::kRaised}) {
+  for (BreakKind k :
+       {BreakKind::kNonFiniteParams, BreakKind::kNonFiniteLoss, BreakKind::kFinalLoss, BreakKind::kSilentRecompute,
+        BreakKind::kNoProgress, BreakKind::kRaised, BreakKind::kRanksSplit}) {
     if (name == to_string(k)) return k;
   }
   throw Error("unknown breakage kind '" + name + "' in a scenario result");
@@ -614,6 +616,9 @@ class ScenarioRun {
     if (defenses_) {
       r_.rollbacks = defenses_->rollbacks();
       r_.caught_recompute_mismatches = defenses_->caught_recompute_mismatches();
+    }
+    if (r_.world_size > 1) {
+      for (const NamedTensor& n : program_->state()) r_.state_digests.emplace_back(n.name, digest(n.tensor).hex());
     }
   }
 
@@ -826,6 +831,11 @@ nlohmann::json ScenarioResult::to_json() const {
   j["harness_error"] = harness_error;
   j["rank"] = rank;
   j["world_size"] = world_size;
+  if (!state_digests.empty()) {
+    nlohmann::json d = nlohmann::json::array();
+    for (const auto& [name, hex] : state_digests) d.push_back({{"name", name}, {"digest", hex}});
+    j["state_digests"] = d;
+  }
   j["error"] = error;
   j["steps_run"] = steps_run;
   j["skipped_steps"] = skipped_steps;
@@ -917,6 +927,10 @@ ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
   r.harness_error = j.value("harness_error", false);
   r.rank = j.value("rank", 0);
   r.world_size = j.value("world_size", 1);
+  if (j.contains("state_digests")) {
+    for (const auto& d : j.at("state_digests"))
+      r.state_digests.emplace_back(d.at("name").get<std::string>(), d.at("digest").get<std::string>());
+  }
   r.error = j.at("error");
   r.steps_run = j.at("steps_run");
   r.skipped_steps = j.at("skipped_steps");

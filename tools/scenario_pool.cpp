@@ -96,7 +96,9 @@ std::optional<ScenarioResult> read_result(const Child& child, int status) {
 }
 
 // One result of a data-parallel scenario from its ranks' results: rank 0's, failing when a rank
-// has no result, any rank failed, or the ranks disagree on held/broke.
+// has no result, any rank failed, or the ranks disagree on held/broke; with the failed checks of
+// the other ranks (observed "rank K: ..."), so that the outcome says what any rank's did (an
+// injection for rank 1 that never fired: not exercised).
 ScenarioResult merge_ranks(const ScenarioSpec& spec, const std::string& source,
                            const std::vector<std::optional<ScenarioResult>>& ranks) {
   ScenarioResult r;
@@ -122,6 +124,13 @@ ScenarioResult merge_ranks(const ScenarioSpec& spec, const std::string& source,
       continue;
     }
     for (const std::string& why : ranks[k]->reasons) reasons.push_back(who + ": " + why);
+    if (k > 0) {
+      for (ExpectationCheck c : ranks[k]->checks) {
+        if (c.passed) continue;
+        c.observed = who + ": " + c.observed;
+        r.checks.push_back(std::move(c));
+      }
+    }
     all_passed = all_passed && ranks[k]->passed;
     // What any rank saw holds for the run: a rank that broke, raised or hit a harness error.
     r.broke = r.broke || ranks[k]->broke;
@@ -132,6 +141,35 @@ ScenarioResult merge_ranks(const ScenarioSpec& spec, const std::string& source,
       reasons.push_back("the ranks disagree: rank 0 " + std::string(ranks.front()->broke ? "broke" : "held") + ", " +
                         who + " " + (ranks[k]->broke ? "broke" : "held"));
       all_passed = false;
+    }
+  }
+  // Ranks in step end with the same state. One that ends otherwise (its own update: an LR spike or
+  // a bit flip on one rank) split the run, which no rank sees alone: the run broke.
+  if (ranks.front() && !r.raised && !r.harness_error) {
+    const auto& base = ranks.front()->state_digests;
+    for (std::size_t k = 1; k < ranks.size(); ++k) {
+      const auto& other = ranks[k]->state_digests;
+      if (other == base) continue;
+      std::size_t differing = 0;
+      std::string first;
+      for (std::size_t i = 0; i < std::min(base.size(), other.size()); ++i) {
+        if (base[i] == other[i]) continue;
+        if (first.empty()) first = base[i].first == other[i].first ? base[i].first : other[i].first;
+        ++differing;
+      }
+      const std::string detail = base.size() != other.size()
+                                     ? "the ranks' state split: rank " + std::to_string(k) + " holds " +
+                                           std::to_string(other.size()) + " tensors, rank 0 " +
+                                           std::to_string(base.size())
+                                     : "the ranks' state split: rank " + std::to_string(k) +
+                                           "'s differs from rank 0's in " + std::to_string(differing) + " of " +
+                                           std::to_string(base.size()) + " tensors (first " + first + ") at the end";
+      r.breakage.push_back({BreakKind::kRanksSplit, r.last_step, detail, true});
+      r.broke = true;
+      if (!spec.expect.diverges) {
+        reasons.push_back(detail);
+        all_passed = false;
+      }
     }
   }
   r.passed = all_passed;

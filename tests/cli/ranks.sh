@@ -79,6 +79,25 @@ culprit)
   timeout 60 "$bin" inspect "$work/flip.rank0.trace" "$work/flip.rank1.trace" >"$work/inspect" || fail "inspect flip"
   grep -q "culprit: step 2 collective #0 allreduce(sum): rank 1's contribution is an outlier in magnitude" "$work/inspect" ||
     fail "bit flip attribution: $(cat "$work/inspect") / $(cat "$work/out")"
+  # A run whose only fault on rank 1 never acted (its LR spike was due on the step every rank
+  # skipped) is "not exercised", not held: rank 1's failed check is the merged run's too.
+  scenario idle "defenses: {skip_nonfinite_ranks: true}
+injections: [{type: grad_nonfinite, step: 3, mode: nan, rank: 1}, {type: lr_spike, step: 3, factor: 1.0e6, rank: 1}]
+expect: {params_finite: true}"
+  set +e
+  timeout 120 "$bin" run "$work/idle.yaml" -j 1 --threads 1 --json "$work/idle.json" >"$work/out" 2>&1
+  rc=$?
+  set -e
+  [[ $rc -eq 1 ]] || fail "idle run: exit $rc, $(cat "$work/out")"
+  grep -q '"outcome": "not exercised"' "$work/idle.json" || fail "idle outcome: $(cat "$work/out")"
+  grep -q '"observed": "rank 1: did not fire; every step it was due on was skipped' "$work/idle.json" ||
+    fail "rank 1's check: $(cat "$work/idle.json")"
+  # Control: the spike on a step no rank skips fires, and the run breaks.
+  sed 's/lr_spike, step: 3/lr_spike, step: 4/' "$work/idle.yaml" >"$work/spike.yaml"
+  set +e
+  timeout 120 "$bin" run "$work/spike.yaml" -j 1 --threads 1 --json "$work/spike.json" >"$work/out" 2>&1
+  set -e
+  grep -q '"outcome": "broke"' "$work/spike.json" || fail "spike control: $(cat "$work/out")"
   # Traces of different runs are refused.
   set +e
   timeout 60 "$bin" inspect "$work/nan.rank0.trace" "$work/nan0.rank1.trace" >/dev/null 2>"$work/err"

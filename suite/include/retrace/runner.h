@@ -82,6 +82,8 @@ enum class BreakKind {
   kNoProgress,       // a control's expect.min_applied_steps failed: the defense stopped training
                      // (step: the run's last step)
   kRaised,           // the run raised (step: the step in progress)
+  kRanksSplit,       // data parallel: the ranks ended with different state (step: the run's last
+                     // step); found when `retrace run` combines the ranks' results
 };
 const char* to_string(BreakKind kind);  // "non_finite_params", ...
 
@@ -144,6 +146,9 @@ struct ScenarioResult {
   // combines the ranks' results into one (rank 0's, failing when any rank failed or they disagree).
   int rank = 0;
   int world_size = 1;
+  // Data parallel: the digest (hex) of each tensor of the program's state() at the end, by name,
+  // in state() order -- what `retrace run` compares across the ranks (in step, they are equal).
+  std::vector<std::pair<std::string, std::string>> state_digests;
   std::int64_t steps_run = 0;
   std::int64_t skipped_steps = 0;
   std::int64_t applied_nonfinite_steps = 0;  // steps not skipped with a non-finite loss or norm
