@@ -862,7 +862,21 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
     // Forward, backward, loss and gradients matched, the state after the optimizer did not, in
     // the step restored from a snapshot the run reached by training: the program holds
     // something state() does not give (a fresh program's constructor made it at step 1).
-    if (anchor && trained_to && d.segment == "(state)" && d.phase == "optimizer" && d.detail.empty()) {
+    // The recorded run rolled back in this step to a state from before it: its rollback defense
+    // restored a snapshot its ring kept, which a replay starting here has not seen (the ring is
+    // not in state(), docs/defenses.md). That, not an incomplete state(), is what differs.
+    std::optional<StepEndRecord> recorded_end;
+    if (anchor && recs.end) recorded_end = StepEndRecord::decode(trace.read_table(*recs.end), trace.path());
+    if (recorded_end && recorded_end->rolled_back && recorded_end->rolled_back_to >= 0 &&
+        recorded_end->rolled_back_to < s) {
+      d.hint = "the recorded run rolled back in step " + std::to_string(s) + " to the state from the start of step " +
+               std::to_string(recorded_end->rolled_back_to) +
+               ", a snapshot its rollback defense kept from before step " + std::to_string(s) +
+               ", where this replay starts: a replay rebuilds that defense's ring from the steps it replays "
+               "(the ring is not in state()); replay from step " +
+               std::to_string(recorded_end->rolled_back_to) + " or earlier (--from " + std::to_string(start.step) +
+               ") to reproduce it";
+    } else if (anchor && trained_to && d.segment == "(state)" && d.phase == "optimizer" && d.detail.empty()) {
       d.hint = "the step re-executed from the snapshot of step " + std::to_string(s) +
                " matched up to the optimizer step; the program's state() is probably incomplete: it leaves out "
                "something the optimizer step depends on (optimizer moments or step counts, a schedule counter, a "

@@ -667,6 +667,39 @@ TEST(Replay, GradientFaultIsPostBackward) {
   fs::remove(path);
 }
 
+// A replay from a snapshot after the one a rollback restored cannot rebuild the rollback ring: the
+// hint says so and names the replay that reproduces, not an incomplete state(). Control: that
+// replay (from step 1) reproduces bitwise.
+TEST(Replay, AReplayStartingAfterARollbacksSnapshotSaysSo) {
+  ScenarioSpec spec = load_scenario("builtin:bitflip-optimizer-rollback");  // step 5 rolls back to step 3
+  spec.expect = ExpectSpec{};
+  register_builtin_programs();
+  ScenarioProgram program(spec);
+  const std::string path = temp_path("rollback_ring");
+  {
+    RecorderOptions full;
+    full.mode = RecordMode::kFull;
+    Recorder recorder(path, program, full);
+    record_run(program, recorder, spec.training.steps, /*stop_on_nonfinite=*/false);
+    recorder.close();
+  }
+  ReplayOptions at5;
+  at5.step = 5;
+  const ReplayResult r = replay(path, at5);
+  EXPECT_FALSE(r.reproduced);
+  ASSERT_TRUE(r.first_divergence.has_value());
+  EXPECT_EQ(r.first_divergence->step, 5);
+  EXPECT_NE(r.first_divergence->hint.find("the recorded run rolled back in step 5 to the state from the start of "
+                                          "step 3, a snapshot its rollback defense kept from before step 5"),
+            std::string::npos)
+      << r.first_divergence->message();
+  EXPECT_EQ(r.first_divergence->hint.find("probably incomplete"), std::string::npos);
+  at5.from = 1;
+  const ReplayResult control = replay(path, at5);
+  EXPECT_TRUE(control.reproduced) << (control.first_divergence ? control.first_divergence->message() : "");
+  fs::remove(path);
+}
+
 // An injected Inf gradient (fill_ given an infinity) that clipping lets through is named at the
 // fill_, with the optimizer op that turned it into NaN -- not at the gradient norm handed it, nor
 // at AdamW's update that made the NaN. Control: those ops' outputs are non-finite too (the norm
