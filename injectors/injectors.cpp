@@ -203,16 +203,18 @@ void Injector::corrupt_batch(std::vector<NamedTensor>& batch, std::int64_t vocab
       const std::int64_t row = static_cast<std::int64_t>(below(gen, static_cast<std::uint64_t>(rows)));
       if (s.mode == "token_out_of_range") {
         if (t.is_floating_point())
-          throw Error("injection corrupt_batch: mode token_out_of_range needs token ids; this model takes features "
-                      "(use nan_features)");
+          throw InjectionUnsupported(
+              "injection corrupt_batch: mode token_out_of_range needs token ids; this model takes features "
+              "(use nan_features)");
         t.select(0, row).fill_(vocab + 7);
         note(s, "batch",
              "row " + std::to_string(row) + " token id " + std::to_string(vocab + 7) + " (vocabulary " +
                  std::to_string(vocab) + ")");
       } else {
         if (!t.is_floating_point())
-          throw Error("injection corrupt_batch: mode nan_features needs float features; this model takes token ids "
-                      "(use token_out_of_range)");
+          throw InjectionUnsupported(
+              "injection corrupt_batch: mode nan_features needs float features; this model takes token ids "
+              "(use token_out_of_range)");
         t.select(0, row).fill_(std::numeric_limits<double>::quiet_NaN());
         note(s, "batch", "row " + std::to_string(row) + " features NaN");
       }

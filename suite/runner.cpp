@@ -276,10 +276,11 @@ void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
     // What broke: a raise it did not ask for (or not the one it asked for), non-finite parameters,
     // a check of what breaks. A check that fails otherwise (an injection that never fired,
     // max_skipped_steps, replay_bitwise) fails the verdict, not the run.
-    const bool wrong_raise = r.raised && std::any_of(r.checks.begin(), r.checks.end(), [](const ExpectationCheck& c) {
+    const bool wrong_raise = r.raised && !r.harness_error &&
+                             std::any_of(r.checks.begin(), r.checks.end(), [](const ExpectationCheck& c) {
                                return c.kind == CheckKind::kRaises && !c.passed;
                              });
-    r.broke = (r.raised && !raise_expected) || wrong_raise || !r.params_finite ||
+    r.broke = (r.raised && !raise_expected && !r.harness_error) || wrong_raise || !r.params_finite ||
               std::any_of(r.checks.begin(), r.checks.end(), [](const ExpectationCheck& c) {
                 return !c.passed && role_of(c.kind) == CheckRole::kBreakage;
               });
@@ -341,6 +342,7 @@ const char* to_string(Outcome o) {
 
 Outcome ScenarioResult::outcome_kind() const {
   if (broke) return Outcome::kBroke;
+  if (harness_error) return Outcome::kNotExercised;  // the run never got to its fault
   const bool early = expected_to_break && std::any_of(breakage.begin(), breakage.end(),
                                                       [&](const Breakage& x) { return x.step < fault_step; });
   if (early) return Outcome::kBrokeEarly;
@@ -594,6 +596,12 @@ class ScenarioRun {
     r_.raised_at_step = r_.last_step + 1;  // the step in progress
     r_.last_step = r_.raised_at_step;
     tally_injections(r_.raised_at_step);  // what fired before it raised
+    if (dynamic_cast<const InjectionUnsupported*>(&e) != nullptr) {
+      // The scenario asks for an injection this program cannot take: its input, not the fault.
+      r_.harness_error = true;
+      r_.error = "step " + std::to_string(r_.raised_at_step) + ": the scenario's " + r_.error;
+      return;
+    }
     if (r_.raised_at_step < r_.fault_step) {
       r_.harness_error = true;
       r_.error = "step " + std::to_string(r_.raised_at_step) + " raised before the fault at step " +

@@ -122,6 +122,29 @@ TEST(ProgramScenario, TokenCorruptionNeedsAVocabularyTheProgramDeclares) {
   EXPECT_NE(r.error.find("needs the program's vocabulary"), std::string::npos) << r.error;
 }
 
+// An injection the program cannot take, found when it first falls due (token ids corrupted in
+// float features): a harness error naming it, outcome "not exercised" -- not the fault breaking
+// the run. Control: a step that raises otherwise at the fault's step is the fault's raise: broke.
+TEST(ProgramScenario, AnInjectionTheProgramCannotTakeIsAHarnessErrorNotABreak) {
+  const ScenarioResult r = run_scenario(
+      program_scenario("config: {vocab: true}\ninjections: [{type: corrupt_batch, step: 2, mode: token_out_of_range}]\n"
+                       "expect: {params_finite: true}\n"));
+  EXPECT_FALSE(r.passed);
+  EXPECT_TRUE(r.harness_error) << why(r);
+  EXPECT_FALSE(r.broke) << why(r);
+  EXPECT_EQ(r.outcome(), "not exercised") << why(r);
+  EXPECT_NE(r.error.find("step 2: the scenario's injection corrupt_batch: mode token_out_of_range needs token ids"),
+            std::string::npos)
+      << r.error;
+  // Control: clipping that refuses an infinite norm raises at the fault's step, unasked: broke.
+  const ScenarioResult raised = run_scenario(
+      program_scenario("defenses: {clip: {max_norm: 1.0, error_if_nonfinite: true}}\n"
+                       "injections: [{type: grad_nonfinite, step: 2, mode: inf}]\nexpect: {params_finite: true}\n"));
+  EXPECT_TRUE(raised.raised) << why(raised);
+  EXPECT_FALSE(raised.harness_error);
+  EXPECT_EQ(raised.outcome(), "broke") << why(raised);
+}
+
 TEST(ProgramScenario, DefensesHoldAndTheirControlsBreakOnAUsersProgram) {
   // Gradient NaN: skip holds; without it the parameters go non-finite.
   const std::string fault = "injections: [{type: grad_nonfinite, step: 3}]\n";

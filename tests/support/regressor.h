@@ -17,7 +17,7 @@ namespace retrace::test {
 // A user's program with its own names: weights "w1"/"w2", momentum buffers "momentum.w1" (not
 // retrace's "optim." convention), features "x" and targets "y". SGD with momentum; a two-layer
 // tanh regressor, the first layer checkpointed as "layer0". Config: "lr: X" (default 0.05) and
-// "pipeline: false" (no defense pipeline).
+// "pipeline: false" (no defense pipeline), "vocab: true" (a vocabulary it does not use).
 class Regressor : public Program {
  public:
   explicit Regressor(const std::string& config) : config_(config) {
@@ -30,7 +30,11 @@ class Regressor : public Program {
     optimizer_ = std::make_unique<torch::optim::SGD>(std::vector<at::Tensor>{w1_, w2_},
                                                      torch::optim::SGDOptions(lr_).momentum(0.9));
     params_ = {{"w1", w1_, TensorKind::kParameter}, {"w2", w2_, TensorKind::kParameter}};
-    defenses_.attach(*this, *optimizer_, params_);
+    TrainingTraits traits;
+    // "vocab: true" declares a vocabulary though the inputs are float features (a program that
+    // gets its traits wrong): a token injection is accepted, and fails when it first falls due.
+    if (config.find("vocab: true") != std::string::npos) traits.vocab = 50;
+    defenses_.attach(*this, *optimizer_, params_, traits);
   }
   std::string name() const override { return "test.regressor"; }
   std::string config() const override { return config_; }

@@ -33,6 +33,14 @@ struct InjectionEvent {
   std::size_t entry = 0;  // index of the InjectionSpec that fired (its place in the scenario's list)
 };
 
+// An injection that cannot act on this program (corrupt_batch's nan_features on token ids, or
+// token_out_of_range on float features), found when it first falls due: bad input, not the
+// fault breaking the run (a scenario run counts it as a harness error).
+class InjectionUnsupported : public Error {
+ public:
+  using Error::Error;
+};
+
 // Whether an injection's `segment:` (`wanted`) targets the segment named `segment`: "" targets
 // every one; a name, the segment of that name and a range segment holding it ("block1" targets
 // "block0..block3": same prefix, its number within the range).

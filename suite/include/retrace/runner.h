@@ -117,7 +117,8 @@ enum class Outcome {
   kBrokeEarly,    // a negative control broken only before its fault's step
   kNotExercised,  // nothing broke, but the fault or the defense never acted: an injection entry
                   // that did not fire, a defense's expected action that did not happen
-                  // (min_skipped_steps, min_scale_*, min_rollbacks, a raise expected and not raised)
+                  // (min_skipped_steps, min_scale_*, min_rollbacks, a raise expected and not raised),
+                  // or a harness error (the run never got to its fault)
 };
 const char* to_string(Outcome o);  // "held", "broke", "broke early", "not exercised"
 
