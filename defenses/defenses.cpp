@@ -651,9 +651,11 @@ StepOutcome DefendedStep::finish() {
 
     out_.clipped_grad_norm = out_.grad_norm;
     if (apply) {
-      const ClipResult c = d.clipper_.clip(grads, norms,
-                                           finite_grads ? out_.grad_norm : std::numeric_limits<double>::quiet_NaN(),
-                                           step_, d.scaler_ != nullptr);
+      // Non-finite gradients: the total as it is when it says so (an Inf gradient's norm is inf,
+      // not NaN), else NaN (a finite total over non-finite gradients is no norm to clip by).
+      const double total = finite_grads || !std::isfinite(out_.grad_norm) ? out_.grad_norm
+                                                                          : std::numeric_limits<double>::quiet_NaN();
+      const ClipResult c = d.clipper_.clip(grads, norms, total, step_, d.scaler_ != nullptr);
       out_.clip_coef = c.coef;
       out_.clipped_grad_norm = c.clipped_norm;
       if (d.scaler_) {

@@ -202,6 +202,14 @@ TEST(Runner, RaisesMatchesTheErrorAndAHarnessErrorNeverPasses) {
                             "defenses: {clip: {mode: global, max_norm: 1.0, error_if_nonfinite: true}}\n";
   EXPECT_TRUE(run_scenario(with(fault + "expect: {raises: true, raises_match: \"clipping refuses it\"}\n")).passed);
   EXPECT_FALSE(run_scenario(with(fault + "expect: {raises: true, raises_match: \"out of memory\"}\n")).passed);
+  // The norm it refuses is said as it is: an Inf gradient's is inf. Control: a NaN gradient's is nan.
+  EXPECT_TRUE(
+      run_scenario(with(fault + "expect: {raises: true, raises_match: \"gradient norm is non-finite (inf)\"}\n"))
+          .passed);
+  const std::string nan = "injections: [{type: grad_nonfinite, step: 2, mode: nan}]\n"
+                          "defenses: {clip: {mode: global, max_norm: 1.0, error_if_nonfinite: true}}\n";
+  EXPECT_TRUE(
+      run_scenario(with(nan + "expect: {raises: true, raises_match: \"gradient norm is non-finite (nan)\"}\n")).passed);
   // A program that cannot even be built (no CUDA here, or a bad config at run time) shows
   // nothing about the fault: not a pass, not even for a negative control.
   if (!torch::cuda::is_available()) {
