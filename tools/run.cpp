@@ -83,11 +83,15 @@ std::optional<RunFlags> parse_flags(const std::vector<std::string>& args) {
   if (f.pool.jobs < 1) throw Error("--jobs must be at least 1, got " + std::to_string(f.pool.jobs));
   if (vm.count("threads") && f.pool.threads < 1)
     throw Error("--threads must be at least 1, got " + std::to_string(f.pool.threads));
-  if (!f.report_path.empty()) {
-    const fs::path parent = fs::path(f.report_path).parent_path();
+  // Every output file's folder, before anything runs: not a run's worth of results lost at the end.
+  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--report", f.report_path},
+                                   {"--json", f.json_path},
+                                   {"--junit", f.junit_path}}) {
+    if (path.empty() || path == "-") continue;
+    const fs::path parent = fs::path(path).parent_path();
     std::error_code ec;
     if (!parent.empty() && !fs::is_directory(parent, ec)) {
-      throw Error("--report: the folder '" + parent.string() + "' does not exist; create it first");
+      throw Error(std::string(flag) + ": the folder '" + parent.string() + "' does not exist; create it first");
     }
   }
   return f;
