@@ -694,8 +694,7 @@ StepOutcome DefendedStep::finish() {
     }
   }
   restore_lr();
-  for (const InjectionEvent& e : d.injector_->fired())
-    out_.injected.push_back(e.type + " " + e.where + ": " + e.detail);
+  for (const InjectionEvent& e : d.injector_->fired()) out_.injected.push_back(e.line());
   out_.loss_scale_after = d.loss_scale();
   finished_ = true;
   d.in_step_ = false;

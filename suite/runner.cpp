@@ -596,6 +596,10 @@ class ScenarioRun {
     r_.raised_at_step = r_.last_step + 1;  // the step in progress
     r_.last_step = r_.raised_at_step;
     tally_injections(r_.raised_at_step);  // what fired before it raised
+    if (defenses_) {                      // ... and its notes, which the step's outcome would have carried
+      for (const InjectionEvent& ev : defenses_->injector().fired())
+        r_.notes.push_back({r_.raised_at_step, StepNoteKind::kInjected, ev.line()});
+    }
     if (dynamic_cast<const InjectionUnsupported*>(&e) != nullptr) {
       // The scenario asks for an injection this program cannot take: its input, not the fault.
       r_.harness_error = true;

@@ -202,6 +202,13 @@ TEST(Runner, RaisesMatchesTheErrorAndAHarnessErrorNeverPasses) {
                             "defenses: {clip: {mode: global, max_norm: 1.0, error_if_nonfinite: true}}\n";
   EXPECT_TRUE(run_scenario(with(fault + "expect: {raises: true, raises_match: \"clipping refuses it\"}\n")).passed);
   EXPECT_FALSE(run_scenario(with(fault + "expect: {raises: true, raises_match: \"out of memory\"}\n")).passed);
+  // The step that raised keeps the note of what was injected in it (its outcome, which carries
+  // them for a step that ends, never came).
+  const ScenarioResult raised = run_scenario(with(fault + "expect: {raises: true}\n"));
+  const std::vector<StepNote> injected = raised.notes_of(StepNoteKind::kInjected);
+  ASSERT_EQ(injected.size(), 1u) << raised.verdict();
+  EXPECT_EQ(injected[0].step, 2);
+  EXPECT_EQ(injected[0].text.rfind("grad_nonfinite grad.", 0), 0u) << injected[0].text;
   // The norm it refuses is said as it is: an Inf gradient's is inf. Control: a NaN gradient's is nan.
   EXPECT_TRUE(
       run_scenario(with(fault + "expect: {raises: true, raises_match: \"gradient norm is non-finite (inf)\"}\n"))

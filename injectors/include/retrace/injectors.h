@@ -31,6 +31,8 @@ struct InjectionEvent {
   std::string where;      // segment, tensor name or "loss" / "lr" / "batch"
   std::string detail;     // e.g. "x1e+06", "bit 30 (exponent) 0.0123 -> 4.2e+36"
   std::size_t entry = 0;  // index of the InjectionSpec that fired (its place in the scenario's list)
+  // "TYPE WHERE: DETAIL": the step's line (StepOutcome::injected)
+  std::string line() const { return type + " " + where + ": " + detail; }
 };
 
 // An injection that cannot act on this program (corrupt_batch's nan_features on token ids, or
