@@ -246,6 +246,10 @@ std::unique_ptr<Program> make_scenario_program(const ScenarioSpec& spec) {
                   "injections cannot reach it; run its step through retrace::Defenses (retrace/defenses.h)");
     }
   } else {
+    if (spec.defenses.skip_nonfinite_ranks && !d->traits().gradient_sync) {
+      throw Error(spec.origin + ": key 'defenses.skip_nonfinite_ranks': program '" + spec.program +
+                  "' trains in one process (no TrainingTraits::gradient_sync): use skip_nonfinite");
+    }
     try {
       d->configure(spec.defenses, spec.injections);
     } catch (const Error& e) {

@@ -145,6 +145,18 @@ TEST(ProgramScenario, AnInjectionTheProgramCannotTakeIsAHarnessErrorNotABreak) {
   EXPECT_EQ(raised.outcome(), "broke") << why(raised);
 }
 
+// A data-parallel defense on a program that trains in one process (checked before any rank starts,
+// as `retrace run` does): refused, naming the defense's key. Control: the one-process defense
+// (skip_nonfinite) is taken.
+TEST(ProgramScenario, ADataParallelDefenseOnAOneProcessProgramNamesItsKey) {
+  const ScenarioResult r = run_scenario(program_scenario("world_size: 2\ndefenses: {skip_nonfinite_ranks: true}\n"));
+  EXPECT_TRUE(r.harness_error) << why(r);
+  EXPECT_NE(r.error.find("key 'defenses.skip_nonfinite_ranks': program 'test.regressor' trains in one process"),
+            std::string::npos)
+      << r.error;
+  EXPECT_FALSE(run_scenario(program_scenario("defenses: {skip_nonfinite: true}\n")).harness_error);
+}
+
 TEST(ProgramScenario, DefensesHoldAndTheirControlsBreakOnAUsersProgram) {
   // Gradient NaN: skip holds; without it the parameters go non-finite.
   const std::string fault = "injections: [{type: grad_nonfinite, step: 3}]\n";
