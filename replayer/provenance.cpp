@@ -102,6 +102,15 @@ bool has_inf(const at::Tensor& t) {
   return at::isinf(t.detach()).any().item<bool>();
 }
 
+// The probe's own ops (scans, copies) inside a callback: not observed, not probed again.
+struct Inside {
+  Inside() { t_inside = true; }
+  ~Inside() { t_inside = false; }
+  Inside(const Inside&) = delete;
+  Inside& operator=(const Inside&) = delete;
+  at::DisableRecordFunctionGuard no_recursion;
+};
+
 // In-place ops (trailing '_': copy_, add_, fill_, ...) write into their first input.
 bool is_in_place(std::string_view name) { return !name.empty() && name.back() == '_'; }
 
@@ -145,26 +154,16 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   }
   // An in-place op overwrites its first input (and any input sharing its storage): keep a copy of
   // them as they are now, so that a report shows what the op was handed, not what it wrote.
-  if (is_in_place(fn.name()) && !fn.inputs().empty() && fn.inputs()[0].isTensor() && ctx->inputs[0].defined() &&
-      ctx->inputs[0].has_storage()) {
-    t_inside = true;
-    struct Reset {
-      ~Reset() { t_inside = false; }
-    } reset;
-    at::DisableRecordFunctionGuard no_recursion;
-    const c10::Storage destination = ctx->inputs[0].storage();
-    for (at::Tensor& in : ctx->inputs) {
-      if (in.defined() && in.has_storage() && in.storage().is_alias_of(destination)) in = in.detach().clone();
-    }
-  }
-  // An in-place op on a list (_foreach_mul_) overwrites its elements: keep those holding an
+  // An in-place op on a list (_foreach_mul_) overwrites its elements too: keep those holding an
   // infinity by design as they are now.
-  if (is_in_place(fn.name()) && !ctx->handed_given.empty()) {
-    t_inside = true;
-    struct Reset {
-      ~Reset() { t_inside = false; }
-    } reset;
-    at::DisableRecordFunctionGuard no_recursion;
+  if (is_in_place(fn.name())) {
+    const Inside inside;
+    if (!fn.inputs().empty() && fn.inputs()[0].isTensor() && ctx->inputs[0].defined() && ctx->inputs[0].has_storage()) {
+      const c10::Storage destination = ctx->inputs[0].storage();
+      for (at::Tensor& in : ctx->inputs) {
+        if (in.defined() && in.has_storage() && in.storage().is_alias_of(destination)) in = in.detach().clone();
+      }
+    }
     for (ProbeContext::Handed& h : ctx->handed_given) h.tensor = h.tensor.detach().clone();
   }
   t_open.push_back(ctx.get());
@@ -220,11 +219,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
   } leave{backward_scope};
   if (raw != nullptr && !t_open.empty() && t_open.back() == raw) t_open.pop_back();
   if (t_inside || g_probe == nullptr) return;
-  t_inside = true;
-  struct Reset {
-    ~Reset() { t_inside = false; }
-  } reset;
-  at::DisableRecordFunctionGuard no_recursion;
+  const Inside inside;
   {
     std::lock_guard<std::mutex> lock(g_probe->mutex);
     if (g_probe->found) return;
@@ -257,17 +252,19 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
     }
     return false;
   };
-  std::vector<at::Tensor> made;  // the outputs this op computed
-  bool made_nan = false, made_inf = false;
+  std::vector<at::Tensor> made;       // the outputs this op computed
+  std::vector<at::Tensor> made_infs;  // ... those of them holding an infinity
+  bool made_nan = false;
   for (const at::Tensor& t : outputs) {
     if (aliases_input(t)) continue;
     made.push_back(t);
     if (has_nonfinite(t)) {
       const bool nan = has_nan(t);
       made_nan = made_nan || nan;
-      made_inf = made_inf || !nan || has_inf(t);
+      if (!nan || has_inf(t)) made_infs.push_back(t);
     }
   }
+  const bool made_inf = !made_infs.empty();
   if (!made_nan && !made_inf) {
     // An op that overwrote a storage holding an infinity by design with finite values ends it.
     if (in_place) {
@@ -293,8 +290,8 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
     }
   }
   auto carry = [&](std::size_t given, bool replace) {
-    for (const at::Tensor& t : made) {
-      if (!t.defined() || !t.has_storage() || !has_inf(t)) continue;
+    for (const at::Tensor& t : made_infs) {
+      if (!t.has_storage()) continue;
       const c10::Storage& storage = t.storage();
       const auto it = g_probe->carriers.find(storage.unsafeGetStorageImpl());
       if (it == g_probe->carriers.end()) {
@@ -321,8 +318,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
     // moves them, an overflow beside a mask adds some). Such infinities are its own, named if they
     // are not absorbed, as an infinity by design is.
     bool made_own = false;
-    for (const at::Tensor& t : made) {
-      if (!has_inf(t)) continue;
+    for (const at::Tensor& t : made_infs) {
       at::Tensor covered;
       std::int64_t held = 0;
       for (const at::Tensor& h : handed) {
