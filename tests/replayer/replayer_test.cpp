@@ -507,6 +507,16 @@ std::string record_spec(const ScenarioSpec& spec, const std::string& name) {
   return path;
 }
 
+// A built-in scenario recorded without its expectations and replayed; the trace is removed.
+ReplayResult record_and_replay_builtin(const std::string& name) {
+  ScenarioSpec spec = load_scenario("builtin:" + name);
+  spec.expect = ExpectSpec{};
+  const std::string path = record_spec(spec, name);
+  ReplayResult r = replay(path);
+  fs::remove(path);
+  return r;
+}
+
 // A trace with its program config replaced: the same records, another program to replay them.
 std::string with_config(const std::string& path, const ScenarioSpec& spec, const std::string& name) {
   const std::string copy = temp_path(name);
@@ -653,10 +663,7 @@ TEST(ReplayCli, StepThatRaisedHasAVerdictJsonReportAndExitCode) {
 // gradient -- is post-backward, not forward (the forward control: NanRunDumpsItsFlightRing...,
 // whose LayerNorm overflow stays forward).
 TEST(Replay, GradientFaultIsPostBackward) {
-  ScenarioSpec spec = load_scenario("builtin:grad-nan-skip-off");
-  spec.expect = ExpectSpec{};
-  const std::string path = record_spec(spec, "post_backward");
-  const ReplayResult r = replay(path);
+  const ReplayResult r = record_and_replay_builtin("grad-nan-skip-off");
   EXPECT_TRUE(r.reproduced);
   ASSERT_TRUE(r.first_nonfinite.has_value());
   EXPECT_EQ(r.first_nonfinite->step, 3);
@@ -664,7 +671,6 @@ TEST(Replay, GradientFaultIsPostBackward) {
   EXPECT_EQ(r.first_nonfinite->segment, "");
   EXPECT_EQ(r.first_nonfinite->phase, "post-backward") << r.first_nonfinite->message();
   EXPECT_FALSE(r.first_nonfinite->given_infinity);  // fill_(nan): a NaN is never by design
-  fs::remove(path);
 }
 
 // A replay from a snapshot after the one a rollback restored cannot rebuild the rollback ring: the
@@ -706,10 +712,7 @@ TEST(Replay, AReplayStartingAfterARollbacksSnapshotSaysSo) {
 // +inf, the update NaN), and naming the first op to return a non-finite value it was not given as
 // an argument names the norm.
 TEST(Replay, AnInfGradientIsNamedAtTheOpThatMadeIt) {
-  ScenarioSpec spec = load_scenario("builtin:grad-inf-clip-only");
-  spec.expect = ExpectSpec{};
-  const std::string path = record_spec(spec, "inf_gradient");
-  const ReplayResult r = replay(path);
+  const ReplayResult r = record_and_replay_builtin("grad-inf-clip-only");
   EXPECT_TRUE(r.reproduced);
   ASSERT_TRUE(r.first_nonfinite.has_value());
   const NonFiniteOrigin& o = *r.first_nonfinite;
@@ -721,7 +724,6 @@ TEST(Replay, AnInfGradientIsNamedAtTheOpThatMadeIt) {
   EXPECT_EQ(o.nan_phase, "optimizer");
   ASSERT_EQ(o.outputs.size(), 1u);
   EXPECT_EQ(o.outputs[0].nonfinite.pos_inf, 1);
-  fs::remove(path);
 }
 
 }  // namespace
