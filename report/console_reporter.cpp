@@ -29,7 +29,7 @@ std::tuple<std::size_t, std::size_t, std::size_t> column_widths(const std::vecto
   return {wn, wf, wd};
 }
 
-// The outcome column: as wide as "outcome" or the widest outcome shown ("broke early").
+// The outcome column: as wide as "outcome" or the widest outcome shown.
 int outcome_width(const std::vector<ScenarioResult>& results) {
   std::size_t w = 7;
   for (const ScenarioResult& r : results) w = std::max(w, r.outcome().size());

@@ -171,12 +171,13 @@ void add_note(std::map<std::int64_t, std::string>& notes, std::int64_t step, con
 
 const char* verdict_class(const ScenarioResult& r) { return r.passed ? "ok" : "failed"; }
 
-// The outcome's colour: held green, broke (early too) amber, not exercised grey.
+// The outcome's colour: held green, broke (early, or without the fault, too) amber, not exercised grey.
 const char* outcome_class(const ScenarioResult& r) {
   switch (r.outcome_kind()) {
     case Outcome::kHeld: return "held";
     case Outcome::kBroke:
-    case Outcome::kBrokeEarly: return "broke";
+    case Outcome::kBrokeEarly:
+    case Outcome::kBrokeWithoutFault: return "broke";
     case Outcome::kNotExercised: return "idle";
   }
   return "";

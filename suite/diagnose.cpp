@@ -198,6 +198,7 @@ RunOptions window_options(const Variant& v, const Window& w, std::int64_t last) 
   o.start_state = &w.state;
   o.start_rng = &w.rng;
   o.restart_schedule = v.restart_schedule;
+  o.counterfactual = false;  // a variant is judged against the failing run (judge), its evidence
   return o;
 }
 

@@ -307,7 +307,10 @@ void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
         if (!c.passed && role_of(c.kind) != CheckRole::kBreakage)
           reason(std::string(c.name()) + ": expected " + c.expected + ", got " + c.observed);
       }
-      if (!r.broke) {
+      const bool without_fault = std::any_of(r.checks.begin(), r.checks.end(), [](const ExpectationCheck& c) {
+        return c.kind == CheckKind::kFaultCaused && !c.passed;
+      });
+      if (!r.broke && !without_fault) {
         std::string early;
         for (const Breakage& x : r.breakage) {
           if (x.step < r.fault_step && x.kind != BreakKind::kRaised)
@@ -336,6 +339,7 @@ const char* to_string(Outcome o) {
     case Outcome::kBroke: return "broke";
     case Outcome::kBrokeEarly: return "broke early";
     case Outcome::kNotExercised: return "not exercised";
+    case Outcome::kBrokeWithoutFault: return "broke without the fault";
   }
   return "?";
 }
@@ -343,6 +347,9 @@ const char* to_string(Outcome o) {
 Outcome ScenarioResult::outcome_kind() const {
   if (broke) return Outcome::kBroke;
   if (harness_error) return Outcome::kNotExercised;  // the run never got to its fault
+  if (expected_to_break &&
+      std::any_of(breakage.begin(), breakage.end(), [](const Breakage& x) { return x.without_fault_step > 0; }))
+    return Outcome::kBrokeWithoutFault;
   const bool early = expected_to_break && std::any_of(breakage.begin(), breakage.end(),
                                                       [&](const Breakage& x) { return x.step < fault_step; });
   if (early) return Outcome::kBrokeEarly;
@@ -367,6 +374,8 @@ const char* to_string(CheckKind kind) {
     case CheckKind::kInjectionsFired: return "injections_fired";
     case CheckKind::kInjectionFired: return "injection_fired";
     case CheckKind::kRaises: return "raises";
+    case CheckKind::kFaultBites: return "fault_bites";
+    case CheckKind::kFaultCaused: return "fault_caused";
   }
   return "?";
 }
@@ -384,7 +393,9 @@ CheckRole role_of(CheckKind kind) {
     case CheckKind::kMinScaleBackoffs:
     case CheckKind::kMinScaleGrowths:
     case CheckKind::kMinRollbacks:
-    case CheckKind::kRaises: return CheckRole::kExercise;
+    case CheckKind::kRaises:
+    case CheckKind::kFaultBites: return CheckRole::kExercise;
+    case CheckKind::kFaultCaused: return CheckRole::kCause;
     case CheckKind::kMaxSkippedSteps:
     case CheckKind::kReplayBitwise: return CheckRole::kOther;
   }
@@ -400,6 +411,15 @@ const char* to_string(BreakKind kind) {
     case BreakKind::kNoProgress: return "no_progress";
     case BreakKind::kRaised: return "raised";
     case BreakKind::kRanksSplit: return "ranks_split";
+  }
+  return "?";
+}
+
+const char* to_string(CounterfactualKind kind) {
+  switch (kind) {
+    case CounterfactualKind::kNone: return "none";
+    case CounterfactualKind::kFaultFree: return "fault_free";
+    case CounterfactualKind::kUndefended: return "undefended";
   }
   return "?";
 }
@@ -442,8 +462,39 @@ constexpr CheckKind kCheckKinds[] = {
     CheckKind::kMinSkippedSteps,  CheckKind::kMinScaleBackoffs, CheckKind::kMinScaleGrowths,
     CheckKind::kMinRollbacks,     CheckKind::kFinalLossBelow,   CheckKind::kMinAppliedSteps,
     CheckKind::kRecomputeBitwise, CheckKind::kReplayBitwise,    CheckKind::kInjectionsFired,
-    CheckKind::kInjectionFired,   CheckKind::kRaises,
+    CheckKind::kInjectionFired,   CheckKind::kRaises,           CheckKind::kFaultBites,
+    CheckKind::kFaultCaused,
 };
+
+CounterfactualKind parse_counterfactual_kind(const std::string& name) {
+  for (CounterfactualKind k :
+       {CounterfactualKind::kNone, CounterfactualKind::kFaultFree, CounterfactualKind::kUndefended}) {
+    if (name == to_string(k)) return k;
+  }
+  throw Error("unknown counterfactual kind '" + name + "' in a scenario result");
+}
+
+nlohmann::json breakage_json(const std::vector<Breakage>& breakage) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const Breakage& x : breakage) {
+    out.push_back({{"kind", to_string(x.kind)},
+                   {"step", x.step},
+                   {"detail", x.detail},
+                   {"counts", x.counts},
+                   {"without_fault_step", x.without_fault_step}});
+  }
+  return out;
+}
+
+std::vector<Breakage> breakage_from_json(const nlohmann::json& j) {
+  std::vector<Breakage> out;
+  for (const auto& x : j) {
+    out.push_back({parse_break_kind(x.at("kind").get<std::string>()), x.at("step").get<std::int64_t>(),
+                   x.at("detail").get<std::string>(), x.at("counts").get<bool>(),
+                   x.at("without_fault_step").get<std::int64_t>()});
+  }
+  return out;
+}
 
 CheckKind parse_check_kind(const std::string& name) {
   for (CheckKind k : kCheckKinds) {
@@ -501,7 +552,7 @@ std::string defense_label(const ScenarioSpec& spec) {
 namespace {
 
 // The result's identity and the fault's window, before anything runs.
-ScenarioResult start_result(const ScenarioSpec& spec, const RunOptions& options) {
+ScenarioResult start_result(const ScenarioSpec& spec, const RunOptions& options, std::int64_t fault_step) {
   ScenarioResult r;
   r.name = spec.name.empty() ? spec.origin : spec.name;
   r.origin = spec.origin;
@@ -515,6 +566,7 @@ ScenarioResult start_result(const ScenarioSpec& spec, const RunOptions& options)
     for (const InjectionSpec& in : spec.injections) first = std::min(first, in.step);
     r.fault_step = std::max(first, options.first_step);
   }
+  if (fault_step > 0) r.fault_step = fault_step;  // a control's fault-free run: the control's window
   r.last_step = options.first_step - 1;
   r.nonfinite_params_since = options.first_step - 1;
   for (std::size_t i = 0; i < spec.injections.size(); ++i)
@@ -538,6 +590,7 @@ class ScenarioRun {
   Defenses* defenses() const { return defenses_; }
   void mark_started() { started_ = true; }
   void note_initial_params() { params_were_finite_ = params_finite(); }
+  bool params_nonfinite_now() const { return !params_were_finite_; }  // after the last step
 
   bool params_finite() const {
     return defenses_ ? defenses_->parameters_finite() : parameters_finite(program_->state());
@@ -708,13 +761,13 @@ void replay_recorded(const std::string& trace_path, ScenarioResult& r) {
   }
 }
 
-}  // namespace
-
-ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options) {
+// The run and its checks and breakage, without the verdict. fault_step > 0: the fault's step to
+// judge by (a control's fault-free run has no injection of its own to date it).
+ScenarioResult run_and_check(const ScenarioSpec& spec, const RunOptions& options, std::int64_t fault_step = 0) {
   const auto t0 = std::chrono::steady_clock::now();
   std::clock_t c0 = 0;          // at the first step: cpu_seconds is the steps', not the setup's
   register_builtin_programs();  // the replay rebuilds the program from the trace by name
-  ScenarioResult r = start_result(spec, options);
+  ScenarioResult r = start_result(spec, options, fault_step);
   const std::int64_t last = options.last_step > 0 ? options.last_step : spec.training.steps;
   const bool replay = spec.expect.replay_bitwise.has_value() && options.replay && options.first_step == 1 &&
                       options.start_state == nullptr;
@@ -753,8 +806,10 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
     } else {
       run.mark_started();
       c0 = std::clock();
-      for (std::int64_t s = options.first_step; s <= last; ++s)
+      for (std::int64_t s = options.first_step; s <= last; ++s) {
         after_step(s, program.step(s, program.batch(s), nullptr));
+        if (options.stop_at_nonfinite_params && run.params_nonfinite_now()) break;
+      }
     }
   } catch (const std::exception& e) {
     run.on_exception(e);
@@ -772,6 +827,162 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
   r.cpu_seconds = static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
   check_expectations(spec, r);
   find_breakage(spec.expect, r);
+  return r;
+}
+
+// Whether the spec has a defense to take away: the pipeline's, the LayerNorm guards, the
+// program's own clipping, or the preserved RNG state against an RNG fault.
+bool rng_fault(const ScenarioSpec& spec) {
+  return std::any_of(spec.injections.begin(), spec.injections.end(),
+                     [](const InjectionSpec& in) { return in.type == InjectionType::kRngDesync; });
+}
+
+ScenarioSpec without_defenses(const ScenarioSpec& spec) {
+  ScenarioSpec bare = spec;
+  bare.defenses = DefenseSpec{};
+  bare.defenses.preserve_rng_state = spec.defenses.preserve_rng_state && !rng_fault(spec);
+  bare.training.clip_grad_norm = 0;
+  return bare;
+}
+
+bool defended(const ScenarioSpec& spec) {
+  const DefenseSpec& d = spec.defenses;
+  return d.any() || d.layernorm_fp32 || d.layernorm_min_eps > 0 || spec.training.clip_grad_norm > 0 ||
+         (d.preserve_rng_state && rng_fault(spec));
+}
+
+// The expectations of what breaks, and only those: what a counterfactual run is judged by.
+ExpectSpec breakage_expectations(const ExpectSpec& e) {
+  ExpectSpec out;
+  out.params_finite = e.params_finite;
+  out.loss_finite = e.loss_finite;
+  out.final_loss_below = e.final_loss_below;
+  out.recompute_bitwise = e.recompute_bitwise;
+  return out;
+}
+
+RunOptions counterfactual_options(const RunOptions& options) {
+  RunOptions o = options;
+  o.trace_path.clear();
+  o.replay = false;
+  o.counterfactual = false;
+  return o;
+}
+
+Counterfactual summary_of(CounterfactualKind kind, const ScenarioResult& c) {
+  Counterfactual out;
+  out.kind = kind;
+  out.last_step = c.last_step;
+  out.params_finite = c.params_finite;
+  out.final_loss = c.final_loss;
+  out.breakage = c.breakage;
+  return out;
+}
+
+// A negative control's breakage against the same run without its injections: breakage of a kind
+// that run shows too, at or before the same step, is the configuration's, and does not count.
+void weigh_fault_free(const ScenarioSpec& spec, const RunOptions& options, ScenarioResult& r) {
+  ScenarioSpec clean = spec;
+  clean.injections.clear();
+  clean.expect = breakage_expectations(spec.expect);
+  clean.expect.diverges = true;
+  clean.expect.min_applied_steps = spec.expect.min_applied_steps;
+  clean.expect.raises = spec.expect.raises;
+  clean.expect.raises_match = spec.expect.raises_match;
+  RunOptions o = counterfactual_options(options);
+  // Breakage dated by its step needs the fault-free run only that far; the final loss and the
+  // progress rule look at the whole run.
+  std::int64_t until = 0;
+  bool whole = false;
+  for (const Breakage& x : r.breakage) {
+    if (!x.counts) continue;
+    if (x.kind == BreakKind::kFinalLoss || x.kind == BreakKind::kNoProgress) whole = true;
+    until = std::max(until, x.step);
+  }
+  if (!whole) o.last_step = until;
+  ScenarioResult c = run_and_check(clean, o, r.fault_step);
+  r.counterfactual = summary_of(CounterfactualKind::kFaultFree, c);
+  const Breakage* kept = nullptr;
+  const Breakage* anyway = nullptr;
+  for (Breakage& x : r.breakage) {
+    if (!x.counts) continue;
+    const auto same = std::find_if(c.breakage.begin(), c.breakage.end(), [&](const Breakage& y) {
+      return y.kind == x.kind && y.step <= x.step && (y.kind != BreakKind::kRaised || y.counts);
+    });
+    if (same == c.breakage.end()) {
+      if (!kept) kept = &x;
+      continue;
+    }
+    x.counts = false;
+    x.without_fault_step = std::max<std::int64_t>(same->step, 1);
+    if (!anyway) anyway = &x;
+  }
+  const std::string ran = "steps " + std::to_string(options.first_step) + ".." + std::to_string(c.last_step);
+  std::string observed;
+  if (kept) {
+    observed = anyway ? "it broke too, but not so: " + anyway->detail + " without the fault as well, from step " +
+                            std::to_string(anyway->without_fault_step) + "; " + kept->detail + " only with it"
+                      : "it did not break (" + ran + ")";
+  } else {
+    const Breakage& y =
+        *std::find_if(c.breakage.begin(), c.breakage.end(), [&](const Breakage& b) { return b.kind == anyway->kind; });
+    observed = "it broke too: " + y.detail + " (with the fault: " + anyway->detail +
+               "); the configuration breaks it, not the fault";
+  }
+  check(r, CheckKind::kFaultCaused, "the run without its injections does not break so by the same step", observed,
+        kept != nullptr);
+}
+
+// A run that held, against the same run without its defenses: a fault that does not break that
+// run either gave the defenses nothing to hold.
+void weigh_undefended(const ScenarioSpec& spec, const RunOptions& options, ScenarioResult& r) {
+  ScenarioSpec bare = without_defenses(spec);
+  bare.expect = breakage_expectations(spec.expect);
+  RunOptions o = counterfactual_options(options);
+  o.stop_at_nonfinite_params = true;
+  ScenarioResult c = run_and_check(bare, o);
+  r.counterfactual = summary_of(CounterfactualKind::kUndefended, c);
+  // Any breakage counts here, before the fault's step too: the defenses then hold the
+  // configuration, which still needed holding. A harness error is not breakage.
+  r.counterfactual.broke = !c.breakage.empty();
+  std::string observed;
+  if (r.counterfactual.broke) {
+    observed = "broke: " + c.breakage.front().detail;
+  } else {
+    observed = c.harness_error ? "could not tell: " + c.error
+                               : "held too (steps " + std::to_string(options.first_step) + ".." +
+                                     std::to_string(c.last_step) + ", parameters finite, final loss " +
+                                     fmt(c.final_loss) + ", " + std::to_string(c.breakage.size()) + " breakage)";
+    if (!c.harness_error && !spec.expect.final_loss_below && !spec.expect.loss_finite)
+      observed += "; expect.final_loss_below or loss_finite would say what breaking means here";
+  }
+  check(r, CheckKind::kFaultBites, "the run without its defenses (" + defense_label(spec) + ") breaks", observed,
+        r.counterfactual.broke);
+}
+
+// The counterfactual the verdict needs (Counterfactual), if any, weighed into r's checks.
+void weigh_counterfactual(const ScenarioSpec& spec, const RunOptions& options, ScenarioResult& r) {
+  if (!options.counterfactual || r.harness_error || spec.injections.empty()) return;
+  const bool control = spec.expect.diverges;
+  if (control ? !r.broke : r.outcome_kind() != Outcome::kHeld) return;
+  if (!control && !defended(spec)) {
+    r.counterfactual.why_not = "no defenses to take away: the scenario claims the model itself holds";
+    return;
+  }
+  if (r.world_size > 1) {
+    r.counterfactual.why_not = "data parallel: not run (the ranks would have to run it together)";
+    return;
+  }
+  if (control) weigh_fault_free(spec, options, r);
+  else weigh_undefended(spec, options, r);
+}
+
+}  // namespace
+
+ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options) {
+  ScenarioResult r = run_and_check(spec, options);
+  decide_verdict(spec.expect, r);
+  weigh_counterfactual(spec, options, r);
   decide_verdict(spec.expect, r);
   return r;
 }
@@ -912,11 +1123,14 @@ nlohmann::json ScenarioResult::to_json() const {
     j["injections"].push_back({{"entry", t.entry}, {"type", t.type}, {"due", t.due}, {"fired", t.fired}});
   }
   j["segments_seen"] = segments_seen;
-  j["breakage"] = nlohmann::json::array();
-  for (const Breakage& x : breakage) {
-    j["breakage"].push_back(
-        {{"kind", to_string(x.kind)}, {"step", x.step}, {"detail", x.detail}, {"counts", x.counts}});
-  }
+  j["breakage"] = breakage_json(breakage);
+  j["counterfactual"] = {{"kind", to_string(counterfactual.kind)},
+                         {"why_not", counterfactual.why_not},
+                         {"last_step", counterfactual.last_step},
+                         {"broke", counterfactual.broke},
+                         {"params_finite", counterfactual.params_finite},
+                         {"final_loss", num(counterfactual.final_loss)},
+                         {"breakage", breakage_json(counterfactual.breakage)}};
   j["reasons"] = reasons;
   j["checks"] = nlohmann::json::array();
   for (const ExpectationCheck& c : checks) {
@@ -1004,10 +1218,15 @@ ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
                             t.at("fired").get<std::vector<std::int64_t>>()});
   }
   r.segments_seen = j.at("segments_seen").get<std::vector<std::string>>();
-  for (const auto& x : j.at("breakage")) {
-    r.breakage.push_back({parse_break_kind(x.at("kind").get<std::string>()), x.at("step").get<std::int64_t>(),
-                          x.at("detail").get<std::string>(), x.at("counts").get<bool>()});
-  }
+  r.breakage = breakage_from_json(j.at("breakage"));
+  const auto& cf = j.at("counterfactual");
+  r.counterfactual.kind = parse_counterfactual_kind(cf.at("kind").get<std::string>());
+  r.counterfactual.why_not = cf.at("why_not");
+  r.counterfactual.last_step = cf.at("last_step");
+  r.counterfactual.broke = cf.at("broke");
+  r.counterfactual.params_finite = cf.at("params_finite");
+  r.counterfactual.final_loss = from_num(cf.at("final_loss"));
+  r.counterfactual.breakage = breakage_from_json(cf.at("breakage"));
   r.reasons = j.at("reasons").get<std::vector<std::string>>();
   for (const auto& c : j.at("checks")) {
     r.checks.push_back(

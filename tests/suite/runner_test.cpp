@@ -62,6 +62,7 @@ TEST(Runner, EveryCheckKindHasANameAndARole) {
       {CheckKind::kMinAppliedSteps, CheckRole::kBreakage},  {CheckKind::kRecomputeBitwise, CheckRole::kBreakage},
       {CheckKind::kReplayBitwise, CheckRole::kOther},       {CheckKind::kInjectionsFired, CheckRole::kExercise},
       {CheckKind::kInjectionFired, CheckRole::kExercise},   {CheckKind::kRaises, CheckRole::kExercise},
+      {CheckKind::kFaultBites, CheckRole::kExercise},       {CheckKind::kFaultCaused, CheckRole::kCause},
   };
   std::set<std::string> names;
   for (const auto& [kind, role] : kinds) {
@@ -70,9 +71,10 @@ TEST(Runner, EveryCheckKindHasANameAndARole) {
     names.insert(to_string(kind));
   }
   EXPECT_EQ(names.size(), std::size(kinds));
-  // The names are the expect keys the scenario parser accepts (the automatic injection_fired aside).
+  // The names are the expect keys the scenario parser accepts (the automatic injection_fired,
+  // fault_bites and fault_caused aside).
   for (const std::string& n : names) {
-    if (n == "injection_fired") continue;
+    if (n == "injection_fired" || n == "fault_bites" || n == "fault_caused") continue;
     const std::string value = n == "final_loss_below" ? "1.0" : (n.rfind("m", 0) == 0 ? "1" : "true");
     EXPECT_NO_THROW(with("expect: {" + n + ": " + value + "}\n")) << n;
   }

@@ -59,7 +59,7 @@ TEST(Verdict, AControlPassesOnItsFaultsEvidenceAndSaysWhich) {
   EXPECT_EQ(
       r.to_json().at("breakage"),
       nlohmann::json::parse(
-          R"([{"counts":true,"detail":"parameters non-finite from step 2 on","kind":"non_finite_params","step":2}])"))
+          R"([{"counts":true,"detail":"parameters non-finite from step 2 on","kind":"non_finite_params","step":2,"without_fault_step":0}])"))
       << r.to_json();
 }
 
@@ -161,6 +161,111 @@ TEST(Verdict, BreakageBeforeTheFaultDoesNotCount) {
                         "diverges: true}\n"));
   EXPECT_FALSE(r.passed) << why(r);
   EXPECT_EQ(r.outcome(), "held") << why(r);
+}
+
+// --- the fault must have done it: the same run without the fault, or without the defenses ------
+
+// A control whose configuration breaks it anyway proves nothing about its fault: the same run
+// without its injections fails final_loss_below too (the tiny GPT never gets near 0.01 in four
+// steps), so the breakage does not count. Control: a NaN gradient that breaks the parameters,
+// which the fault-free run keeps finite, passes -- though its final loss fails without it too.
+TEST(Verdict, AControlWhoseConfigurationBreaksItAnywayDoesNotPass) {
+  ScenarioResult r = run_scenario(with("injections: [{type: bit_flip, step: 2, target: weights, bit: 2}]\n"
+                                       "expect: {final_loss_below: 0.01, diverges: true}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_FALSE(r.broke) << why(r);
+  EXPECT_EQ(r.outcome_kind(), Outcome::kBrokeWithoutFault) << why(r);
+  EXPECT_EQ(r.outcome(), "broke without the fault");
+  EXPECT_EQ(r.counterfactual.kind, CounterfactualKind::kFaultFree);
+  ASSERT_EQ(r.breakage.size(), 1u) << why(r);
+  EXPECT_EQ(r.breakage[0].kind, BreakKind::kFinalLoss);
+  EXPECT_FALSE(r.breakage[0].counts);
+  EXPECT_EQ(r.breakage[0].without_fault_step, 4);
+  EXPECT_TRUE(has_reason(r, "fault_caused: expected the run without its injections does not break so by the same "
+                            "step, got it broke too: final loss"))
+      << why(r);
+  EXPECT_TRUE(has_reason(r, "the configuration breaks it, not the fault")) << why(r);
+  EXPECT_FALSE(has_reason(r, "negative control held")) << why(r);
+  const ScenarioResult back = ScenarioResult::from_json(r.to_json());
+  EXPECT_EQ(back.outcome(), "broke without the fault");
+  EXPECT_EQ(back.counterfactual.kind, CounterfactualKind::kFaultFree);
+  EXPECT_EQ(back.breakage.at(0).without_fault_step, 4);
+  EXPECT_EQ(back.counterfactual.breakage.size(), r.counterfactual.breakage.size());
+  EXPECT_EQ(back.to_json(), r.to_json());
+
+  r = run_scenario(
+      with("injections: [{type: grad_nonfinite, step: 2}]\nexpect: {final_loss_below: 0.01, diverges: true}\n"));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "broke");
+  ASSERT_NE(r.evidence(), nullptr);
+  EXPECT_EQ(r.evidence()->kind, BreakKind::kNonFiniteParams);
+  const ExpectationCheck* caused = find_check(r, "fault_caused");
+  ASSERT_NE(caused, nullptr) << why(r);
+  EXPECT_TRUE(caused->passed);
+  EXPECT_NE(caused->observed.find("only with it"), std::string::npos) << caused->observed;
+}
+
+// A control that breaks at its fault's step, where the fault-free run does not: the fault-free
+// run needs to go only that far (the breakage is dated by its step).
+TEST(Verdict, AControlsFaultFreeRunStopsAtItsBreakage) {
+  std::string six(kGpt);
+  six.replace(six.find("steps: 4"), 8, "steps: 6");
+  const ScenarioResult r = run_scenario(parse_scenario_text(
+      six + "injections: [{type: grad_nonfinite, step: 2}]\nexpect: {params_finite: true, diverges: true}\n",
+      "six.yaml"));
+  ASSERT_EQ(r.last_step, 6);
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.counterfactual.kind, CounterfactualKind::kFaultFree);
+  EXPECT_EQ(r.counterfactual.last_step, 2);
+  EXPECT_TRUE(r.counterfactual.params_finite);
+  EXPECT_TRUE(r.counterfactual.breakage.empty());
+}
+
+// "held" needs a fault that bites: a low mantissa flip that the undefended run shrugs off gave
+// skip_nonfinite nothing to hold -- not exercised, not held. Control: a NaN gradient breaks the
+// undefended run (which stops there), and the defended run's "held" stands.
+TEST(Verdict, AHeldScenarioWhoseFaultDoesNotBreakTheUndefendedRunIsNotExercised) {
+  const std::string skip = "defenses: {skip_nonfinite: true}\n";
+  ScenarioResult r = run_scenario(
+      with(skip + "injections: [{type: bit_flip, step: 3, target: weights, bit: 2}]\nexpect: {params_finite: true}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_FALSE(r.broke) << why(r);
+  EXPECT_EQ(r.outcome_kind(), Outcome::kNotExercised) << why(r);
+  EXPECT_EQ(r.counterfactual.kind, CounterfactualKind::kUndefended);
+  EXPECT_FALSE(r.counterfactual.broke);
+  EXPECT_TRUE(has_reason(r, "fault_bites: expected the run without its defenses (skip_nonfinite) breaks, got held "
+                            "too (steps 1..4"))
+      << why(r);
+  EXPECT_TRUE(has_reason(r, "would say what breaking means here")) << why(r);
+  EXPECT_EQ(ScenarioResult::from_json(r.to_json()).outcome(), "not exercised");
+
+  r = run_scenario(with(skip + "injections: [{type: grad_nonfinite, step: 3}]\nexpect: {params_finite: true}\n"));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "held");
+  const ExpectationCheck* bites = find_check(r, "fault_bites");
+  ASSERT_NE(bites, nullptr) << why(r);
+  EXPECT_TRUE(bites->passed);
+  EXPECT_EQ(bites->observed, "broke: parameters non-finite from step 3 on");
+  EXPECT_TRUE(r.counterfactual.broke);
+  EXPECT_EQ(r.counterfactual.last_step, 3);  // it stopped once the parameters went non-finite
+}
+
+// No defense to take away: the scenario claims the model itself holds (the built-in
+// bitflip-mantissa-benign), and there is no counterfactual -- it says why. Nor is there one when
+// the caller turns it off (RunOptions::counterfactual, diagnose's variants).
+TEST(Verdict, AScenarioWithoutDefensesOrWithTheCounterfactualOffRunsNone) {
+  const std::string flip = "injections: [{type: bit_flip, step: 3, target: weights, bit: 2}]\n";
+  ScenarioResult r = run_scenario(with(flip + "expect: {params_finite: true}\n"));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.counterfactual.kind, CounterfactualKind::kNone);
+  EXPECT_NE(r.counterfactual.why_not.find("no defenses to take away"), std::string::npos) << r.counterfactual.why_not;
+  EXPECT_EQ(find_check(r, "fault_bites"), nullptr);
+  RunOptions off;
+  off.counterfactual = false;
+  r = run_scenario(with("defenses: {skip_nonfinite: true}\n" + flip + "expect: {params_finite: true}\n"), off);
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.counterfactual.kind, CounterfactualKind::kNone);
+  EXPECT_EQ(find_check(r, "fault_bites"), nullptr);
 }
 
 // --- the outcome says what the run did, the verdict what that proves ---------------------------
@@ -306,7 +411,11 @@ TEST(Verdict, EveryInjectionEntryMustFireNotJustOneOfItsType) {
                         "injections: [{type: bit_flip, step: 2, target: optimizer, bit: 30}, "
                         "{type: bit_flip, step: 3, target: optimizer, bit: 30}]\n"
                         "expect: {params_finite: true, min_applied_steps: 0}\n"));
-  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_FALSE(has_reason(r, "injections[")) << why(r);
+  EXPECT_EQ(r.injections[0].fired, std::vector<std::int64_t>{2});
+  // (Neither flip breaks this model even without rollback, and the verdict says so -- fault_bites
+  // -- which is not what this test is about.)
+  EXPECT_TRUE(has_reason(r, "fault_bites")) << why(r);
 }
 
 TEST(Verdict, AnInjectionDueOnNoStepFails) {

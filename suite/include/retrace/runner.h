@@ -32,8 +32,8 @@ struct StepPoint {
 };
 
 // The checks a run is judged by (docs/scenarios.md, "Expectations and the verdict"): one per
-// `expect` key that makes one, plus the automatic progress (kMinAppliedSteps) and per-entry
-// injection (kInjectionFired) checks.
+// `expect` key that makes one, plus the automatic progress (kMinAppliedSteps), per-entry injection
+// (kInjectionFired) and counterfactual (kFaultBites, kFaultCaused) checks.
 enum class CheckKind {
   kParamsFinite,
   kLossFinite,
@@ -49,6 +49,10 @@ enum class CheckKind {
   kInjectionsFired,
   kInjectionFired,
   kRaises,
+  kFaultBites,   // automatic, a scenario that expects to hold: its fault breaks the run without its
+                 // defenses (Counterfactual)
+  kFaultCaused,  // automatic, a negative control: the run without its injections does not break as
+                 // early (Counterfactual)
 };
 const char* to_string(CheckKind kind);  // "params_finite", ...: the `expect` key and the JSON's name
 
@@ -58,8 +62,11 @@ enum class CheckRole {
               // params_finite, loss_finite, final_loss_below, recompute_bitwise, min_applied_steps
   kExercise,  // the fault or the defense never acted (outcome "not exercised"): injection_fired,
               // injections_fired, min_skipped_steps, min_scale_backoffs, min_scale_growths,
-              // min_rollbacks, raises (when nothing was raised; a wrong raise breaks)
+              // min_rollbacks, raises (when nothing was raised; a wrong raise breaks), fault_bites
+              // (the fault does not break the run without the defenses either: Counterfactual)
   kOther,     // describes the run: max_skipped_steps, replay_bitwise
+  kCause,     // a control's breakage was not its fault's: fault_caused (the run without its
+              // injections breaks as early: outcome "broke without the fault"; Counterfactual)
 };
 CheckRole role_of(CheckKind kind);
 
@@ -91,7 +98,11 @@ struct Breakage {
   BreakKind kind = BreakKind::kRaised;
   std::int64_t step = 0;
   std::string detail;   // "parameters non-finite from step 5 on", "step 3 raised: ..."
-  bool counts = false;  // at or after the fault step, and of a kind the scenario's verdict accepts
+  bool counts = false;  // at or after the fault step, of a kind the scenario's verdict accepts, and
+                        // (a control's) not shown as early by the run without its injections
+  // A control's: the step at which the run without its injections showed the same kind of
+  // breakage, when that was at or before this one (then it does not count); 0: it did not.
+  std::int64_t without_fault_step = 0;
 };
 
 // What a step did that the run's counters do not say: an injection that fired in it, or why a
@@ -114,13 +125,42 @@ struct StepNote {
 enum class Outcome {
   kHeld,
   kBroke,
-  kBrokeEarly,    // a negative control broken only before its fault's step
-  kNotExercised,  // nothing broke, but the fault or the defense never acted: an injection entry
-                  // that did not fire, a defense's expected action that did not happen
-                  // (min_skipped_steps, min_scale_*, min_rollbacks, a raise expected and not raised),
-                  // or a harness error (the run never got to its fault)
+  kBrokeEarly,         // a negative control broken only before its fault's step
+  kNotExercised,       // nothing broke, but the fault or the defense never acted: an injection entry
+                       // that did not fire, a defense's expected action that did not happen
+                       // (min_skipped_steps, min_scale_*, min_rollbacks, a raise expected and not raised),
+                       // or a harness error (the run never got to its fault); also a run that held
+                       // where its fault does not break the run without its defenses either
+  kBrokeWithoutFault,  // a negative control whose breakage the run without its injections shows
+                       // too, as early: the configuration broke it, not the fault
 };
-const char* to_string(Outcome o);  // "held", "broke", "broke early", "not exercised"
+const char* to_string(Outcome o);  // "held", "broke", "broke early", "not exercised", "broke without the fault"
+
+// The verdict's counterfactual (docs/scenarios.md, "Did the fault do it?"): the same run, same
+// seed and window, without its injections (a negative control: breakage the configuration shows
+// anyway does not count) or without its defenses, judged as a negative control (a scenario that
+// expects to hold: a fault that does not break the undefended run gave the defenses nothing to
+// hold). Its verdict is the fault_caused or fault_bites check.
+enum class CounterfactualKind {
+  kNone,        // not run: no injections (the configuration is the fault), no defenses to take away,
+                // a harness error, nothing a control counted, a run that did not hold, or data
+                // parallel (Counterfactual::why_not says which, where it matters)
+  kFaultFree,   // a control without its injections
+  kUndefended,  // a scenario that expects to hold, without its defenses
+};
+const char* to_string(CounterfactualKind kind);  // "none", "fault_free", "undefended"
+
+struct Counterfactual {
+  CounterfactualKind kind = CounterfactualKind::kNone;
+  std::string why_not;         // kNone: why it was not run ("" when the rules ask for none)
+  std::int64_t last_step = 0;  // the last step it reached: it stops once it has shown what it
+                               // was run for (a control's breakage steps; undefended, the
+                               // first step from the fault's that leaves parameters non-finite)
+  bool broke = false;          // kUndefended: broke as a negative control counts it
+  bool params_finite = true;
+  double final_loss = std::numeric_limits<double>::quiet_NaN();
+  std::vector<Breakage> breakage;  // what broke in it
+};
 
 // One entry of the scenario's injection list, and what became of it in the run.
 struct InjectionTally {
@@ -188,6 +228,8 @@ struct ScenarioResult {
   std::vector<std::string> segments_seen;  // checkpointed segments that ran, in order of first run
   std::vector<Breakage> breakage;          // what broke, in the order found
 
+  Counterfactual counterfactual;  // the same run without the fault or without the defenses
+
   // Stability figures (retrace run --bench): against the same run without its injections.
   struct Bench {
     bool measured = false;
@@ -244,6 +286,12 @@ struct RunOptions {
   const std::vector<NamedTensor>* start_state = nullptr;
   const RngState* start_rng = nullptr;
   bool restart_schedule = false;  // drop the snapshot's schedule state (warmup starts over)
+  // Run the verdict's counterfactual (Counterfactual): off only where the caller
+  // judges the run by other evidence (retrace diagnose's variants, judged against the failing run).
+  bool counterfactual = true;
+  // Stop after the first step from the fault's on that leaves the parameters non-finite (a
+  // counterfactual run: what it was run to show has shown).
+  bool stop_at_nonfinite_params = false;
 };
 
 // Runs `spec` in this process. Never throws for what the scenario does (an exception from
