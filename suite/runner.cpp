@@ -949,10 +949,10 @@ void weigh_undefended(const ScenarioSpec& spec, const RunOptions& options, Scena
   if (r.counterfactual.broke) {
     observed = "broke: " + c.breakage.front().detail;
   } else {
-    observed = c.harness_error ? "could not tell: " + c.error
-                               : "held too (steps " + std::to_string(options.first_step) + ".." +
-                                     std::to_string(c.last_step) + ", parameters finite, final loss " +
-                                     fmt(c.final_loss) + ", " + std::to_string(c.breakage.size()) + " breakage)";
+    observed = c.harness_error
+                   ? "could not tell: " + c.error
+                   : "held too (steps " + std::to_string(options.first_step) + ".." + std::to_string(c.last_step) +
+                         ", parameters finite, final loss " + fmt(c.final_loss) + ")";
     if (!c.harness_error && !spec.expect.final_loss_below && !spec.expect.loss_finite)
       observed += "; expect.final_loss_below or loss_finite would say what breaking means here";
   }
