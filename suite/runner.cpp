@@ -519,6 +519,14 @@ std::string fault_label(const ScenarioSpec& spec) {
   return out;
 }
 
+namespace {
+// An RNG fault is injected: then preserve_rng_state is its defense, not plain configuration.
+bool rng_fault(const ScenarioSpec& spec) {
+  return std::any_of(spec.injections.begin(), spec.injections.end(),
+                     [](const InjectionSpec& in) { return in.type == InjectionType::kRngDesync; });
+}
+}  // namespace
+
 std::string defense_label(const ScenarioSpec& spec) {
   const DefenseSpec& d = spec.defenses;
   std::vector<std::string> parts;
@@ -537,10 +545,8 @@ std::string defense_label(const ScenarioSpec& spec) {
   if (d.layernorm_fp32) parts.push_back("fp32_layernorm");
   if (d.layernorm_min_eps > 0) parts.push_back("eps_guard " + fmt(d.layernorm_min_eps));
   if (d.rollback) parts.push_back("rollback");
-  bool rng_fault = false;
-  for (const InjectionSpec& in : spec.injections) rng_fault = rng_fault || in.type == InjectionType::kRngDesync;
   if (!d.preserve_rng_state) parts.push_back("rng_not_preserved");
-  else if (rng_fault) parts.push_back("preserve_rng_state");
+  else if (rng_fault(spec)) parts.push_back("preserve_rng_state");
   if (d.verify_recompute) parts.push_back("verify_recompute");
   if (d.validate_batch) parts.push_back("validate_batch");
   if (parts.empty()) return "none";
@@ -830,13 +836,6 @@ ScenarioResult run_and_check(const ScenarioSpec& spec, const RunOptions& options
   return r;
 }
 
-// Whether the spec has a defense to take away: the pipeline's, the LayerNorm guards, the
-// program's own clipping, or the preserved RNG state against an RNG fault.
-bool rng_fault(const ScenarioSpec& spec) {
-  return std::any_of(spec.injections.begin(), spec.injections.end(),
-                     [](const InjectionSpec& in) { return in.type == InjectionType::kRngDesync; });
-}
-
 ScenarioSpec without_defenses(const ScenarioSpec& spec) {
   ScenarioSpec bare = spec;
   bare.defenses = DefenseSpec{};
@@ -845,6 +844,8 @@ ScenarioSpec without_defenses(const ScenarioSpec& spec) {
   return bare;
 }
 
+// Whether the spec has a defense to take away: the pipeline's, the LayerNorm guards, the
+// program's own clipping, or the preserved RNG state against an RNG fault.
 bool defended(const ScenarioSpec& spec) {
   const DefenseSpec& d = spec.defenses;
   return d.any() || d.layernorm_fp32 || d.layernorm_min_eps > 0 || spec.training.clip_grad_norm > 0 ||
@@ -902,8 +903,9 @@ void weigh_fault_free(const ScenarioSpec& spec, const RunOptions& options, Scena
   if (!whole) o.last_step = until;
   ScenarioResult c = run_and_check(clean, o, r.fault_step);
   r.counterfactual = summary_of(CounterfactualKind::kFaultFree, c);
-  const Breakage* kept = nullptr;
-  const Breakage* anyway = nullptr;
+  const Breakage* kept = nullptr;    // the first breakage that still counts
+  const Breakage* anyway = nullptr;  // the first that does not, and the fault-free run's like it
+  const Breakage* anyway_there = nullptr;
   for (Breakage& x : r.breakage) {
     if (!x.counts) continue;
     const auto same = std::find_if(c.breakage.begin(), c.breakage.end(), [&](const Breakage& y) {
@@ -914,8 +916,11 @@ void weigh_fault_free(const ScenarioSpec& spec, const RunOptions& options, Scena
       continue;
     }
     x.counts = false;
-    x.without_fault_step = std::max<std::int64_t>(same->step, 1);
-    if (!anyway) anyway = &x;
+    x.without_fault_step = std::max<std::int64_t>(same->step, 1);  // 0 says "did not" (non-finite from the start: 0)
+    if (!anyway) {
+      anyway = &x;
+      anyway_there = &*same;
+    }
   }
   const std::string ran = "steps " + std::to_string(options.first_step) + ".." + std::to_string(c.last_step);
   std::string observed;
@@ -924,9 +929,7 @@ void weigh_fault_free(const ScenarioSpec& spec, const RunOptions& options, Scena
                             std::to_string(anyway->without_fault_step) + "; " + kept->detail + " only with it"
                       : "it did not break (" + ran + ")";
   } else {
-    const Breakage& y =
-        *std::find_if(c.breakage.begin(), c.breakage.end(), [&](const Breakage& b) { return b.kind == anyway->kind; });
-    observed = "it broke too: " + y.detail + " (with the fault: " + anyway->detail +
+    observed = "it broke too: " + anyway_there->detail + " (with the fault: " + anyway->detail +
                "); the configuration breaks it, not the fault";
   }
   check(r, CheckKind::kFaultCaused, "the run without its injections does not break so by the same step", observed,
