@@ -40,6 +40,11 @@ void check(ScenarioResult& r, CheckKind kind, std::string expected, std::string 
   r.checks.push_back({kind, std::move(expected), std::move(observed), passed});
 }
 
+// A failed check's line among the reasons: "NAME: expected E, got O".
+std::string reason_of(const ExpectationCheck& c) {
+  return std::string(c.name()) + ": expected " + c.expected + ", got " + c.observed;
+}
+
 std::string steps_text(const std::vector<std::int64_t>& steps) {
   std::string out;
   for (std::size_t i = 0; i < steps.size(); ++i) {
@@ -264,8 +269,8 @@ void find_breakage(const ExpectSpec& e, ScenarioResult& r) {
   }
 }
 
-// The verdict, computed once and stored: r.broke, r.passed and r.reasons -- why it did not pass,
-// one line each, the only such text; the reporters render these lines and never derive their own.
+}  // namespace
+
 void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
   const bool raise_expected = e.raises.value_or(false);
   r.expected_to_break = e.diverges;
@@ -288,7 +293,7 @@ void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
       reason("raised at step " + std::to_string(r.raised_at_step) + ": " + r.error);
     if (!r.params_finite && !e.params_finite) reason("non-finite parameters at the end");
     for (const ExpectationCheck& c : r.checks) {
-      if (!c.passed) reason(std::string(c.name()) + ": expected " + c.expected + ", got " + c.observed);
+      if (!c.passed) reason(reason_of(c));
     }
   } else {
     r.broke = std::any_of(r.breakage.begin(), r.breakage.end(), [](const Breakage& x) { return x.counts; });
@@ -304,8 +309,7 @@ void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
                "or the raise that expect.raises names)");
       }
       for (const ExpectationCheck& c : r.checks) {
-        if (!c.passed && role_of(c.kind) != CheckRole::kBreakage)
-          reason(std::string(c.name()) + ": expected " + c.expected + ", got " + c.observed);
+        if (!c.passed && role_of(c.kind) != CheckRole::kBreakage) reason(reason_of(c));
       }
       const bool without_fault = std::any_of(r.checks.begin(), r.checks.end(), [](const ExpectationCheck& c) {
         return c.kind == CheckKind::kFaultCaused && !c.passed;
@@ -322,6 +326,8 @@ void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
   }
   r.passed = r.reasons.empty();
 }
+
+namespace {
 
 std::string temp_trace_path(const std::string& name) {
   std::string clean;
@@ -862,14 +868,6 @@ ExpectSpec breakage_expectations(const ExpectSpec& e) {
   return out;
 }
 
-RunOptions counterfactual_options(const RunOptions& options) {
-  RunOptions o = options;
-  o.trace_path.clear();
-  o.replay = false;
-  o.counterfactual = false;
-  return o;
-}
-
 Counterfactual summary_of(CounterfactualKind kind, const ScenarioResult& c) {
   Counterfactual out;
   out.kind = kind;
@@ -880,29 +878,27 @@ Counterfactual summary_of(CounterfactualKind kind, const ScenarioResult& c) {
   return out;
 }
 
+// The counterfactual's check, and the verdict it changes: its reason when it fails (the line
+// decide_verdict would write, and last, as decide_verdict would order it); a control whose every
+// breakage the fault-free run shows too did not break.
+void settle_counterfactual(CheckKind kind, std::string expected, std::string observed, bool passed, ScenarioResult& r,
+                           bool no_breakage_left) {
+  check(r, kind, std::move(expected), std::move(observed), passed);
+  if (passed) return;
+  r.reasons.push_back(reason_of(r.checks.back()));
+  r.passed = false;
+  if (no_breakage_left) r.broke = false;
+}
+
 // A negative control's breakage against the same run without its injections: breakage of a kind
 // that run shows too, at or before the same step, is the configuration's, and does not count.
-void weigh_fault_free(const ScenarioSpec& spec, const RunOptions& options, ScenarioResult& r) {
-  ScenarioSpec clean = spec;
-  clean.injections.clear();
-  clean.expect = breakage_expectations(spec.expect);
-  clean.expect.diverges = true;
-  clean.expect.min_applied_steps = spec.expect.min_applied_steps;
-  clean.expect.raises = spec.expect.raises;
-  clean.expect.raises_match = spec.expect.raises_match;
-  RunOptions o = counterfactual_options(options);
-  // Breakage dated by its step needs the fault-free run only that far; the final loss and the
-  // progress rule look at the whole run.
-  std::int64_t until = 0;
-  bool whole = false;
-  for (const Breakage& x : r.breakage) {
-    if (!x.counts) continue;
-    if (x.kind == BreakKind::kFinalLoss || x.kind == BreakKind::kNoProgress) whole = true;
-    until = std::max(until, x.step);
-  }
-  if (!whole) o.last_step = until;
-  ScenarioResult c = run_and_check(clean, o, r.fault_step);
+void weigh_fault_free(const CounterfactualPlan& plan, const ScenarioResult& c, ScenarioResult& r) {
   r.counterfactual = summary_of(CounterfactualKind::kFaultFree, c);
+  const std::string expected = "the run without its injections does not break so by the same step";
+  if (c.harness_error) {  // it never got to show anything: the breakage's cause is not known
+    settle_counterfactual(CheckKind::kFaultCaused, expected, "could not tell: " + c.error, false, r, false);
+    return;
+  }
   const Breakage* kept = nullptr;    // the first breakage that still counts
   const Breakage* anyway = nullptr;  // the first that does not, and the fault-free run's like it
   const Breakage* anyway_there = nullptr;
@@ -922,74 +918,125 @@ void weigh_fault_free(const ScenarioSpec& spec, const RunOptions& options, Scena
       anyway_there = &*same;
     }
   }
-  const std::string ran = "steps " + std::to_string(options.first_step) + ".." + std::to_string(c.last_step);
+  const std::string ran = "steps " + std::to_string(plan.first_step) + ".." + std::to_string(c.last_step);
   std::string observed;
   if (kept) {
     observed = anyway ? "it broke too, but not so: " + anyway->detail + " without the fault as well, from step " +
                             std::to_string(anyway->without_fault_step) + "; " + kept->detail + " only with it"
                       : "it did not break (" + ran + ")";
-  } else {
+  } else if (anyway) {
     observed = "it broke too: " + anyway_there->detail + " (with the fault: " + anyway->detail +
                "); the configuration breaks it, not the fault";
+  } else {
+    observed = "nothing of the run's counted to weigh";  // planned only for a control that broke
   }
-  check(r, CheckKind::kFaultCaused, "the run without its injections does not break so by the same step", observed,
-        kept != nullptr);
+  settle_counterfactual(CheckKind::kFaultCaused, expected, observed, kept != nullptr, r, anyway != nullptr);
 }
 
 // A run that held, against the same run without its defenses: a fault that does not break that
 // run either gave the defenses nothing to hold.
-void weigh_undefended(const ScenarioSpec& spec, const RunOptions& options, ScenarioResult& r) {
-  ScenarioSpec bare = without_defenses(spec);
-  bare.expect = breakage_expectations(spec.expect);
-  RunOptions o = counterfactual_options(options);
-  o.stop_at_nonfinite_params = true;
-  ScenarioResult c = run_and_check(bare, o);
+void weigh_undefended(const ScenarioSpec& spec, const CounterfactualPlan& plan, const ScenarioResult& c,
+                      ScenarioResult& r) {
   r.counterfactual = summary_of(CounterfactualKind::kUndefended, c);
   // Any breakage counts here, before the fault's step too: the defenses then hold the
   // configuration, which still needed holding. A harness error is not breakage.
-  r.counterfactual.broke = !c.breakage.empty();
+  r.counterfactual.broke = !c.harness_error && !c.breakage.empty();
   std::string observed;
   if (r.counterfactual.broke) {
     observed = "broke: " + c.breakage.front().detail;
   } else {
     observed = c.harness_error
                    ? "could not tell: " + c.error
-                   : "held too (steps " + std::to_string(options.first_step) + ".." + std::to_string(c.last_step) +
+                   : "held too (steps " + std::to_string(plan.first_step) + ".." + std::to_string(c.last_step) +
                          ", parameters finite, final loss " + fmt(c.final_loss) + ")";
     if (!c.harness_error && !spec.expect.final_loss_below && !spec.expect.loss_finite)
       observed += "; expect.final_loss_below or loss_finite would say what breaking means here";
   }
-  check(r, CheckKind::kFaultBites, "the run without its defenses (" + defense_label(spec) + ") breaks", observed,
-        r.counterfactual.broke);
-}
-
-// The counterfactual the verdict needs (Counterfactual), if any, weighed into r's checks.
-void weigh_counterfactual(const ScenarioSpec& spec, const RunOptions& options, ScenarioResult& r) {
-  if (!options.counterfactual || r.harness_error || spec.injections.empty()) return;
-  const bool control = spec.expect.diverges;
-  if (control ? !r.broke : r.outcome_kind() != Outcome::kHeld) return;
-  if (!control && !defended(spec)) {
-    r.counterfactual.why_not = "no defenses to take away: the scenario claims the model itself holds";
-    return;
-  }
-  if (r.world_size > 1) {
-    r.counterfactual.why_not = "data parallel: not run (the ranks would have to run it together)";
-    return;
-  }
-  if (control) weigh_fault_free(spec, options, r);
-  else weigh_undefended(spec, options, r);
+  settle_counterfactual(CheckKind::kFaultBites, "the run without its defenses (" + defense_label(spec) + ") breaks",
+                        observed, r.counterfactual.broke, r, false);
 }
 
 }  // namespace
 
+CounterfactualPlan plan_counterfactual(const ScenarioSpec& spec, const RunOptions& options, ScenarioResult& r) {
+  CounterfactualPlan plan;
+  plan.first_step = options.first_step;
+  plan.fault_step = r.fault_step;
+  if (!options.counterfactual || r.harness_error || spec.injections.empty()) return plan;
+  const bool control = spec.expect.diverges;
+  if (control ? !r.broke : r.outcome_kind() != Outcome::kHeld) return plan;
+  if (!control && !defended(spec)) {
+    r.counterfactual.why_not = "no defenses to take away: the scenario claims the model itself holds";
+    return plan;
+  }
+  plan.kind = control ? CounterfactualKind::kFaultFree : CounterfactualKind::kUndefended;
+  plan.last_step = options.last_step;
+  if (control) {
+    // Breakage dated by its step needs the fault-free run only that far; the final loss and the
+    // progress rule look at the whole run.
+    std::int64_t until = 0;
+    bool whole = false;
+    for (const Breakage& x : r.breakage) {
+      if (!x.counts) continue;
+      if (x.kind == BreakKind::kFinalLoss || x.kind == BreakKind::kNoProgress) whole = true;
+      until = std::max(until, x.step);
+    }
+    if (!whole) plan.last_step = until;
+  }
+  return plan;
+}
+
+ScenarioSpec counterfactual_spec(const ScenarioSpec& spec, CounterfactualKind kind) {
+  if (kind == CounterfactualKind::kUndefended) {
+    ScenarioSpec bare = without_defenses(spec);
+    bare.expect = breakage_expectations(spec.expect);
+    return bare;
+  }
+  ScenarioSpec clean = spec;
+  if (kind != CounterfactualKind::kFaultFree) return clean;
+  clean.injections.clear();
+  clean.expect = breakage_expectations(spec.expect);
+  clean.expect.diverges = true;
+  clean.expect.min_applied_steps = spec.expect.min_applied_steps;
+  clean.expect.raises = spec.expect.raises;
+  clean.expect.raises_match = spec.expect.raises_match;
+  return clean;
+}
+
+ScenarioResult run_counterfactual(const ScenarioSpec& spec, const CounterfactualPlan& plan, const RunOptions& options) {
+  if (plan.kind == CounterfactualKind::kNone) throw Error("run_counterfactual: the plan asks for no run");
+  RunOptions o = options;
+  o.trace_path.clear();
+  o.replay = false;
+  o.counterfactual = false;
+  o.first_step = plan.first_step;
+  o.last_step = plan.last_step;
+  // Undefended, it has shown what it was run for once the parameters are non-finite. Not for the
+  // ranks of a data-parallel run: one rank stopping alone would leave the others waiting in the
+  // next all-reduce.
+  o.stop_at_nonfinite_params = plan.kind == CounterfactualKind::kUndefended && spec.world_size <= 1;
+  const ScenarioSpec variant = counterfactual_spec(spec, plan.kind);
+  return run_and_check(variant, o, plan.kind == CounterfactualKind::kFaultFree ? plan.fault_step : 0);
+}
+
+void weigh_counterfactual(const ScenarioSpec& spec, const CounterfactualPlan& plan, const ScenarioResult& c,
+                          ScenarioResult& r) {
+  if (plan.kind == CounterfactualKind::kFaultFree) weigh_fault_free(plan, c, r);
+  else if (plan.kind == CounterfactualKind::kUndefended) weigh_undefended(spec, plan, c, r);
+}
+
 ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options) {
   ScenarioResult r = run_and_check(spec, options);
   decide_verdict(spec.expect, r);
-  weigh_counterfactual(spec, options, r);
-  decide_verdict(spec.expect, r);
+  const CounterfactualPlan plan = plan_counterfactual(spec, options, r);
+  if (plan.kind == CounterfactualKind::kNone) return r;
+  if (r.world_size > 1) {  // this process is one rank: the ranks' launcher runs it, all ranks again
+    r.counterfactual.why_not = "data parallel: run by the ranks' launcher (retrace run), not by a rank";
+    return r;
+  }
+  weigh_counterfactual(spec, plan, run_counterfactual(spec, plan, options), r);
   return r;
 }
-
 
 ScenarioResult bench_scenario(const ScenarioSpec& spec, int repeats) {
   ScenarioResult r = run_scenario(spec);

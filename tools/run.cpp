@@ -32,6 +32,7 @@ struct RunFlags {
   std::vector<std::string> paths;
   std::string junit_path, json_path, report_path;
   std::string child, result_path;  // hidden: the pool's child process
+  std::string counterfactual;      // hidden: a rank of a data-parallel counterfactual (run_child)
   PoolOptions pool;
   bool list = false;
 };
@@ -64,7 +65,8 @@ std::optional<RunFlags> parse_flags(const std::vector<std::string>& args) {
                "delta against the fault-free run, defenses' overhead per step (run one at a time: -j 1)");
   po::options_description hidden;
   hidden.add_options()("paths", po::value<std::vector<std::string>>(&f.paths))(
-      "child", po::value<std::string>(&f.child))("result", po::value<std::string>(&f.result_path));
+      "child", po::value<std::string>(&f.child))("result", po::value<std::string>(&f.result_path))(
+      "counterfactual", po::value<std::string>(&f.counterfactual));
   po::options_description all;
   all.add(opts).add(hidden);
   po::positional_options_description pos;
@@ -154,7 +156,8 @@ struct FileReport {
 int run_run(const std::vector<std::string>& args) {
   const std::optional<RunFlags> flags = parse_flags(args);
   if (!flags) return 0;
-  if (!flags->child.empty()) return run_child(flags->child, flags->result_path, flags->pool.threads, flags->pool.bench);
+  if (!flags->child.empty())
+    return run_child(flags->child, flags->result_path, flags->pool.threads, flags->pool.bench, flags->counterfactual);
   const std::vector<ScenarioJob> jobs = load_jobs(flags->paths);
   if (flags->list) {
     for (const ScenarioJob& j : jobs) {

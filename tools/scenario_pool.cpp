@@ -95,10 +95,13 @@ std::optional<ScenarioResult> read_result(const Child& child, int status) {
   return read_result_file(child.result_path);
 }
 
-// One result of a data-parallel scenario from its ranks' results: rank 0's, failing when a rank
-// has no result, any rank failed, or the ranks disagree on held/broke; with the failed checks of
-// the other ranks (observed "rank K: ..."), so that the outcome says what any rank's did (an
-// injection for rank 1 that never fired: not exercised).
+// One result of a data-parallel scenario from its ranks' results, judged as one run: rank 0's
+// result with what the other ranks add -- their failed checks (observed "rank K: ..."), breakage
+// of kinds rank 0 did not show, a raise, non-finite parameters, a harness error or no result at
+// all -- and the ranks' state split when they end apart; then the verdict decided on that
+// (decide_verdict), as for a run in one process. A rank that held alone does not make a control
+// fail when the combined run broke, and an injection for rank 1 that never fired makes the run
+// not exercised.
 ScenarioResult merge_ranks(const ScenarioSpec& spec, const std::string& source,
                            const std::vector<std::optional<ScenarioResult>>& ranks) {
   ScenarioResult r;
@@ -108,46 +111,40 @@ ScenarioResult merge_ranks(const ScenarioSpec& spec, const std::string& source,
     r.origin = source;
     r.fault = fault_label(spec);
     r.defense = defense_label(spec);
-    r.expected_to_break = spec.expect.diverges;
-    r.broke = true;
-    r.harness_error = true;
   }
   r.world_size = spec.world_size;
-  std::vector<std::string> reasons;
-  bool all_passed = true;
   for (std::size_t k = 0; k < ranks.size(); ++k) {
     const std::string who = "rank " + std::to_string(k);
     if (!ranks[k]) {
-      reasons.push_back("harness error: " + who + " left no result (it died, or its rendezvous failed)");
-      all_passed = false;
       r.harness_error = true;
+      if (r.error.empty()) r.error = who + " left no result (it died, or its rendezvous failed)";
       continue;
     }
-    for (const std::string& why : ranks[k]->reasons) reasons.push_back(who + ": " + why);
-    if (k > 0) {
-      for (ExpectationCheck c : ranks[k]->checks) {
-        if (c.passed) continue;
-        c.observed = who + ": " + c.observed;
-        r.checks.push_back(std::move(c));
+    if (k == 0) continue;
+    const ScenarioResult& x = *ranks[k];
+    for (ExpectationCheck c : x.checks) {
+      if (c.passed) continue;
+      c.observed = who + ": " + c.observed;
+      r.checks.push_back(std::move(c));
+    }
+    for (const Breakage& b : x.breakage) {
+      if (std::none_of(r.breakage.begin(), r.breakage.end(), [&](const Breakage& y) { return y.kind == b.kind; })) {
+        r.breakage.push_back(b);
+        r.breakage.back().detail = who + ": " + b.detail;
       }
     }
-    all_passed = all_passed && ranks[k]->passed;
-    // What any rank saw holds for the run: a rank that broke, raised or hit a harness error.
-    r.broke = r.broke || ranks[k]->broke;
-    r.raised = r.raised || ranks[k]->raised;
-    r.harness_error = r.harness_error || ranks[k]->harness_error;
-    if (r.error.empty() && !ranks[k]->error.empty()) r.error = who + ": " + ranks[k]->error;
-    if (ranks[k]->broke != ranks.front().value_or(*ranks[k]).broke) {
-      reasons.push_back("the ranks disagree: rank 0 " + std::string(ranks.front()->broke ? "broke" : "held") + ", " +
-                        who + " " + (ranks[k]->broke ? "broke" : "held"));
-      all_passed = false;
-    }
+    if (x.raised && !r.raised) r.raised_at_step = x.raised_at_step;
+    r.raised = r.raised || x.raised;
+    r.harness_error = r.harness_error || x.harness_error;
+    r.params_finite = r.params_finite && x.params_finite;
+    if (r.error.empty() && !x.error.empty()) r.error = who + ": " + x.error;
   }
   // Ranks in step end with the same state. One that ends otherwise (its own update: an LR spike or
   // a bit flip on one rank) split the run, which no rank sees alone: the run broke.
+  std::string split;
   if (ranks.front() && !r.raised && !r.harness_error) {
     const auto& base = ranks.front()->state_digests;
-    for (std::size_t k = 1; k < ranks.size(); ++k) {
+    for (std::size_t k = 1; k < ranks.size() && split.empty(); ++k) {
       const auto& other = ranks[k]->state_digests;
       if (other == base) continue;
       std::size_t differing = 0;
@@ -157,29 +154,71 @@ ScenarioResult merge_ranks(const ScenarioSpec& spec, const std::string& source,
         if (first.empty()) first = base[i].first == other[i].first ? base[i].first : other[i].first;
         ++differing;
       }
-      const std::string detail = base.size() != other.size()
-                                     ? "the ranks' state split: rank " + std::to_string(k) + " holds " +
-                                           std::to_string(other.size()) + " tensors, rank 0 " +
-                                           std::to_string(base.size())
-                                     : "the ranks' state split: rank " + std::to_string(k) +
-                                           "'s differs from rank 0's in " + std::to_string(differing) + " of " +
-                                           std::to_string(base.size()) + " tensors (first " + first + ") at the end";
-      r.breakage.push_back({BreakKind::kRanksSplit, r.last_step, detail, true});
-      r.broke = true;
-      if (!spec.expect.diverges) {
-        reasons.push_back(detail);
-        all_passed = false;
+      split = base.size() != other.size()
+                  ? "the ranks' state split: rank " + std::to_string(k) + " holds " + std::to_string(other.size()) +
+                        " tensors, rank 0 " + std::to_string(base.size())
+                  : "the ranks' state split: rank " + std::to_string(k) + "'s differs from rank 0's in " +
+                        std::to_string(differing) + " of " + std::to_string(base.size()) + " tensors (first " + first +
+                        ") at the end";
+      r.breakage.push_back({BreakKind::kRanksSplit, r.last_step, split, r.last_step >= r.fault_step});
+    }
+  }
+  decide_verdict(spec.expect, r);
+  if (!split.empty() && !spec.expect.diverges) {  // no check says it: the combined run's own breakage
+    r.broke = true;
+    r.reasons.push_back(split);
+    r.passed = false;
+  }
+  return r;
+}
+
+// A counterfactual plan on the command line of the ranks that run it: "KIND:FIRST:LAST:FAULT".
+std::string plan_flag(const CounterfactualPlan& p) {
+  return std::string(to_string(p.kind)) + ":" + std::to_string(p.first_step) + ":" + std::to_string(p.last_step) + ":" +
+         std::to_string(p.fault_step);
+}
+
+CounterfactualPlan parse_plan_flag(const std::string& text) {
+  CounterfactualPlan p;
+  std::istringstream in(text);
+  std::string kind;
+  char c1 = 0, c2 = 0, c3 = 0;
+  if (std::getline(in, kind, ':') && in >> p.first_step >> c1 >> p.last_step >> c2 >> p.fault_step && c1 == ':' &&
+      c2 == ':' && !(in >> c3)) {
+    for (CounterfactualKind k : {CounterfactualKind::kFaultFree, CounterfactualKind::kUndefended}) {
+      if (kind == to_string(k)) {
+        p.kind = k;
+        return p;
       }
     }
   }
-  r.passed = all_passed;
-  r.reasons = reasons;
-  return r;
+  throw Error("--counterfactual: expected fault_free|undefended:FIRST:LAST:FAULT, got '" + text + "'");
+}
+
+// Launches the ranks of `source` (`retrace run --child` in each, with `extra` flags) and merges
+// the results they write beside `result_path` (read and removed).
+ScenarioResult run_ranks(const ScenarioSpec& spec, const std::string& source, const std::string& result_path,
+                         int threads, const std::vector<std::string>& extra) {
+  std::vector<std::string> args = {"run", "--child", source, "--result", result_path};
+  if (threads > 0) {
+    args.push_back("--threads");
+    args.push_back(std::to_string(std::max(1, threads / spec.world_size)));
+  }
+  args.insert(args.end(), extra.begin(), extra.end());
+  launch_ranks(spec.world_size, args);  // each rank's verdict is in its result file
+  std::vector<std::optional<ScenarioResult>> ranks;
+  for (int k = 0; k < spec.world_size; ++k) {
+    const std::string path = rank_trace_path(result_path, k);
+    ranks.push_back(read_result_file(path));
+    ::unlink(path.c_str());
+  }
+  return merge_ranks(spec, source, ranks);
 }
 
 }  // namespace
 
-int run_child(const std::string& source, const std::string& result_path, int threads, bool bench) {
+int run_child(const std::string& source, const std::string& result_path, int threads, bool bench,
+              const std::string& counterfactual) {
   const ScenarioSpec spec = load_scenario(source);
   if (spec.world_size > 1 && bench) {
     ScenarioResult r;
@@ -195,20 +234,17 @@ int run_child(const std::string& source, const std::string& result_path, int thr
     return 0;
   }
   if (spec.world_size > 1 && !launched_as_rank()) {
-    // This child launches the scenario's ranks and combines their results.
-    std::vector<std::string> args = {"run", "--child", source, "--result", result_path};
-    if (threads > 0) {
-      args.push_back("--threads");
-      args.push_back(std::to_string(std::max(1, threads / spec.world_size)));
+    // This child launches the scenario's ranks, combines their results, and runs the verdict's
+    // counterfactual the same way: the ranks again, on the variant.
+    ScenarioResult r = run_ranks(spec, source, result_path, threads, {});
+    r.counterfactual = Counterfactual{};  // each rank's why_not: left to this launcher
+    const CounterfactualPlan plan = plan_counterfactual(spec, RunOptions{}, r);
+    if (plan.kind != CounterfactualKind::kNone) {
+      const ScenarioResult c = run_ranks(counterfactual_spec(spec, plan.kind), source, result_path + ".counterfactual",
+                                         threads, {"--counterfactual", plan_flag(plan)});
+      weigh_counterfactual(spec, plan, c, r);
     }
-    launch_ranks(spec.world_size, args);  // each rank's verdict is in its result file
-    std::vector<std::optional<ScenarioResult>> ranks;
-    for (int k = 0; k < spec.world_size; ++k) {
-      const std::string path = rank_trace_path(result_path, k);
-      ranks.push_back(read_result_file(path));
-      ::unlink(path.c_str());
-    }
-    write_file(result_path, merge_ranks(spec, source, ranks).to_json().dump() + "\n", "the result file");
+    write_file(result_path, r.to_json().dump() + "\n", "the result file");
     return 0;
   }
   if (threads > 0) torch::set_num_threads(threads);
@@ -221,7 +257,9 @@ int run_child(const std::string& source, const std::string& result_path, int thr
   // parent empties even when this process is killed mid-run.
   RunOptions options;
   options.trace_path = own_result + ".trace";
-  const ScenarioResult r = bench ? bench_scenario(spec) : run_scenario(spec, options);
+  const ScenarioResult r = !counterfactual.empty() ? run_counterfactual(spec, parse_plan_flag(counterfactual), options)
+                           : bench                 ? bench_scenario(spec)
+                                                   : run_scenario(spec, options);
   ::unlink(options.trace_path.c_str());
   write_file(own_result, r.to_json().dump() + "\n", "the result file");
   return 0;

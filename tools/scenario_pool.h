@@ -36,7 +36,11 @@ std::vector<ScenarioResult> run_in_children(const std::vector<ScenarioJob>& jobs
                                             const std::function<void(const ScenarioResult&)>& on_done);
 
 // The child's side: runs `source` in this process and writes its result as JSON to `result_path`
-// (a recorded trace goes beside it, `result_path` + ".trace", removed afterwards). Returns 0.
-int run_child(const std::string& source, const std::string& result_path, int threads, bool bench);
+// (a recorded trace goes beside it, `result_path` + ".trace", removed afterwards). A data-parallel
+// scenario's child launches its ranks (this same command in each), merges their results and runs
+// the verdict's counterfactual across them; `counterfactual` (a rank of that, "KIND:FIRST:LAST:
+// FAULT") runs the plan's variant instead of the scenario. Returns 0.
+int run_child(const std::string& source, const std::string& result_path, int threads, bool bench,
+              const std::string& counterfactual = "");
 
 }  // namespace retrace::cli

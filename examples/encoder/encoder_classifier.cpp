@@ -20,25 +20,31 @@ EncoderConfig EncoderConfig::parse(const std::string& text) {
     };
     if (colon == std::string::npos || value.find_first_not_of(' ') == std::string::npos) fail("expected 'key: value'");
     std::istringstream v(value);
-    auto integer = [&](std::int64_t& out) {
-      if (!(v >> out) || out < 1) fail("must be a positive integer");
+    // The whole value, nothing after it ("2.5" is not the integer 2).
+    auto whole = [&](bool read) { return read && (v >> std::ws).eof(); };
+    auto integer = [&](std::int64_t& out, std::int64_t most) {
+      if (!whole(static_cast<bool>(v >> out)) || out < 1 || out > most)
+        fail("must be an integer from 1 to " + std::to_string(most) + ", got '" + value.substr(1) + "'");
     };
-    if (key == "layers") integer(c.layers);
-    else if (key == "d_model") integer(c.d_model);
-    else if (key == "heads") integer(c.heads);
-    else if (key == "vocab") integer(c.vocab);
-    else if (key == "seq_len") integer(c.seq_len);
-    else if (key == "classes") integer(c.classes);
-    else if (key == "batch") integer(c.batch);
+    if (key == "layers") integer(c.layers, 1024);
+    else if (key == "d_model") integer(c.d_model, 1 << 16);
+    else if (key == "heads") integer(c.heads, 1024);
+    else if (key == "vocab") integer(c.vocab, 1 << 24);
+    else if (key == "seq_len") integer(c.seq_len, 1 << 20);
+    else if (key == "classes") integer(c.classes, 1 << 20);
+    else if (key == "batch") integer(c.batch, 1 << 20);
     else if (key == "lr") {
-      if (!(v >> c.lr) || !(c.lr > 0)) fail("must be a positive number");
+      if (!whole(static_cast<bool>(v >> c.lr)) || !(c.lr > 0) || c.lr > 1e12) fail("must be a number in (0, 1e12]");
     } else if (key == "dropout") {
-      if (!(v >> c.dropout) || c.dropout < 0 || c.dropout >= 1) fail("must be in [0, 1)");
+      if (!whole(static_cast<bool>(v >> c.dropout)) || c.dropout < 0 || c.dropout >= 1) fail("must be in [0, 1)");
     } else if (key == "seed") {
-      if (!(v >> c.seed)) fail("must be a non-negative integer");
+      std::int64_t seed = 0;
+      if (!whole(static_cast<bool>(v >> seed)) || seed < 0) fail("must be a non-negative integer");
+      c.seed = static_cast<std::uint64_t>(seed);
     } else if (key == "precision") {
       v >> c.precision;
-      if (c.precision != "fp32" && c.precision != "bf16" && c.precision != "fp16") fail("must be fp32, bf16 or fp16");
+      if (!whole(true) || (c.precision != "fp32" && c.precision != "bf16" && c.precision != "fp16"))
+        fail("must be fp32, bf16 or fp16");
     } else {
       fail(
           "unknown; the keys are layers, d_model, heads, vocab, seq_len, classes, batch, lr, dropout, precision, seed");

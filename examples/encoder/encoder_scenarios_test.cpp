@@ -43,3 +43,30 @@ TEST(Encoder, AHarmlessFlipOnTheUsersProgramHeldNothing) {
     EXPECT_EQ(r.counterfactual.broke, bites) << seed;
   }
 }
+
+// The config's values are read whole and within bounds: "2.5" is not the integer 2, and a
+// vocabulary of 1e11 rows is refused by name before anything allocates it.
+TEST(Encoder, ConfigValuesAreReadWholeAndWithinBounds) {
+  auto refusal = [](const std::string& text) -> std::string {
+    try {
+      example::EncoderConfig::parse(text);
+    } catch (const retrace::Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_EQ(refusal("layers: 2.5\n"),
+            "example.encoder config line 1: key 'layers': must be an integer from 1 to 1024, got '2.5'");
+  EXPECT_EQ(refusal("d_model: 32\nvocab: 100000000000\n"),
+            "example.encoder config line 2: key 'vocab': must be an integer from 1 to 16777216, got '100000000000'");
+  EXPECT_NE(refusal("lr: 0.01x\n"), "");
+  EXPECT_NE(refusal("seed: -1\n"), "");
+  EXPECT_NE(refusal("precision: bf16 fp32\n"), "");
+  // Control: the same keys with whole values in bounds, spaces around them included.
+  const example::EncoderConfig c =
+      example::EncoderConfig::parse("layers: 2 \nvocab: 64\nlr: 0.01\nseed: 7\nprecision: bf16\n");
+  EXPECT_EQ(c.layers, 2);
+  EXPECT_EQ(c.vocab, 64);
+  EXPECT_EQ(c.seed, 7u);
+  EXPECT_EQ(c.precision, "bf16");
+}

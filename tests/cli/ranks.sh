@@ -2,7 +2,7 @@
 # Data-parallel runs through the CLI (2 ranks, Gloo over loopback, a file store), as a user runs
 # them. Every wait is bounded: RETRACE_DIST_TIMEOUT for the ranks, `timeout` for each command.
 #   ranks.sh CASE RETRACE_BIN RETRACE_CRASHABLE_BIN SCENARIO_DIR
-# CASE: replay_alone | culprit | sigkill | config_mismatch
+# CASE: replay_alone | culprit | sigkill | config_mismatch | counterfactual
 set -euo pipefail
 case_name=$1 bin=$2 crashable=$3 scenarios=$4
 work=$(mktemp -d)
@@ -189,6 +189,54 @@ config_mismatch)
     "$bin" inspect "$work/$t.rank1.trace" --tensors | awk '/step_end step 4/{on=1; next} /^#/{on=0} on && /state\.param/' >"$work/$t.params"
   done
   [[ -s "$work/ok.params" ]] && cmp -s "$work/ok.params" "$work/tcp.params" || fail "TCP and file-store runs differ"
+  ;;
+counterfactual)
+  # A verdict on a data-parallel run is weighed against the same run without the fault or the
+  # defenses, its ranks launched again (docs/scenarios.md, "Did the fault do it?").
+  outcome() {  # outcome NAME: run it; prints the outcome, the counterfactual's kind and its check
+    timeout 200 "$bin" run "$work/$1.yaml" -j 1 --threads 1 --json "$work/$1.json" >"$work/$1.out" 2>&1 || true
+    python3 - "$work/$1.json" <<'PY' || fail "$1: no result: $(cat "$work/$1.out")"
+import json, sys
+r = json.load(open(sys.argv[1]))["scenarios"][0]
+cf = [c for c in r["checks"] if c["name"] in ("fault_bites", "fault_caused")]
+print(r["outcome"], r["counterfactual"]["kind"], *(f'{c["name"]}={c["passed"]}' for c in cf))
+PY
+  }
+  # A harmless flip (the lowest mantissa bit of one gradient element on rank 1) and a defense that
+  # never acts: the undefended ranks hold too, so the scenario held nothing.
+  scenario harmless "defenses: {skip_nonfinite_ranks: true}
+injections: [{type: bit_flip, target: gradients, bit: 0, step: 2, rank: 1}]
+expect: {params_finite: true}"
+  got=$(outcome harmless)
+  [[ $got == "not exercised undefended fault_bites=False" ]] || fail "harmless: $got, $(cat "$work/harmless.out")"
+  # Control: rank 1's NaN gradient, which breaks the undefended ranks: held, earned.
+  scenario nan "defenses: {skip_nonfinite_ranks: true}
+injections: [{type: grad_nonfinite, step: 2, mode: nan, rank: 1}]
+expect: {params_finite: true}"
+  got=$(outcome nan)
+  [[ $got == "held undefended fault_bites=True" ]] || fail "nan: $got, $(cat "$work/nan.out")"
+  # A negative control whose configuration breaks it anyway (SGD at lr 1e12): the fault-free ranks
+  # break as early, so the flip did not.
+  scenario config "injections: [{type: bit_flip, target: gradients, bit: 0, step: 2, rank: 1}]
+expect: {params_finite: true, diverges: true}"
+  sed -i 's/optimizer: adamw, lr: 0.003/optimizer: sgd, lr: 1.0e12/' "$work/config.yaml"
+  got=$(outcome config)
+  [[ $got == "broke without the fault fault_free fault_caused=False" ]] || fail "config: $got, $(cat "$work/config.out")"
+  grep -q "fault_caused: expected the run without its injections does not break so by the same step, got it broke too: parameters non-finite from step 2 on" \
+    "$work/config.out" || fail "config: $(cat "$work/config.out")"
+  # Control: the NaN without its defense breaks what the fault-free ranks do not.
+  scenario nanoff "injections: [{type: grad_nonfinite, step: 2, mode: nan, rank: 1}]
+expect: {params_finite: true, diverges: true}"
+  got=$(outcome nanoff)
+  [[ $got == "broke fault_free fault_caused=True" ]] || fail "nanoff: $got, $(cat "$work/nanoff.out")"
+  # A control whose fault breaks rank 1 alone (an exponent flip of one of its weights at the last
+  # step): rank 0 alone held, the combined run broke -- rank 1's breakage is the run's evidence,
+  # and the fault-free ranks do not show it.
+  scenario alone "injections: [{type: bit_flip, target: weights, bit: 30, step: 4, rank: 1}]
+expect: {params_finite: true, diverges: true}"
+  got=$(outcome alone)
+  [[ $got == "broke fault_free fault_caused=True" ]] || fail "alone: $got, $(cat "$work/alone.out")"
+  grep -q "ok (broke: rank 1: parameters non-finite from step 4 on)" "$work/alone.out" || fail "alone: $(cat "$work/alone.out")"
   ;;
 *) fail "unknown case $case_name" ;;
 esac

@@ -299,6 +299,42 @@ struct RunOptions {
 // trace file cannot be created).
 ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options = {});
 
+// The verdict from a run's checks and breakage, computed once and stored: r.broke, r.passed and
+// r.reasons -- why it did not pass, one line each, the only such text; the reporters render these
+// lines and never derive their own. run_scenario decides it; `retrace run` decides a
+// data-parallel run's again on the ranks' combined result.
+void decide_verdict(const ExpectSpec& expect, ScenarioResult& r);
+
+// The counterfactual a run's verdict needs (Counterfactual), in three steps: planned from the run's
+// result, run, and weighed in. run_scenario does all three in one process; for a data-parallel
+// scenario `retrace run` does them across the ranks, launching them again for the counterfactual
+// (each rank's own run_scenario leaves it to the launcher: why_not says so).
+struct CounterfactualPlan {
+  CounterfactualKind kind = CounterfactualKind::kNone;  // kNone: none to run
+  std::int64_t first_step = 1, last_step = 0;           // its window (RunOptions'); a control's fault-free run
+                                                        // stops after the last breakage it is compared with
+  std::int64_t fault_step = 1;                          // the run's: the fault-free run dates breakage by it
+};
+// Which counterfactual r's verdict needs: none when RunOptions::counterfactual is off, r is a
+// harness error or has no injections, a control did not break, or a run that expects to hold did
+// not hold (outcome held) or has no defense to take away (then r.counterfactual.why_not says so).
+CounterfactualPlan plan_counterfactual(const ScenarioSpec& spec, const RunOptions& options, ScenarioResult& r);
+// The scenario the counterfactual runs: without its injections, judged as a negative control by
+// its expectations of what breaks (kFaultFree), or without its defenses -- every `defenses:` entry
+// off, training.clip_grad_norm 0, preserve_rng_state off against an rng_desync fault -- judged by
+// its expectations of what breaks (kUndefended).
+ScenarioSpec counterfactual_spec(const ScenarioSpec& spec, CounterfactualKind kind);
+// Runs the plan's counterfactual in this process (one rank of it, for a data-parallel scenario):
+// counterfactual_spec over the plan's window, no replay, no counterfactual of its own.
+ScenarioResult run_counterfactual(const ScenarioSpec& spec, const CounterfactualPlan& plan,
+                                  const RunOptions& options = {});
+// Weighs the counterfactual run `c` into r (whose verdict is decided): r.counterfactual, the
+// fault_caused or fault_bites check, a control's breakage that `c` shows as early no longer
+// counting, and the verdict as those change it. A `c` that could not run (harness error) fails
+// the check: the verdict is not earned.
+void weigh_counterfactual(const ScenarioSpec& spec, const CounterfactualPlan& plan, const ScenarioResult& c,
+                          ScenarioResult& r);
+
 // run_scenario plus the stability figures: the run without its injections (defenses on, for the
 // loss delta and recovery) and without injections or defenses (for the defenses' overhead,
 // median of `repeats` runs each).
