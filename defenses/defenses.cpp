@@ -611,6 +611,7 @@ StepOutcome DefendedStep::finish() {
     // Unscale (the norm and clipping see true gradients), then the norm before clipping.
     bool finite_grads = true;
     if (d.scaler_) finite_grads = d.scaler_->unscale(*d.optimizer_);
+    const bool finite_elements = finite_grads;  // what the scaler found, before the norm
     std::vector<at::Tensor> norms;
     for (const NamedTensor& g : grads) norms.push_back(g.tensor.detach().to(at::kFloat).norm());
     out_.grad_norm = norms.empty() ? 0.0 : at::stack(norms).norm().item<double>();
@@ -647,6 +648,14 @@ StepOutcome DefendedStep::finish() {
       d.caught_mismatches_ += static_cast<std::int64_t>(caught);
       apply = false;
       skip("recompute not bitwise in " + caught_segment);
+    }
+
+    // Beside a loss scaler, which skips on the Inf and NaN elements it found (as GradScaler does),
+    // skip_nonfinite skips what the scaler would apply: finite elements whose fp32 norm overflows,
+    // as it does without a scaler. The scale stays: the unscaled gradients are that large.
+    if (apply && d.scaler_ && d.options_.skip_nonfinite && finite_elements && !finite_grads) {
+      apply = false;
+      skip("non-finite gradient norm (every element finite, their fp32 norm overflows)");
     }
 
     out_.clipped_grad_norm = out_.grad_norm;

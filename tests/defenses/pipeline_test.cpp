@@ -161,6 +161,39 @@ TEST(Pipeline, EachStepSaysWhatTheDefensesDid) {
   EXPECT_NE(t2.skip_reason.find("restored the state from the start of step 2"), std::string::npos) << t2.skip_reason;
 }
 
+// skip_nonfinite beside a loss scaler: gradients whose every element is finite but whose fp32 norm
+// overflows (a loss spiked 1e22 times) pass the scaler, which looks for Inf and NaN elements as
+// GradScaler does; skip_nonfinite skips that step as it does without a scaler, and the scale
+// stays. Controls: without skip_nonfinite the scaler applies it; without the scaler,
+// skip_nonfinite skipped it already.
+TEST(Pipeline, SkipNonfiniteSkipsAnOverflowingNormBesideALossScaler) {
+  InjectionSpec spike;
+  spike.type = InjectionType::kLossSpike;
+  spike.step = 2;
+  spike.factor = 1e22;
+  auto second_step = [&](bool scaler, bool skip) {
+    Regressor p("");
+    DefenseOptions o;
+    o.loss_scaling.enabled = scaler;
+    o.loss_scaling.init_scale = 1;
+    o.skip_nonfinite = skip;
+    p.defenses()->configure(o, {spike});
+    p.step(1, p.batch(1), nullptr);
+    return p.step(2, p.batch(2), nullptr);
+  };
+  const StepOutcome both = second_step(true, true);
+  EXPECT_FALSE(std::isfinite(both.grad_norm));
+  EXPECT_TRUE(both.skipped);
+  EXPECT_EQ(both.skip_reason, "non-finite gradient norm (every element finite, their fp32 norm overflows)");
+  EXPECT_EQ(both.loss_scale_after, 1);
+  const StepOutcome scaler_alone = second_step(true, false);
+  EXPECT_FALSE(std::isfinite(scaler_alone.grad_norm));
+  EXPECT_FALSE(scaler_alone.skipped);
+  const StepOutcome skip_alone = second_step(false, true);
+  EXPECT_TRUE(skip_alone.skipped);
+  EXPECT_EQ(skip_alone.skip_reason, "non-finite gradients");
+}
+
 TEST(Pipeline, ClipModeNamesParseOnceAndATypoIsAnError) {
   for (const std::string& name : clip_mode_names()) EXPECT_EQ(to_string(parse_clip_mode(name)), name);
   EXPECT_THROW(parse_clip_mode("adaptiv"), Error);
