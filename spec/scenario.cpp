@@ -73,11 +73,19 @@ class Parser {
     }
   }
 
+  // A quoted scalar is a string (YAML's core schema): "0.1" is not the number 0.1, "true" not true.
+  void unquoted(const YAML::Node& n, const std::string& full, const char* what) const {
+    if (n.Tag() == "!")
+      fail(n, full,
+           std::string("must be ") + what + ", got the string '" + shown(n.Scalar()) + "' (quoted); write it plainly");
+  }
+
   std::int64_t integer(const YAML::Node& parent, const char* key, const std::string& full, std::int64_t fallback,
                        std::int64_t min, std::int64_t max) const {
     const YAML::Node n = parent[key];
     if (!n.IsDefined()) return fallback;
     if (!n.IsScalar()) fail(n, full, "must be an integer");
+    unquoted(n, full, "an integer");
     std::int64_t v;
     try {
       v = n.as<std::int64_t>();
@@ -96,6 +104,7 @@ class Parser {
     const YAML::Node n = parent[key];
     if (!n.IsDefined()) return fallback;
     if (!n.IsScalar()) fail(n, full, "must be a number");
+    unquoted(n, full, "a number");
     double v;
     try {
       v = n.as<double>();
@@ -129,11 +138,15 @@ class Parser {
   bool boolean(const YAML::Node& parent, const char* key, const std::string& full, bool fallback) const {
     const YAML::Node n = parent[key];
     if (!n.IsDefined()) return fallback;
-    bool v = false;
-    if (!n.IsScalar() || !YAML::convert<bool>::decode(n, v))
+    // YAML 1.2's core schema: true or false (yaml-cpp also reads yes, on, y ... as booleans).
+    const std::string t = n.IsScalar() ? n.Scalar() : "";
+    const bool yes = t == "true" || t == "True" || t == "TRUE", no = t == "false" || t == "False" || t == "FALSE";
+    if (!n.IsScalar() || n.Tag() == "!" || (!yes && !no))
       fail(n, full,
-           "must be true or false, got '" + (n.IsScalar() ? shown(n.Scalar()) : std::string("a collection")) + "'");
-    return v;
+           "must be true or false, got " + (n.IsScalar() ? std::string(n.Tag() == "!" ? "the string '" : "'") +
+                                                               shown(n.Scalar()) + (n.Tag() == "!" ? "' (quoted)" : "'")
+                                                         : std::string("a collection")));
+    return yes;
   }
 
   std::string text(const YAML::Node& parent, const char* key, const std::string& full) const {
@@ -404,6 +417,16 @@ void parse_expect(const Parser& p, const YAML::Node& e, ExpectSpec& out) {
     p.fail(e["raises_match"], "expect.raises_match", "needs raises: true");
   }
   out.diverges = p.boolean(e, "diverges", "expect.diverges", false);
+  // Expecting the run to break is a negative control's claim, judged as one (its fault's evidence,
+  // its counterfactual): not a scenario that expects to hold.
+  for (const char* key : {"params_finite", "loss_finite"}) {
+    const std::optional<bool>& v = std::string(key) == "params_finite" ? out.params_finite : out.loss_finite;
+    if (v == false && !out.diverges) {
+      p.fail(e[key], std::string("expect.") + key,
+             std::string("false expects the run to break, which is a negative control's claim: write ") + key +
+                 ": true with diverges: true (the control's fault is to break it)");
+    }
+  }
 }
 
 void parse_injections_and_expect(const Parser& p, const YAML::Node& root, ScenarioSpec& s) {

@@ -426,6 +426,7 @@ const char* to_string(CounterfactualKind kind) {
     case CounterfactualKind::kNone: return "none";
     case CounterfactualKind::kFaultFree: return "fault_free";
     case CounterfactualKind::kUndefended: return "undefended";
+    case CounterfactualKind::kBare: return "bare";
   }
   return "?";
 }
@@ -473,8 +474,8 @@ constexpr CheckKind kCheckKinds[] = {
 };
 
 CounterfactualKind parse_counterfactual_kind(const std::string& name) {
-  for (CounterfactualKind k :
-       {CounterfactualKind::kNone, CounterfactualKind::kFaultFree, CounterfactualKind::kUndefended}) {
+  for (CounterfactualKind k : {CounterfactualKind::kNone, CounterfactualKind::kFaultFree,
+                               CounterfactualKind::kUndefended, CounterfactualKind::kBare}) {
     if (name == to_string(k)) return k;
   }
   throw Error("unknown counterfactual kind '" + name + "' in a scenario result");
@@ -531,6 +532,11 @@ bool rng_fault(const ScenarioSpec& spec) {
   return std::any_of(spec.injections.begin(), spec.injections.end(),
                      [](const InjectionSpec& in) { return in.type == InjectionType::kRngDesync; });
 }
+// preserve_rng_state defends this scenario against its RNG fault: the built-in models' checkpoint
+// takes it; a registered program's checkpoints are its own (the key is refused there).
+bool rng_preserved_against_fault(const ScenarioSpec& spec) {
+  return spec.program.empty() && spec.defenses.preserve_rng_state && rng_fault(spec);
+}
 }  // namespace
 
 std::string defense_label(const ScenarioSpec& spec) {
@@ -552,7 +558,7 @@ std::string defense_label(const ScenarioSpec& spec) {
   if (d.layernorm_min_eps > 0) parts.push_back("eps_guard " + fmt(d.layernorm_min_eps));
   if (d.rollback) parts.push_back("rollback");
   if (!d.preserve_rng_state) parts.push_back("rng_not_preserved");
-  else if (rng_fault(spec)) parts.push_back("preserve_rng_state");
+  else if (rng_preserved_against_fault(spec)) parts.push_back("preserve_rng_state");
   if (d.verify_recompute) parts.push_back("verify_recompute");
   if (d.validate_batch) parts.push_back("validate_batch");
   if (parts.empty()) return "none";
@@ -855,7 +861,7 @@ ScenarioSpec without_defenses(const ScenarioSpec& spec) {
 bool defended(const ScenarioSpec& spec) {
   const DefenseSpec& d = spec.defenses;
   return d.any() || d.layernorm_fp32 || d.layernorm_min_eps > 0 || spec.training.clip_grad_norm > 0 ||
-         (d.preserve_rng_state && rng_fault(spec));
+         rng_preserved_against_fault(spec);
 }
 
 // The expectations of what breaks, and only those: what a counterfactual run is judged by.
@@ -894,6 +900,7 @@ void settle_counterfactual(CheckKind kind, std::string expected, std::string obs
 // that run shows too, at or before the same step, is the configuration's, and does not count.
 void weigh_fault_free(const CounterfactualPlan& plan, const ScenarioResult& c, ScenarioResult& r) {
   r.counterfactual = summary_of(CounterfactualKind::kFaultFree, c);
+  r.counterfactual.broke = !c.harness_error && !c.breakage.empty();
   const std::string expected = "the run without its injections does not break so by the same step";
   if (c.harness_error) {  // it never got to show anything: the breakage's cause is not known
     settle_counterfactual(CheckKind::kFaultCaused, expected, "could not tell: " + c.error, false, r, false);
@@ -933,27 +940,87 @@ void weigh_fault_free(const CounterfactualPlan& plan, const ScenarioResult& c, S
   settle_counterfactual(CheckKind::kFaultCaused, expected, observed, kept != nullptr, r, anyway != nullptr);
 }
 
-// A run that held, against the same run without its defenses: a fault that does not break that
-// run either gave the defenses nothing to hold.
-void weigh_undefended(const ScenarioSpec& spec, const CounterfactualPlan& plan, const ScenarioResult& c,
-                      ScenarioResult& r) {
-  r.counterfactual = summary_of(CounterfactualKind::kUndefended, c);
-  // Any breakage counts here, before the fault's step too: the defenses then hold the
-  // configuration, which still needed holding. A harness error is not breakage.
-  r.counterfactual.broke = !c.harness_error && !c.breakage.empty();
-  std::string observed;
-  if (r.counterfactual.broke) {
-    observed = "broke: " + c.breakage.front().detail;
-  } else {
-    observed = c.harness_error
-                   ? "could not tell: " + c.error
-                   : "held too (steps " + std::to_string(plan.first_step) + ".." + std::to_string(c.last_step) +
-                         ", parameters finite, final loss " + fmt(c.final_loss) + ")";
-    if (!c.harness_error && !spec.expect.final_loss_below && !spec.expect.loss_finite)
-      observed += "; expect.final_loss_below or loss_finite would say what breaking means here";
+// The last step a comparison run needs to date `breakage` (0: the whole window, for a final loss
+// or the progress rule).
+std::int64_t last_step_to_date(const std::vector<Breakage>& breakage, bool counting_only, std::int64_t window_last) {
+  std::int64_t until = 0;
+  for (const Breakage& x : breakage) {
+    if (counting_only && !x.counts) continue;
+    if (x.kind == BreakKind::kFinalLoss || x.kind == BreakKind::kNoProgress) return window_last;
+    until = std::max(until, x.step);
   }
-  settle_counterfactual(CheckKind::kFaultBites, "the run without its defenses (" + defense_label(spec) + ") breaks",
-                        observed, r.counterfactual.broke, r, false);
+  return until;
+}
+
+// A run that held, against the same run without its defenses: a fault that does not break that
+// run either gave the defenses nothing to hold. When it breaks, the run with neither the fault nor
+// the defenses (kBare) comes next: breakage that run shows as early is the configuration's.
+CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const CounterfactualPlan& plan, const ScenarioResult& c,
+                                    ScenarioResult& r) {
+  r.counterfactual = summary_of(CounterfactualKind::kUndefended, c);
+  const std::string expected =
+      "the run without its defenses (" + defense_label(spec) + ") breaks, and not without the fault";
+  std::string observed;
+  if (c.harness_error) {
+    observed = "could not tell: " + c.error;
+  } else if (r.raised && c.raised && c.raised_at_step == r.raised_at_step && c.error == r.error) {
+    // The run held by raising as it expected, and raises the same without its defenses.
+    observed = "raised the same: step " + std::to_string(c.raised_at_step) + " raised: " + c.error +
+               "; the defenses did not make the raise";
+  } else if (c.breakage.empty()) {
+    observed = "held too (steps " + std::to_string(plan.first_step) + ".." + std::to_string(c.last_step) +
+               ", parameters finite, final loss " + fmt(c.final_loss) + ")";
+    if (!spec.expect.final_loss_below && !spec.expect.loss_finite)
+      observed += "; expect.final_loss_below or loss_finite would say what breaking means here";
+  } else if (spec.injections.empty()) {  // the configuration is the fault: the bare run is this one
+    r.counterfactual.broke = true;
+    settle_counterfactual(CheckKind::kFaultBites, expected, "broke: " + c.breakage.front().detail, true, r, false);
+    return {};
+  } else {
+    CounterfactualPlan next = plan;
+    next.kind = CounterfactualKind::kBare;
+    next.last_step = last_step_to_date(c.breakage, false, plan.last_step);
+    return next;
+  }
+  settle_counterfactual(CheckKind::kFaultBites, expected, observed, false, r, false);
+  return {};
+}
+
+// The undefended run's breakage against the run with neither the fault nor the defenses: breakage
+// of a kind that run shows too, at or before the same step, is the configuration's (the defenses
+// hold it, but not against this fault). The undefended run broke by the fault when some is left.
+void weigh_bare(const ScenarioSpec& spec, const ScenarioResult& c0, ScenarioResult& r) {
+  Counterfactual& cf = r.counterfactual;
+  const std::string expected =
+      "the run without its defenses (" + defense_label(spec) + ") breaks, and not without the fault";
+  const Breakage* kept = nullptr;
+  const Breakage* anyway = nullptr;
+  const Breakage* anyway_there = nullptr;
+  for (Breakage& x : cf.breakage) {
+    const auto same = std::find_if(c0.breakage.begin(), c0.breakage.end(),
+                                   [&](const Breakage& y) { return y.kind == x.kind && y.step <= x.step; });
+    x.counts = same == c0.breakage.end();
+    x.without_fault_step = x.counts ? 0 : std::max<std::int64_t>(same->step, 1);
+    if (x.counts && !kept) kept = &x;
+    if (!x.counts && !anyway) {
+      anyway = &x;
+      anyway_there = &*same;
+    }
+  }
+  cf.broke = kept != nullptr;
+  std::string observed;
+  if (c0.harness_error) {
+    cf.broke = false;
+    observed = "could not tell: the run with neither the fault nor the defenses: " + c0.error;
+  } else if (kept) {
+    observed = "broke: " + kept->detail;
+    if (anyway) observed += " (" + anyway->detail + " without the fault as well)";
+  } else {
+    observed = "broke, but so does it without the fault: " + anyway_there->detail +
+               " (with the fault: " + anyway->detail +
+               "); the defenses hold the configuration, and this fault's own bite is not shown";
+  }
+  settle_counterfactual(CheckKind::kFaultBites, expected, observed, cf.broke, r, false);
 }
 
 }  // namespace
@@ -962,8 +1029,10 @@ CounterfactualPlan plan_counterfactual(const ScenarioSpec& spec, const RunOption
   CounterfactualPlan plan;
   plan.first_step = options.first_step;
   plan.fault_step = r.fault_step;
-  if (!options.counterfactual || r.harness_error || spec.injections.empty()) return plan;
   const bool control = spec.expect.diverges;
+  // Without injections the configuration is the fault: a control has none to take away; a held
+  // run's defenses can still be taken away.
+  if (!options.counterfactual || r.harness_error || (control && spec.injections.empty())) return plan;
   if (control ? !r.broke : r.outcome_kind() != Outcome::kHeld) return plan;
   if (!control && !defended(spec)) {
     r.counterfactual.why_not = "no defenses to take away: the scenario claims the model itself holds";
@@ -971,25 +1040,22 @@ CounterfactualPlan plan_counterfactual(const ScenarioSpec& spec, const RunOption
   }
   plan.kind = control ? CounterfactualKind::kFaultFree : CounterfactualKind::kUndefended;
   plan.last_step = options.last_step;
-  if (control) {
-    // Breakage dated by its step needs the fault-free run only that far; the final loss and the
-    // progress rule look at the whole run.
-    std::int64_t until = 0;
-    bool whole = false;
-    for (const Breakage& x : r.breakage) {
-      if (!x.counts) continue;
-      if (x.kind == BreakKind::kFinalLoss || x.kind == BreakKind::kNoProgress) whole = true;
-      until = std::max(until, x.step);
-    }
-    if (!whole) plan.last_step = until;
-  }
+  // Breakage dated by its step needs the fault-free run only that far; the final loss and the
+  // progress rule look at the whole run.
+  if (control) plan.last_step = last_step_to_date(r.breakage, true, options.last_step);
   return plan;
 }
 
 ScenarioSpec counterfactual_spec(const ScenarioSpec& spec, CounterfactualKind kind) {
-  if (kind == CounterfactualKind::kUndefended) {
+  if (kind == CounterfactualKind::kUndefended || kind == CounterfactualKind::kBare) {
     ScenarioSpec bare = without_defenses(spec);
     bare.expect = breakage_expectations(spec.expect);
+    if (kind == CounterfactualKind::kBare) {
+      bare.injections.clear();
+      // Against an RNG fault, a recompute without the forward's RNG state is that fault by
+      // construction (the generator has moved on): the run without the fault keeps it.
+      if (rng_fault(spec)) bare.defenses.preserve_rng_state = spec.defenses.preserve_rng_state;
+    }
     return bare;
   }
   ScenarioSpec clean = spec;
@@ -1019,10 +1085,15 @@ ScenarioResult run_counterfactual(const ScenarioSpec& spec, const Counterfactual
   return run_and_check(variant, o, plan.kind == CounterfactualKind::kFaultFree ? plan.fault_step : 0);
 }
 
-void weigh_counterfactual(const ScenarioSpec& spec, const CounterfactualPlan& plan, const ScenarioResult& c,
-                          ScenarioResult& r) {
-  if (plan.kind == CounterfactualKind::kFaultFree) weigh_fault_free(plan, c, r);
-  else if (plan.kind == CounterfactualKind::kUndefended) weigh_undefended(spec, plan, c, r);
+CounterfactualPlan weigh_counterfactual(const ScenarioSpec& spec, const CounterfactualPlan& plan,
+                                        const ScenarioResult& c, ScenarioResult& r) {
+  switch (plan.kind) {
+    case CounterfactualKind::kFaultFree: weigh_fault_free(plan, c, r); break;
+    case CounterfactualKind::kUndefended: return weigh_undefended(spec, plan, c, r);
+    case CounterfactualKind::kBare: weigh_bare(spec, c, r); break;
+    case CounterfactualKind::kNone: break;
+  }
+  return {};
 }
 
 ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options) {
@@ -1034,7 +1105,8 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, const RunOptions& options)
     r.counterfactual.why_not = "data parallel: run by the ranks' launcher (retrace run), not by a rank";
     return r;
   }
-  weigh_counterfactual(spec, plan, run_counterfactual(spec, plan, options), r);
+  for (CounterfactualPlan next = plan; next.kind != CounterfactualKind::kNone;)
+    next = weigh_counterfactual(spec, next, run_counterfactual(spec, next, options), r);
   return r;
 }
 

@@ -27,6 +27,11 @@ std::string g_default_program;
 std::string g_binary_name = "retrace";
 }
 
+void check_threads_flag(int threads) {
+  if (threads < 1 || threads > kMaxThreads)
+    throw Error("--threads must be 1 to " + std::to_string(kMaxThreads) + ", got " + std::to_string(threads));
+}
+
 void write_file(const std::string& path, std::string_view bytes, const std::string& what) {
   std::ofstream f(path, std::ios::binary);
   f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));

@@ -28,6 +28,11 @@ void write_file(const std::string& path, std::string_view bytes, const std::stri
 // write_file, or standard output when `path` is "-" (--json -).
 void write_output(const std::string& path, std::string_view text, const std::string& what);
 
+// --threads N: LibTorch intra-op threads, 1 to kMaxThreads (more only stalls the machine creating
+// them); throws retrace::Error naming the flag otherwise.
+inline constexpr int kMaxThreads = 1024;
+void check_threads_flag(int threads);
+
 int run_demo(const std::vector<std::string>& args);
 int run_record(const std::vector<std::string>& args);
 int run_replay(const std::vector<std::string>& args);

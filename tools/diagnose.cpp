@@ -43,7 +43,7 @@ int run_diagnose(const std::vector<std::string>& args) {
   if (source.empty()) throw Error("missing TRACE or SCENARIO: what to diagnose");
   if (options.steps < 0) throw Error("--steps must be positive, got " + std::to_string(options.steps));
   if (options.lookback < 0) throw Error("--lookback must be 0 or more, got " + std::to_string(options.lookback));
-  if (options.threads < 1) throw Error("--threads must be at least 1, got " + std::to_string(options.threads));
+  check_threads_flag(options.threads);
   if (options.repeats < 1) throw Error("--repeats must be at least 1, got " + std::to_string(options.repeats));
   const bool scenario = source.rfind("builtin:", 0) == 0 ||
                         (source.size() > 5 && (source.compare(source.size() - 5, 5, ".yaml") == 0 ||

@@ -170,7 +170,7 @@ int run_record(const std::vector<std::string>& args) {
   if (page_cache_mib < 0 || page_cache_mib > (std::int64_t{1} << 30)) {
     throw Error("--page-cache-mib must be 0 (off) to 2^30, got " + std::to_string(page_cache_mib));
   }
-  if (vm.count("threads") && threads < 1) throw Error("--threads must be at least 1, got " + std::to_string(threads));
+  if (vm.count("threads")) check_threads_flag(threads);
   if (vm.count("ranks") && (ranks < 1 || ranks > kMaxScenarioRanks)) {
     throw Error("--ranks must be 1 to " + std::to_string(kMaxScenarioRanks) + ", got " + std::to_string(ranks));
   }

@@ -117,7 +117,7 @@ int run_replay(const std::vector<std::string>& args) {
   if (!parsed) return 0;
   const po::variables_map& vm = *parsed;
   if (paths.empty()) throw Error("missing TRACE: the trace to replay");
-  if (vm.count("threads") && threads < 1) throw Error("--threads must be at least 1, got " + std::to_string(threads));
+  if (vm.count("threads")) check_threads_flag(threads);
   ReplayOptions options;
   if (vm.count("step")) options.step = step;
   if (vm.count("from")) options.from = from;

@@ -83,8 +83,7 @@ std::optional<RunFlags> parse_flags(const std::vector<std::string>& args) {
   if (!f.child.empty()) return f;
   if (f.pool.bench && !vm.count("jobs")) f.pool.jobs = 1;  // timings from scenarios sharing the cores mean little
   if (f.pool.jobs < 1) throw Error("--jobs must be at least 1, got " + std::to_string(f.pool.jobs));
-  if (vm.count("threads") && f.pool.threads < 1)
-    throw Error("--threads must be at least 1, got " + std::to_string(f.pool.threads));
+  if (vm.count("threads")) check_threads_flag(f.pool.threads);
   // Every output file's folder, before anything runs: not a run's worth of results lost at the end.
   for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--report", f.report_path},
                                    {"--json", f.json_path},

@@ -133,12 +133,30 @@ ScenarioResult merge_ranks(const ScenarioSpec& spec, const std::string& source,
         r.breakage.back().detail = who + ": " + b.detail;
       }
     }
+    // Its injections: an entry for this rank is accounted in its result alone; what fired here
+    // that rank 0 did not note, noted as this rank's.
+    for (std::size_t i = 0; i < spec.injections.size() && i < x.injections.size() && i < r.injections.size(); ++i) {
+      if (spec.injections[i].rank == static_cast<int>(k)) r.injections[i] = x.injections[i];
+    }
+    for (const StepNote& n : x.notes) {
+      if (n.kind != StepNoteKind::kInjected) continue;
+      if (std::find(r.notes.begin(), r.notes.end(), n) != r.notes.end()) continue;
+      r.notes.push_back({n.step, n.kind, who + ": " + n.text});
+    }
+    for (StepPoint& p : r.steps) {
+      for (const StepPoint& q : x.steps) {
+        if (q.step == p.step && q.injected) p.injected = true;
+      }
+    }
     if (x.raised && !r.raised) r.raised_at_step = x.raised_at_step;
     r.raised = r.raised || x.raised;
     r.harness_error = r.harness_error || x.harness_error;
     r.params_finite = r.params_finite && x.params_finite;
     if (r.error.empty() && !x.error.empty()) r.error = who + ": " + x.error;
   }
+  std::stable_sort(r.notes.begin(), r.notes.end(), [](const StepNote& a, const StepNote& b) {
+    return a.step != b.step ? a.step < b.step : a.kind < b.kind;  // a step's injections before its skip
+  });
   // Ranks in step end with the same state. One that ends otherwise (its own update: an LR spike or
   // a bit flip on one rank) split the run, which no rank sees alone: the run broke.
   std::string split;
@@ -185,14 +203,15 @@ CounterfactualPlan parse_plan_flag(const std::string& text) {
   char c1 = 0, c2 = 0, c3 = 0;
   if (std::getline(in, kind, ':') && in >> p.first_step >> c1 >> p.last_step >> c2 >> p.fault_step && c1 == ':' &&
       c2 == ':' && !(in >> c3)) {
-    for (CounterfactualKind k : {CounterfactualKind::kFaultFree, CounterfactualKind::kUndefended}) {
+    for (CounterfactualKind k :
+         {CounterfactualKind::kFaultFree, CounterfactualKind::kUndefended, CounterfactualKind::kBare}) {
       if (kind == to_string(k)) {
         p.kind = k;
         return p;
       }
     }
   }
-  throw Error("--counterfactual: expected fault_free|undefended:FIRST:LAST:FAULT, got '" + text + "'");
+  throw Error("--counterfactual: expected fault_free|undefended|bare:FIRST:LAST:FAULT, got '" + text + "'");
 }
 
 // Launches the ranks of `source` (`retrace run --child` in each, with `extra` flags) and merges
@@ -238,11 +257,11 @@ int run_child(const std::string& source, const std::string& result_path, int thr
     // counterfactual the same way: the ranks again, on the variant.
     ScenarioResult r = run_ranks(spec, source, result_path, threads, {});
     r.counterfactual = Counterfactual{};  // each rank's why_not: left to this launcher
-    const CounterfactualPlan plan = plan_counterfactual(spec, RunOptions{}, r);
-    if (plan.kind != CounterfactualKind::kNone) {
+    for (CounterfactualPlan plan = plan_counterfactual(spec, RunOptions{}, r);
+         plan.kind != CounterfactualKind::kNone;) {
       const ScenarioResult c = run_ranks(counterfactual_spec(spec, plan.kind), source, result_path + ".counterfactual",
                                          threads, {"--counterfactual", plan_flag(plan)});
-      weigh_counterfactual(spec, plan, c, r);
+      plan = weigh_counterfactual(spec, plan, c, r);
     }
     write_file(result_path, r.to_json().dump() + "\n", "the result file");
     return 0;

@@ -70,3 +70,19 @@ TEST(Encoder, ConfigValuesAreReadWholeAndWithinBounds) {
   EXPECT_EQ(c.seed, 7u);
   EXPECT_EQ(c.precision, "bf16");
 }
+
+// A registered program's checkpoints are its own: preserve_rng_state is no defense of its
+// scenario (the key is refused there), so neither its label nor the counterfactual's run without
+// the defenses names it. Control: on a built-in model the same fault makes it the defense.
+TEST(Encoder, PreserveRngStateIsNoDefenseOfAProgramsScenario) {
+  const retrace::ScenarioSpec program = retrace::parse_scenario_text(
+      "program: example.encoder\ntraining: {steps: 4}\ndefenses: {verify_recompute: true}\n"
+      "injections: [{type: rng_desync, step: 3, segment: block0}]\nexpect: {params_finite: true}\n",
+      "p.yaml");
+  EXPECT_EQ(retrace::defense_label(program), "verify_recompute");
+  const retrace::ScenarioSpec builtin = retrace::parse_scenario_text(
+      "model: {type: tiny_gpt, layers: 2, d_model: 16, heads: 2}\ntraining: {steps: 4, segments: 2}\n"
+      "defenses: {verify_recompute: true}\ninjections: [{type: rng_desync, step: 3, segment: block0}]\n",
+      "b.yaml");
+  EXPECT_EQ(retrace::defense_label(builtin), "preserve_rng_state+verify_recompute");
+}

@@ -38,6 +38,9 @@ w late.yaml "$m\ntraining: {steps: 4}\ninjections: [{type: loss_spike, step: 9}]
 w bits.yaml "$m\ninjections: [{type: bit_flip, bit_class: exponent, bits: 12}]\n"
 w lstm16.yaml "model: {type: lstm}\ntraining: {precision: fp16}\n"
 w prog.yaml "name: p\nprogram: no.such\n"
+w yesbool.yaml "$m\nexpect: {diverges: yes}\n"
+w quotednum.yaml "$m\ntraining: {lr: \"0.1\"}\n"
+w falsefinite.yaml "$m\nexpect: {params_finite: false}\n"
 w progmodel.yaml "name: p\nprogram: x\n$m\n"
 w progtrain.yaml "name: p\nprogram: x\ntraining: {steps: 3, lr: 0.1}\n"
 w progcfg.yaml "name: p\nprogram: x\nconfig: [1, 2]\n"
@@ -183,6 +186,12 @@ case_ "a folder without scenarios" 2 -- run "$dir/emptydir"
 case_ "-j 0" 2 -- run -j 0
 case_ "--threads 0" 2 -- run --threads 0 builtin:bf16-clean
 case_ "record --threads 0" 2 -- record builtin:bf16-clean -o "$dir/t.trace" --threads 0
+case_ "--threads 100000" 2 -- run --threads 100000 builtin:bf16-clean
+case_ "yes for a boolean" 2 -- run "$dir/yesbool.yaml"
+case_ "a quoted number" 2 -- run "$dir/quotednum.yaml"
+case_ "params_finite: false without diverges" 2 -- run "$dir/falsefinite.yaml"
+case_ "--json into a folder that does not exist" 2 -- run builtin:bf16-clean --json "$dir/no/such/r.json"
+case_ "--junit into a folder that does not exist" 2 -- run builtin:bf16-clean --junit "$dir/no/such/r.xml"
 case_ "selective recompute with segments" 2 -- run "$dir/selseg.yaml"
 case_ "trace that does not exist" 2 -- replay "$dir/nope.trace"
 case_ "a folder as a trace" 2 -- inspect "$dir/emptydir"

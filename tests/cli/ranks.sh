@@ -237,6 +237,14 @@ expect: {params_finite: true, diverges: true}"
   got=$(outcome alone)
   [[ $got == "broke fault_free fault_caused=True" ]] || fail "alone: $got, $(cat "$work/alone.out")"
   grep -q "ok (broke: rank 1: parameters non-finite from step 4 on)" "$work/alone.out" || fail "alone: $(cat "$work/alone.out")"
+  # The combined result says what fired on rank 1: its tally, its note, the step's mark.
+  python3 - "$work/alone.json" <<'PY' || fail "alone: rank 1's injection is missing from the combined result"
+import json, sys
+r = json.load(open(sys.argv[1]))["scenarios"][0]
+assert r["injections"][0]["fired"] == [4], r["injections"]
+assert any(n["kind"] == "injected" and n["step"] == 4 and n["text"].startswith("rank 1: bit_flip") for n in r["notes"]), r["notes"]
+assert [s["step"] for s in r["steps"] if s["injected"]] == [4], r["steps"]
+PY
   ;;
 *) fail "unknown case $case_name" ;;
 esac

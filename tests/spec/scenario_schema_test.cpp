@@ -73,6 +73,31 @@ TEST(Schema, BadDefensesInjectionsAndExpectationsNameFileLineAndKey) {
   }
 }
 
+// YAML's core schema, not yaml-cpp's looser reading: a boolean is true or false (yes, on and y
+// are not), a quoted scalar is a string (not the number or boolean it spells), and an expectation
+// that the run breaks is a negative control's. Controls: the same keys written plainly parse.
+TEST(Schema, BooleansAndNumbersAreTheCoreSchemasAndExpectingBreakageNeedsDiverges) {
+  expect_error("expect: {diverges: yes}\n", "test.yaml:6: key 'expect.diverges': must be true or false, got 'yes'");
+  expect_error("expect: {diverges: On}\n", "must be true or false, got 'On'");
+  expect_error("expect: {diverges: \"true\"}\n",
+               "key 'expect.diverges': must be true or false, got the string 'true' (quoted)");
+  expect_error("defenses: {warmup_steps: \"4\"}\n",
+               "key 'defenses.warmup_steps': must be an integer, got the string '4' (quoted); write it plainly");
+  expect_error("expect: {final_loss_below: '3.5'}\n",
+               "key 'expect.final_loss_below': must be a number, got the string '3.5' (quoted); write it plainly");
+  expect_error("expect: {params_finite: false, loss_finite: false}\n",
+               "test.yaml:6: key 'expect.params_finite': false expects the run to break, which is a negative "
+               "control's claim: write params_finite: true with diverges: true");
+  expect_error("expect: {loss_finite: false}\n", "key 'expect.loss_finite': false expects the run to break");
+  const ScenarioSpec ok = with("defenses: {warmup_steps: 4}\nexpect: {diverges: True, params_finite: false, "
+                               "final_loss_below: 3.5, replay_bitwise: FALSE}\n");
+  EXPECT_TRUE(ok.expect.diverges);
+  EXPECT_EQ(ok.defenses.warmup_steps, 4);
+  EXPECT_EQ(ok.expect.params_finite, false);
+  EXPECT_EQ(ok.expect.final_loss_below, 3.5);
+  EXPECT_EQ(ok.expect.replay_bitwise, false);
+}
+
 TEST(Schema, KeysAndSegmentsThatCannotWorkAreErrors) {
   // (kGpt has model, data and training already: the extra text uses other sections.)
   expect_error("defenses: {[a]: 1}\n", "test.yaml:6: key 'defenses.?': a key must be a plain name");
@@ -95,7 +120,7 @@ TEST(Schema, KeysAndSegmentsThatCannotWorkAreErrors) {
   expect_error("injections: [{type: bit_flip, target: weights, bit: 40}]\n",
                "key 'injections[0].bit': must be between 0 and 31");
   expect_error("injections: [{type: bit_flip, target: weights, segment: block0}]\n", "is only for target activations");
-  expect_error("expect:\n  max_skipped_steps: |\n    1\n    x\n", "must be an integer, got '1 x");
+  expect_error("expect:\n  max_skipped_steps: |\n    1\n    x\n", "must be an integer, got the string '1 x");
 }
 
 // Data-parallel keys: world_size, an injection's rank, skip_nonfinite_ranks; each bad value is

@@ -130,11 +130,18 @@ TEST(Verdict, ARaiseBeforeTheFaultIsAHarnessErrorNeverAPass) {
     EXPECT_FALSE(r.passed) << why(r);
     EXPECT_TRUE(has_reason(r, "harness error: step 1 raised before the fault at step 3")) << why(r);
   }
-  // Control: the fault at step 1 -- the raise is now at the fault's step, and the held scenario passes.
+  // Control: the fault at step 1 -- the raise is now at the fault's step, no harness error, and
+  // the raise counts as the run's. What the verdict then says is that the configuration breaks at
+  // step 1 with or without the fault (fault_bites): the defense holds the configuration.
   const ScenarioResult r = run_scenario(
       parse_scenario_text(run + "injections: [{type: grad_nonfinite, step: 1}]\nexpect: {raises: true}\n", "at.yaml"));
   EXPECT_FALSE(r.harness_error);
-  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_TRUE(r.raised);
+  ASSERT_EQ(r.reasons.size(), 1u) << why(r);
+  EXPECT_TRUE(has_reason(r, "fault_bites: expected the run without its defenses (clip:global 1) breaks, and not "
+                            "without the fault, got broke, but so does it without the fault: parameters non-finite "
+                            "from step 1 on"))
+      << why(r);
 }
 
 TEST(Verdict, BreakageBeforeTheFaultDoesNotCount) {
@@ -233,8 +240,8 @@ TEST(Verdict, AHeldScenarioWhoseFaultDoesNotBreakTheUndefendedRunIsNotExercised)
   EXPECT_EQ(r.outcome_kind(), Outcome::kNotExercised) << why(r);
   EXPECT_EQ(r.counterfactual.kind, CounterfactualKind::kUndefended);
   EXPECT_FALSE(r.counterfactual.broke);
-  EXPECT_TRUE(has_reason(r, "fault_bites: expected the run without its defenses (skip_nonfinite) breaks, got held "
-                            "too (steps 1..4"))
+  EXPECT_TRUE(has_reason(r, "fault_bites: expected the run without its defenses (skip_nonfinite) breaks, and not "
+                            "without the fault, got held too (steps 1..4"))
       << why(r);
   EXPECT_TRUE(has_reason(r, "would say what breaking means here")) << why(r);
   EXPECT_EQ(ScenarioResult::from_json(r.to_json()).outcome(), "not exercised");
@@ -248,6 +255,64 @@ TEST(Verdict, AHeldScenarioWhoseFaultDoesNotBreakTheUndefendedRunIsNotExercised)
   EXPECT_EQ(bites->observed, "broke: parameters non-finite from step 3 on");
   EXPECT_TRUE(r.counterfactual.broke);
   EXPECT_EQ(r.counterfactual.last_step, 3);  // it stopped once the parameters went non-finite
+}
+
+// "held" credits the defense with holding the fault: when the run without the defenses breaks
+// just as much without the fault, the fault's own bite is not shown. lr-too-high-warmup (Adam at
+// LR 0.1, a 10-step warmup) holds its configuration; a harmless flip added to it (the lowest
+// mantissa bit of a weight) is not exercised. Control: the scenario without the flip, whose fault
+// is its configuration, holds, and its undefended run breaks (fault_bites).
+TEST(Verdict, AHeldScenarioWhoseUndefendedRunBreaksWithoutTheFaultTooIsNotExercised) {
+  ScenarioSpec spec = load_scenario("builtin:lr-too-high-warmup");
+  ScenarioResult r = run_scenario(spec);
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "held");
+  const ExpectationCheck* bites = find_check(r, "fault_bites");
+  ASSERT_NE(bites, nullptr) << why(r);
+  EXPECT_TRUE(bites->passed) << bites->observed;
+  EXPECT_EQ(r.counterfactual.kind, CounterfactualKind::kUndefended);
+
+  spec.injections = parse_scenario_text(std::string(kGpt) + "injections: [{type: bit_flip, step: 3, target: weights, "
+                                                            "bit: 0}]\n",
+                                        "flip.yaml")
+                        .injections;
+  r = run_scenario(spec);
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome_kind(), Outcome::kNotExercised) << why(r);
+  EXPECT_FALSE(r.counterfactual.broke);
+  ASSERT_FALSE(r.counterfactual.breakage.empty());
+  EXPECT_EQ(r.counterfactual.breakage.front().kind, BreakKind::kFinalLoss);
+  EXPECT_FALSE(r.counterfactual.breakage.front().counts);
+  EXPECT_GT(r.counterfactual.breakage.front().without_fault_step, 0);
+  EXPECT_TRUE(has_reason(r, "got broke, but so does it without the fault: final loss ")) << why(r);
+  EXPECT_TRUE(has_reason(r, "the defenses hold the configuration, and this fault's own bite is not shown")) << why(r);
+  const ScenarioResult back = ScenarioResult::from_json(r.to_json());
+  EXPECT_EQ(back.outcome(), "not exercised");
+  EXPECT_EQ(back.counterfactual.breakage.front().without_fault_step,
+            r.counterfactual.breakage.front().without_fault_step);
+}
+
+// A run that held by raising as it expected, and raises the same without its defenses: the
+// defense did not make the raise (an out-of-range token raises in the embedding with or without
+// skip_nonfinite). Control: grad-inf-clip-error's raise is its clipping's (error_if_nonfinite);
+// without it the run goes non-finite instead.
+TEST(Verdict, AHeldRaiseThatTheUndefendedRunRaisesTooIsNotExercised) {
+  ScenarioResult r = run_scenario(with("defenses: {skip_nonfinite: true}\n"
+                                       "injections: [{type: corrupt_batch, step: 2}]\n"
+                                       "expect: {params_finite: true, raises: true}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_TRUE(r.raised);
+  EXPECT_EQ(r.outcome_kind(), Outcome::kNotExercised) << why(r);
+  EXPECT_TRUE(has_reason(r, "got raised the same: step 2 raised: index out of range in self; the defenses did not "
+                            "make the raise"))
+      << why(r);
+
+  r = run_scenario(load_scenario("builtin:grad-inf-clip-error"));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "held");
+  const ExpectationCheck* bites = find_check(r, "fault_bites");
+  ASSERT_NE(bites, nullptr) << why(r);
+  EXPECT_TRUE(bites->passed) << bites->observed;
 }
 
 // No defense to take away: the scenario claims the model itself holds (the built-in

@@ -147,8 +147,11 @@ enum class CounterfactualKind {
                 // parallel (Counterfactual::why_not says which, where it matters)
   kFaultFree,   // a control without its injections
   kUndefended,  // a scenario that expects to hold, without its defenses
+  kBare,        // neither the fault nor the defenses: run after an undefended run that broke, to
+                // date which of its breakage the configuration shows anyway (a plan's kind only:
+                // the result's counterfactual stays kUndefended, its breakage marked)
 };
-const char* to_string(CounterfactualKind kind);  // "none", "fault_free", "undefended"
+const char* to_string(CounterfactualKind kind);  // "none", "fault_free", "undefended", "bare"
 
 struct Counterfactual {
   CounterfactualKind kind = CounterfactualKind::kNone;
@@ -156,10 +159,13 @@ struct Counterfactual {
   std::int64_t last_step = 0;  // the last step it reached: it stops once it has shown what it
                                // was run for (a control's breakage steps; undefended, the
                                // first step from the fault's that leaves parameters non-finite)
-  bool broke = false;          // kUndefended: broke as a negative control counts it
+  bool broke = false;          // fault_free: it broke at all; undefended: by the fault (some of
+                               // its breakage the run with neither fault nor defenses does not show
+                               // as early: counts, without_fault_step 0)
   bool params_finite = true;
   double final_loss = std::numeric_limits<double>::quiet_NaN();
-  std::vector<Breakage> breakage;  // what broke in it
+  std::vector<Breakage> breakage;  // what broke in it (undefended: without_fault_step set where the
+                                   // run with neither fault nor defenses showed it too, as early)
 };
 
 // One entry of the scenario's injection list, and what became of it in the run.
@@ -331,9 +337,12 @@ ScenarioResult run_counterfactual(const ScenarioSpec& spec, const Counterfactual
 // Weighs the counterfactual run `c` into r (whose verdict is decided): r.counterfactual, the
 // fault_caused or fault_bites check, a control's breakage that `c` shows as early no longer
 // counting, and the verdict as those change it. A `c` that could not run (harness error) fails
-// the check: the verdict is not earned.
-void weigh_counterfactual(const ScenarioSpec& spec, const CounterfactualPlan& plan, const ScenarioResult& c,
-                          ScenarioResult& r);
+// the check: the verdict is not earned. Returns the plan of the run still needed before the check
+// is decided (an undefended run that broke: the bare run, weighed in the same way), else kNone:
+//   for (plan = plan_counterfactual(...); plan.kind != kNone;)
+//     plan = weigh_counterfactual(spec, plan, run_counterfactual(spec, plan), r);
+CounterfactualPlan weigh_counterfactual(const ScenarioSpec& spec, const CounterfactualPlan& plan,
+                                        const ScenarioResult& c, ScenarioResult& r);
 
 // run_scenario plus the stability figures: the run without its injections (defenses on, for the
 // loss delta and recovery) and without injections or defenses (for the defenses' overhead,
