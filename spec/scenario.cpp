@@ -213,6 +213,21 @@ void parse_defenses(const Parser& p, const YAML::Node& d, DefenseSpec& out, bool
         p.boolean(c, "error_if_nonfinite", "defenses.clip.error_if_nonfinite", cl.error_if_nonfinite);
     cl.window = p.integer(c, "window", "defenses.clip.window", cl.window, 1, 1 << 20);
     cl.multiplier = p.number(c, "multiplier", "defenses.clip.multiplier", cl.multiplier, 1.0, 1e6);
+    // A setting the mode never reads is a mistake, not a default (the canonical YAML writes every
+    // key with its default, which these leave alone).
+    const ClipOptions unset;
+    const bool off = cl.mode == ClipMode::kOff, adaptive = cl.mode == ClipMode::kAdaptive;
+    if (off && (cl.max_norm != unset.max_norm || cl.error_if_nonfinite)) {
+      const char* key = cl.error_if_nonfinite ? "error_if_nonfinite" : "max_norm";
+      p.fail(c[key], std::string("defenses.clip.") + key,
+             "does nothing with clip mode off; drop it, or set mode (global, per_tensor, adaptive)");
+    }
+    if (!adaptive && (cl.window != unset.window || cl.multiplier != unset.multiplier)) {
+      const char* key = cl.window != unset.window ? "window" : "multiplier";
+      p.fail(c[key], std::string("defenses.clip.") + key,
+             std::string("is adaptive clipping's, but clip mode is ") + to_string(cl.mode) +
+                 "; drop it, or use mode: adaptive");
+    }
   }
   out.skip_nonfinite = p.boolean(d, "skip_nonfinite", "defenses.skip_nonfinite", out.skip_nonfinite);
   out.skip_nonfinite_ranks =
@@ -569,6 +584,11 @@ ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
     tr.lr = p.number(t, "lr", "training.lr", tr.lr, 0.0, 1e12);
     tr.weight_decay = p.number(t, "weight_decay", "training.weight_decay", tr.weight_decay, 0.0, 1e3);
     tr.momentum = p.number(t, "momentum", "training.momentum", tr.momentum, 0.0, 1.0);
+    if (tr.momentum != 0 && tr.optimizer != "sgd") {
+      p.fail(t["momentum"], "training.momentum",
+             "is SGD's, but training.optimizer is " + tr.optimizer +
+                 " (Adam keeps its own moments); drop it, or use optimizer: sgd");
+    }
     tr.segments = static_cast<int>(p.integer(t, "segments", "training.segments", tr.segments, 0, 1 << 20));
     tr.clip_grad_norm = p.number(t, "clip_grad_norm", "training.clip_grad_norm", tr.clip_grad_norm, 0.0, 1e12);
     tr.device = p.choice(t, "device", "training.device", tr.device, {"cpu", "cuda"});
@@ -606,7 +626,14 @@ ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
                      " LSTM primitive for this instruction set, e.g. without AVX-512: every step "
                      "would raise); use fp32, or device cuda");
   }
-  if (const YAML::Node d = root["defenses"]; d.IsDefined()) parse_defenses(p, d, s.defenses, /*builtin_model=*/true);
+  if (const YAML::Node d = root["defenses"]; d.IsDefined()) {
+    parse_defenses(p, d, s.defenses, /*builtin_model=*/true);
+    if (m.type != "tiny_gpt" && (s.defenses.layernorm_fp32 || s.defenses.layernorm_min_eps > 0)) {
+      const char* key = s.defenses.layernorm_fp32 ? "layernorm_fp32" : "layernorm_min_eps";
+      p.fail(d[key], std::string("defenses.") + key,
+             "guards LayerNorm, but a " + m.type + " model has none (tiny_gpt has); drop it");
+    }
+  }
   if (s.training.clip_grad_norm > 0 && s.defenses.clip.mode == ClipMode::kOff) {  // the shorthand
     s.defenses.clip.mode = ClipMode::kGlobal;
     s.defenses.clip.max_norm = s.training.clip_grad_norm;

@@ -82,6 +82,44 @@ TEST(Pipeline, GlobalClippingMatchesTorchsClipGradNorm) {
   EXPECT_TRUE(torch::equal(same[0].tensor, a));
 }
 
+// Gradients whose every element is finite but whose fp32 norm overflows (an exponent flip to
+// -4.4e35): PyTorch's clip_grad_norm_ scales them by max_norm / inf, to zero, and so does global
+// clipping here (as do per_tensor and adaptive clipping, by the same factor). Control: an Inf
+// element is left as it is (ANonFiniteNormIsNeverClipped...).
+TEST(Pipeline, AFiniteGradientWhoseNormOverflowsIsClippedToZeroAsTorchDoes) {
+  const at::Tensor a = torch::tensor({-4.4e35f, 0.1f}), b = torch::tensor({0.5f, -0.25f, 2.0f});
+  std::vector<at::Tensor> theirs = {a.clone().requires_grad_(), b.clone().requires_grad_()};
+  for (at::Tensor& t : theirs) t.mutable_grad() = t.detach().clone();
+  const double torch_total = torch::nn::utils::clip_grad_norm_(theirs, 1.0);
+  EXPECT_TRUE(std::isinf(torch_total));
+  for (ClipMode mode : {ClipMode::kGlobal, ClipMode::kPerTensor, ClipMode::kAdaptive}) {
+    std::vector<NamedTensor> grads = {{"a", a.clone(), TensorKind::kGradient}, {"b", b.clone(), TensorKind::kGradient}};
+    std::vector<at::Tensor> norms = {grads[0].tensor.norm(), grads[1].tensor.norm()};
+    const double total = at::stack(norms).norm().item<double>();
+    ASSERT_TRUE(std::isinf(total));
+    ClipOptions o;
+    o.mode = mode;
+    GradClipper clipper(o);
+    const ClipResult r = clipper.clip(grads, norms, total, 1, false);
+    EXPECT_TRUE(torch::equal(grads[0].tensor, theirs[0].grad())) << to_string(mode) << grads[0].tensor;
+    if (mode != ClipMode::kPerTensor) {  // per tensor, b's own norm is under max_norm
+      EXPECT_TRUE(torch::equal(grads[1].tensor, theirs[1].grad())) << to_string(mode) << grads[1].tensor;
+      EXPECT_EQ(r.coef, 0.0) << to_string(mode);
+    }
+    EXPECT_TRUE(std::isfinite(r.clipped_norm)) << to_string(mode);
+  }
+  // Control: an Inf element is not an overflow of finite values; it is left for the defenses
+  // that handle non-finite gradients.
+  std::vector<NamedTensor> inf = {{"a", torch::tensor({INFINITY, 0.1f}), TensorKind::kGradient}};
+  std::vector<at::Tensor> inf_norms = {inf[0].tensor.norm()};
+  ClipOptions o;
+  o.mode = ClipMode::kGlobal;
+  GradClipper clipper(o);
+  const ClipResult r = clipper.clip(inf, inf_norms, INFINITY, 1, false);
+  EXPECT_TRUE(std::isnan(r.coef));
+  EXPECT_TRUE(std::isinf(inf[0].tensor[0].item<float>()));
+}
+
 TEST(Pipeline, ANonFiniteNormIsNeverClippedAndErrorIfNonfiniteRaises) {
   ClipOptions o;
   o.mode = ClipMode::kGlobal;

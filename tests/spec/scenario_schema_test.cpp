@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <functional>
 #include <string>
 
 namespace retrace {
@@ -96,6 +97,44 @@ TEST(Schema, BooleansAndNumbersAreTheCoreSchemasAndExpectingBreakageNeedsDiverge
   EXPECT_EQ(ok.expect.params_finite, false);
   EXPECT_EQ(ok.expect.final_loss_below, 3.5);
   EXPECT_EQ(ok.expect.replay_bitwise, false);
+}
+
+// A setting nothing reads is a mistake, refused by name, not a silent default: momentum under Adam,
+// a clip setting its mode never uses, a LayerNorm guard on a model without LayerNorm. Controls:
+// the same settings where they act parse, and the canonical YAML (every key at its default)
+// round-trips.
+TEST(Schema, SettingsNothingReadsAreRefused) {
+  auto gpt = [](const std::string& training, const std::string& extra) {
+    std::string t(kGpt);
+    t.replace(t.find("optimizer: adamw"), 16, training);
+    return parse_scenario_text(t + extra, "s.yaml");
+  };
+  auto refusal = [](const std::function<void()>& parse) -> std::string {
+    try {
+      parse();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_NE(refusal([&] {
+              gpt("optimizer: adamw, momentum: 0.9", "");
+            }).find("key 'training.momentum': is SGD's, but training.optimizer is adamw"),
+            std::string::npos);
+  EXPECT_EQ(gpt("optimizer: sgd, momentum: 0.9", "").training.momentum, 0.9);
+  expect_error("defenses: {clip: {mode: off, error_if_nonfinite: true}}\n",
+               "key 'defenses.clip.error_if_nonfinite': does nothing with clip mode off");
+  expect_error("defenses: {clip: {mode: off, max_norm: 5}}\n", "key 'defenses.clip.max_norm': does nothing with clip");
+  expect_error("defenses: {clip: {mode: global, window: 5}}\n",
+               "key 'defenses.clip.window': is adaptive clipping's, but clip mode is global");
+  EXPECT_EQ(with("defenses: {clip: {mode: adaptive, window: 5, multiplier: 3}}\n").defenses.clip.window, 5);
+  EXPECT_NE(refusal([] {
+              parse_scenario_text("model: {type: lstm, layers: 2}\ndefenses: {layernorm_fp32: true}\n", "l.yaml");
+            }).find("l.yaml:2: key 'defenses.layernorm_fp32': guards LayerNorm, but a lstm model has none"),
+            std::string::npos);
+  EXPECT_TRUE(with("defenses: {layernorm_fp32: true, layernorm_min_eps: 1.0e-5}\n").defenses.layernorm_fp32);
+  const ScenarioSpec every = with("");
+  EXPECT_EQ(to_yaml(parse_scenario_text(to_yaml(every), "again")), to_yaml(every));
 }
 
 TEST(Schema, KeysAndSegmentsThatCannotWorkAreErrors) {
