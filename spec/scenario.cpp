@@ -631,7 +631,7 @@ ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
     if (m.type != "tiny_gpt" && (s.defenses.layernorm_fp32 || s.defenses.layernorm_min_eps > 0)) {
       const char* key = s.defenses.layernorm_fp32 ? "layernorm_fp32" : "layernorm_min_eps";
       p.fail(d[key], std::string("defenses.") + key,
-             "guards LayerNorm, but a " + m.type + " model has none (tiny_gpt has); drop it");
+             "guards LayerNorm, but model type " + m.type + " has none (tiny_gpt has); drop it");
     }
   }
   if (s.training.clip_grad_norm > 0 && s.defenses.clip.mode == ClipMode::kOff) {  // the shorthand

@@ -130,7 +130,7 @@ TEST(Schema, SettingsNothingReadsAreRefused) {
   EXPECT_EQ(with("defenses: {clip: {mode: adaptive, window: 5, multiplier: 3}}\n").defenses.clip.window, 5);
   EXPECT_NE(refusal([] {
               parse_scenario_text("model: {type: lstm, layers: 2}\ndefenses: {layernorm_fp32: true}\n", "l.yaml");
-            }).find("l.yaml:2: key 'defenses.layernorm_fp32': guards LayerNorm, but a lstm model has none"),
+            }).find("l.yaml:2: key 'defenses.layernorm_fp32': guards LayerNorm, but model type lstm has none"),
             std::string::npos);
   EXPECT_TRUE(with("defenses: {layernorm_fp32: true, layernorm_min_eps: 1.0e-5}\n").defenses.layernorm_fp32);
   const ScenarioSpec every = with("");
