@@ -18,6 +18,7 @@
 #include <fstream>
 #include <sstream>
 #include <iostream>
+#include <sys/stat.h>
 
 namespace retrace {
 
@@ -30,6 +31,21 @@ std::string g_binary_name = "retrace";
 void check_threads_flag(int threads) {
   if (threads < 1 || threads > kMaxThreads)
     throw Error("--threads must be 1 to " + std::to_string(kMaxThreads) + ", got " + std::to_string(threads));
+}
+
+void refuse_output_path(const std::string& output, const char* flag,
+                        const std::vector<std::pair<std::string, std::string>>& inputs) {
+  struct stat out {};
+  if (output.empty() || output == "-" || ::stat(output.c_str(), &out) != 0) return;  // not there yet: nothing to lose
+  if (S_ISDIR(out.st_mode)) throw Error(std::string(flag) + " '" + output + "' is a folder; name a file in it");
+  for (const auto& [path, what] : inputs) {
+    struct stat in {};
+    if (!path.empty() && ::stat(path.c_str(), &in) == 0 && in.st_dev == out.st_dev && in.st_ino == out.st_ino) {
+      throw Error(std::string(flag) + " '" + output + "' is " + what +
+                  " itself; writing it would overwrite it: "
+                  "choose another path");
+    }
+  }
 }
 
 void write_file(const std::string& path, std::string_view bytes, const std::string& what) {

@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace retrace::cli {
@@ -32,6 +33,12 @@ void write_output(const std::string& path, std::string_view text, const std::str
 // them); throws retrace::Error naming the flag otherwise.
 inline constexpr int kMaxThreads = 1024;
 void check_threads_flag(int threads);
+
+// An output path that would destroy an input or cannot be a file: throws retrace::Error naming
+// the flag when `output` is a folder, or the same file as one of `inputs` (what each is, e.g.
+// "the scenario file"), which writing it would overwrite.
+void refuse_output_path(const std::string& output, const char* flag,
+                        const std::vector<std::pair<std::string, std::string>>& inputs);
 
 int run_demo(const std::vector<std::string>& args);
 int run_record(const std::vector<std::string>& args);

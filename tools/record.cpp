@@ -153,6 +153,7 @@ int run_record(const std::vector<std::string>& args) {
   if (!parsed) return 0;
   const po::variables_map& vm = *parsed;
   if (output.empty()) throw Error("missing -o TRACE: where to write the trace");
+  refuse_output_path(output, "-o", {{scenario, "the scenario file"}, {config_path, "the --config file"}});
   if (vm.count("steps") && steps < 1) throw Error("--steps must be at least 1, got " + std::to_string(steps));
   if (every < 0 || ring < 0) throw Error("--every and --ring must not be negative");
   if (ring_every < 1)

@@ -117,6 +117,10 @@ int run_replay(const std::vector<std::string>& args) {
   if (!parsed) return 0;
   const po::variables_map& vm = *parsed;
   if (paths.empty()) throw Error("missing TRACE: the trace to replay");
+  std::vector<std::pair<std::string, std::string>> traces;
+  for (const std::string& t : paths) traces.push_back({t, "the trace"});
+  refuse_output_path(json_path, "--json", traces);
+  refuse_output_path(report_path, "--report", traces);
   if (vm.count("threads")) check_threads_flag(threads);
   ReplayOptions options;
   if (vm.count("step")) options.step = step;

@@ -196,6 +196,12 @@ case_ "params_finite: false without diverges" 2 -- run "$dir/falsefinite.yaml"
 case_ "momentum under Adam" 2 -- run "$dir/adammomentum.yaml"
 case_ "a clip setting with clip mode off" 2 -- run "$dir/clipoff.yaml"
 case_ "a LayerNorm guard on an LSTM" 2 -- run "$dir/lstmln.yaml"
+# A valid scenario and its trace: without the refusals these would record and replay (exit 0).
+w own.yaml "$m\ntraining: {steps: 1}\n"
+"$retrace" record "$dir/own.yaml" -o "$dir/own.trace" >/dev/null 2>&1
+case_ "record -o onto its own scenario file" 2 -- record "$dir/own.yaml" -o "$dir/own.yaml"
+case_ "record -o a folder" 2 -- record "$dir/own.yaml" -o "$dir/emptydir"
+case_ "replay --json onto the trace" 2 -- replay "$dir/own.trace" --json "$dir/own.trace"
 case_ "--json into a folder that does not exist" 2 -- run builtin:bf16-clean --json "$dir/no/such/r.json"
 case_ "--junit into a folder that does not exist" 2 -- run builtin:bf16-clean --junit "$dir/no/such/r.xml"
 case_ "selective recompute with segments" 2 -- run "$dir/selseg.yaml"
