@@ -896,6 +896,36 @@ void settle_counterfactual(CheckKind kind, std::string expected, std::string obs
   if (no_breakage_left) r.broke = false;
 }
 
+// `breakage` dated against a run without the fault: each entry that counts and whose kind that run
+// shows too, at or before its step, counts no longer (without_fault_step says where). Returns the
+// first entry left counting, and the first that stopped with the entry like it. A control's
+// fault-free run is judged as a control, so its raise matches only where it counts there.
+struct Dated {
+  const Breakage* kept = nullptr;
+  const Breakage* anyway = nullptr;
+  const Breakage* anyway_there = nullptr;
+};
+Dated date_against(std::vector<Breakage>& breakage, const std::vector<Breakage>& without, bool raise_must_count) {
+  Dated d;
+  for (Breakage& x : breakage) {
+    if (!x.counts) continue;
+    const auto same = std::find_if(without.begin(), without.end(), [&](const Breakage& y) {
+      return y.kind == x.kind && y.step <= x.step && (!raise_must_count || y.kind != BreakKind::kRaised || y.counts);
+    });
+    if (same == without.end()) {
+      if (!d.kept) d.kept = &x;
+      continue;
+    }
+    x.counts = false;
+    x.without_fault_step = std::max<std::int64_t>(same->step, 1);  // 0 says "did not" (non-finite from the start: 0)
+    if (!d.anyway) {
+      d.anyway = &x;
+      d.anyway_there = &*same;
+    }
+  }
+  return d;
+}
+
 // A negative control's breakage against the same run without its injections: breakage of a kind
 // that run shows too, at or before the same step, is the configuration's, and does not count.
 void weigh_fault_free(const CounterfactualPlan& plan, const ScenarioResult& c, ScenarioResult& r) {
@@ -906,25 +936,7 @@ void weigh_fault_free(const CounterfactualPlan& plan, const ScenarioResult& c, S
     settle_counterfactual(CheckKind::kFaultCaused, expected, "could not tell: " + c.error, false, r, false);
     return;
   }
-  const Breakage* kept = nullptr;    // the first breakage that still counts
-  const Breakage* anyway = nullptr;  // the first that does not, and the fault-free run's like it
-  const Breakage* anyway_there = nullptr;
-  for (Breakage& x : r.breakage) {
-    if (!x.counts) continue;
-    const auto same = std::find_if(c.breakage.begin(), c.breakage.end(), [&](const Breakage& y) {
-      return y.kind == x.kind && y.step <= x.step && (y.kind != BreakKind::kRaised || y.counts);
-    });
-    if (same == c.breakage.end()) {
-      if (!kept) kept = &x;
-      continue;
-    }
-    x.counts = false;
-    x.without_fault_step = std::max<std::int64_t>(same->step, 1);  // 0 says "did not" (non-finite from the start: 0)
-    if (!anyway) {
-      anyway = &x;
-      anyway_there = &*same;
-    }
-  }
+  const auto [kept, anyway, anyway_there] = date_against(r.breakage, c.breakage, /*raise_must_count=*/true);
   const std::string ran = "steps " + std::to_string(plan.first_step) + ".." + std::to_string(c.last_step);
   std::string observed;
   if (kept) {
@@ -952,14 +964,18 @@ std::int64_t last_step_to_date(const std::vector<Breakage>& breakage, bool count
   return until;
 }
 
+// fault_bites' expectation, as the undefended and the bare run state it.
+std::string bites_expected(const ScenarioSpec& spec) {
+  return "the run without its defenses (" + defense_label(spec) + ") breaks, and not without the fault";
+}
+
 // A run that held, against the same run without its defenses: a fault that does not break that
 // run either gave the defenses nothing to hold. When it breaks, the run with neither the fault nor
 // the defenses (kBare) comes next: breakage that run shows as early is the configuration's.
 CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const CounterfactualPlan& plan, const ScenarioResult& c,
                                     ScenarioResult& r) {
   r.counterfactual = summary_of(CounterfactualKind::kUndefended, c);
-  const std::string expected =
-      "the run without its defenses (" + defense_label(spec) + ") breaks, and not without the fault";
+  const std::string expected = bites_expected(spec);
   std::string observed;
   if (c.harness_error) {
     observed = "could not tell: " + c.error;
@@ -991,22 +1007,9 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
 // hold it, but not against this fault). The undefended run broke by the fault when some is left.
 void weigh_bare(const ScenarioSpec& spec, const ScenarioResult& c0, ScenarioResult& r) {
   Counterfactual& cf = r.counterfactual;
-  const std::string expected =
-      "the run without its defenses (" + defense_label(spec) + ") breaks, and not without the fault";
-  const Breakage* kept = nullptr;
-  const Breakage* anyway = nullptr;
-  const Breakage* anyway_there = nullptr;
-  for (Breakage& x : cf.breakage) {
-    const auto same = std::find_if(c0.breakage.begin(), c0.breakage.end(),
-                                   [&](const Breakage& y) { return y.kind == x.kind && y.step <= x.step; });
-    x.counts = same == c0.breakage.end();
-    x.without_fault_step = x.counts ? 0 : std::max<std::int64_t>(same->step, 1);
-    if (x.counts && !kept) kept = &x;
-    if (!x.counts && !anyway) {
-      anyway = &x;
-      anyway_there = &*same;
-    }
-  }
+  const std::string expected = bites_expected(spec);
+  for (Breakage& x : cf.breakage) x.counts = true;  // any of the undefended run's, before the fault too
+  const auto [kept, anyway, anyway_there] = date_against(cf.breakage, c0.breakage, /*raise_must_count=*/false);
   cf.broke = kept != nullptr;
   std::string observed;
   if (c0.harness_error) {
