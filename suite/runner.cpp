@@ -285,10 +285,12 @@ void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
                              std::any_of(r.checks.begin(), r.checks.end(), [](const ExpectationCheck& c) {
                                return c.kind == CheckKind::kRaises && !c.passed;
                              });
-    r.broke = (r.raised && !raise_expected && !r.harness_error) || wrong_raise || !r.params_finite ||
-              std::any_of(r.checks.begin(), r.checks.end(), [](const ExpectationCheck& c) {
-                return !c.passed && role_of(c.kind) == CheckRole::kBreakage;
-              });
+    // A harness error never got to its fault: what its checks of what breaks say (loss_finite: no
+    // applied step) is no breakage, and its outcome is "not exercised".
+    r.broke = !r.harness_error && ((r.raised && !raise_expected) || wrong_raise || !r.params_finite ||
+                                   std::any_of(r.checks.begin(), r.checks.end(), [](const ExpectationCheck& c) {
+                                     return !c.passed && role_of(c.kind) == CheckRole::kBreakage;
+                                   }));
     if (r.raised && !raise_expected && !r.harness_error)
       reason("raised at step " + std::to_string(r.raised_at_step) + ": " + r.error);
     if (!r.params_finite && !e.params_finite) reason("non-finite parameters at the end");
@@ -896,10 +898,12 @@ void settle_counterfactual(CheckKind kind, std::string expected, std::string obs
   if (no_breakage_left) r.broke = false;
 }
 
-// `breakage` dated against a run without the fault: each entry that counts and whose kind that run
-// shows too, at or before its step, counts no longer (without_fault_step says where). Returns the
-// first entry left counting, and the first that stopped with the entry like it. A control's
-// fault-free run is judged as a control, so its raise matches only where it counts there.
+// `breakage` dated against a run without the fault, over the whole window: each entry that counts
+// and whose kind that run shows too, at any step, counts no longer (without_fault_step says where):
+// a fault that only brings forward what the configuration does within the run anyway is not shown
+// to break it. Returns the first entry left counting, and the first that stopped with the entry
+// like it. A control's fault-free run is judged as a control, so its raise matches only where it
+// counts there.
 struct Dated {
   const Breakage* kept = nullptr;
   const Breakage* anyway = nullptr;
@@ -910,7 +914,7 @@ Dated date_against(std::vector<Breakage>& breakage, const std::vector<Breakage>&
   for (Breakage& x : breakage) {
     if (!x.counts) continue;
     const auto same = std::find_if(without.begin(), without.end(), [&](const Breakage& y) {
-      return y.kind == x.kind && y.step <= x.step && (!raise_must_count || y.kind != BreakKind::kRaised || y.counts);
+      return y.kind == x.kind && (!raise_must_count || y.kind != BreakKind::kRaised || y.counts);
     });
     if (same == without.end()) {
       if (!d.kept) d.kept = &x;
@@ -926,12 +930,20 @@ Dated date_against(std::vector<Breakage>& breakage, const std::vector<Breakage>&
   return d;
 }
 
+// ", N step(s) later" where the run without the fault showed the breakage later than the run with
+// it (the fault brought forward what the configuration does within the run anyway); else "".
+std::string later(const Breakage& with, const Breakage& without) {
+  if (without.step <= with.step) return "";
+  return ", " + std::to_string(without.step - with.step) + (without.step - with.step == 1 ? " step" : " steps") +
+         " later";
+}
+
 // A negative control's breakage against the same run without its injections: breakage of a kind
-// that run shows too, at or before the same step, is the configuration's, and does not count.
+// that run shows too, anywhere in the window, is the configuration's, and does not count.
 void weigh_fault_free(const CounterfactualPlan& plan, const ScenarioResult& c, ScenarioResult& r) {
   r.counterfactual = summary_of(CounterfactualKind::kFaultFree, c);
   r.counterfactual.broke = !c.harness_error && !c.breakage.empty();
-  const std::string expected = "the run without its injections does not break so by the same step";
+  const std::string expected = "the run without its injections does not break so within the run";
   if (c.harness_error) {  // it never got to show anything: the breakage's cause is not known
     settle_counterfactual(CheckKind::kFaultCaused, expected, "could not tell: " + c.error, false, r, false);
     return;
@@ -940,28 +952,18 @@ void weigh_fault_free(const CounterfactualPlan& plan, const ScenarioResult& c, S
   const std::string ran = "steps " + std::to_string(plan.first_step) + ".." + std::to_string(c.last_step);
   std::string observed;
   if (kept) {
-    observed = anyway ? "it broke too, but not so: " + anyway->detail + " without the fault as well, from step " +
-                            std::to_string(anyway->without_fault_step) + "; " + kept->detail + " only with it"
+    observed = anyway ? "it broke too, but not so: " + anyway->detail + " without the fault as well" +
+                            later(*anyway, *anyway_there) + "; " + kept->detail + " only with it"
                       : "it did not break (" + ran + ")";
   } else if (anyway) {
-    observed = "it broke too: " + anyway_there->detail + " (with the fault: " + anyway->detail +
-               "); the configuration breaks it, not the fault";
+    const std::string sooner = later(*anyway, *anyway_there);
+    observed = "it broke too" + sooner + ": " + anyway_there->detail + " (with the fault: " + anyway->detail +
+               (sooner.empty() ? "); the configuration breaks it, not the fault"
+                               : "); the configuration breaks it within the run, the fault only brought that forward");
   } else {
     observed = "nothing of the run's counted to weigh";  // planned only for a control that broke
   }
   settle_counterfactual(CheckKind::kFaultCaused, expected, observed, kept != nullptr, r, anyway != nullptr);
-}
-
-// The last step a comparison run needs to date `breakage` (0: the whole window, for a final loss
-// or the progress rule).
-std::int64_t last_step_to_date(const std::vector<Breakage>& breakage, bool counting_only, std::int64_t window_last) {
-  std::int64_t until = 0;
-  for (const Breakage& x : breakage) {
-    if (counting_only && !x.counts) continue;
-    if (x.kind == BreakKind::kFinalLoss || x.kind == BreakKind::kNoProgress) return window_last;
-    until = std::max(until, x.step);
-  }
-  return until;
 }
 
 // fault_bites' expectation, as the undefended and the bare run state it.
@@ -971,7 +973,7 @@ std::string bites_expected(const ScenarioSpec& spec) {
 
 // A run that held, against the same run without its defenses: a fault that does not break that
 // run either gave the defenses nothing to hold. When it breaks, the run with neither the fault nor
-// the defenses (kBare) comes next: breakage that run shows as early is the configuration's.
+// the defenses (kBare) comes next: breakage that run shows within the window is the configuration's.
 CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const CounterfactualPlan& plan, const ScenarioResult& c,
                                     ScenarioResult& r) {
   r.counterfactual = summary_of(CounterfactualKind::kUndefended, c);
@@ -993,9 +995,8 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
     settle_counterfactual(CheckKind::kFaultBites, expected, "broke: " + c.breakage.front().detail, true, r, false);
     return {};
   } else {
-    CounterfactualPlan next = plan;
+    CounterfactualPlan next = plan;  // the whole window: breakage later than the fault's counts too
     next.kind = CounterfactualKind::kBare;
-    next.last_step = last_step_to_date(c.breakage, false, plan.last_step);
     return next;
   }
   settle_counterfactual(CheckKind::kFaultBites, expected, observed, false, r, false);
@@ -1017,9 +1018,9 @@ void weigh_bare(const ScenarioSpec& spec, const ScenarioResult& c0, ScenarioResu
     observed = "could not tell: the run with neither the fault nor the defenses: " + c0.error;
   } else if (kept) {
     observed = "broke: " + kept->detail;
-    if (anyway) observed += " (" + anyway->detail + " without the fault as well)";
+    if (anyway) observed += " (" + anyway_there->detail + " without the fault as well)";
   } else {
-    observed = "broke, but so does it without the fault: " + anyway_there->detail +
+    observed = "broke, but so does it without the fault" + later(*anyway, *anyway_there) + ": " + anyway_there->detail +
                " (with the fault: " + anyway->detail +
                "); the defenses hold the configuration, and this fault's own bite is not shown";
   }
@@ -1042,10 +1043,7 @@ CounterfactualPlan plan_counterfactual(const ScenarioSpec& spec, const RunOption
     return plan;
   }
   plan.kind = control ? CounterfactualKind::kFaultFree : CounterfactualKind::kUndefended;
-  plan.last_step = options.last_step;
-  // Breakage dated by its step needs the fault-free run only that far; the final loss and the
-  // progress rule look at the whole run.
-  if (control) plan.last_step = last_step_to_date(r.breakage, true, options.last_step);
+  plan.last_step = options.last_step;  // the whole window: breakage the configuration shows later counts too
   return plan;
 }
 

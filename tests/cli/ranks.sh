@@ -222,7 +222,7 @@ expect: {params_finite: true, diverges: true}"
   sed -i 's/optimizer: adamw, lr: 0.003/optimizer: sgd, lr: 1.0e12/' "$work/config.yaml"
   got=$(outcome config)
   [[ $got == "broke without the fault fault_free fault_caused=False" ]] || fail "config: $got, $(cat "$work/config.out")"
-  grep -q "fault_caused: expected the run without its injections does not break so by the same step, got it broke too: parameters non-finite from step 2 on" \
+  grep -q "fault_caused: expected the run without its injections does not break so within the run, got it broke too: parameters non-finite from step 2 on" \
     "$work/config.out" || fail "config: $(cat "$work/config.out")"
   # Control: the NaN without its defense breaks what the fault-free ranks do not.
   scenario nanoff "injections: [{type: grad_nonfinite, step: 2, mode: nan, rank: 1}]

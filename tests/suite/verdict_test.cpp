@@ -123,12 +123,17 @@ TEST(Verdict, ARaiseBeforeTheFaultIsAHarnessErrorNeverAPass) {
       "model: {type: tiny_gpt, layers: 2, d_model: 16, heads: 2, vocab: 32, seq_len: 8, init_gain: 1.0e6}\n"
       "training: {steps: 4, segments: 2, precision: fp16}\n"
       "defenses: {clip: {mode: global, error_if_nonfinite: true}}\n";
-  for (const char* expect : {"expect: {raises: true, diverges: true}\n", "expect: {raises: true}\n"}) {
+  // Its outcome is "not exercised" whatever the scenario expects: the run never got to its fault,
+  // so the checks of what breaks that failed with it (loss_finite: no applied step) are no breakage.
+  for (const char* expect : {"expect: {raises: true, diverges: true}\n", "expect: {raises: true}\n",
+                             "expect: {loss_finite: true}\n", "expect: {loss_finite: true, diverges: true}\n"}) {
     const ScenarioResult r = run_scenario(
         parse_scenario_text(run + "injections: [{type: grad_nonfinite, step: 3}]\n" + expect, "early.yaml"));
     EXPECT_TRUE(r.harness_error) << why(r);
     EXPECT_FALSE(r.passed) << why(r);
     EXPECT_TRUE(has_reason(r, "harness error: step 1 raised before the fault at step 3")) << why(r);
+    EXPECT_EQ(r.outcome(), "not exercised") << expect << why(r);
+    EXPECT_EQ(ScenarioResult::from_json(r.to_json()).outcome(), "not exercised") << expect;
   }
   // Control: the fault at step 1 -- the raise is now at the fault's step, no harness error, and
   // the raise counts as the run's. What the verdict then says is that the configuration breaks at
@@ -188,8 +193,8 @@ TEST(Verdict, AControlWhoseConfigurationBreaksItAnywayDoesNotPass) {
   EXPECT_EQ(r.breakage[0].kind, BreakKind::kFinalLoss);
   EXPECT_FALSE(r.breakage[0].counts);
   EXPECT_EQ(r.breakage[0].without_fault_step, 4);
-  EXPECT_TRUE(has_reason(r, "fault_caused: expected the run without its injections does not break so by the same "
-                            "step, got it broke too: final loss"))
+  EXPECT_TRUE(has_reason(r, "fault_caused: expected the run without its injections does not break so within the "
+                            "run, got it broke too: final loss"))
       << why(r);
   EXPECT_TRUE(has_reason(r, "the configuration breaks it, not the fault")) << why(r);
   EXPECT_FALSE(has_reason(r, "negative control held")) << why(r);
@@ -212,20 +217,73 @@ TEST(Verdict, AControlWhoseConfigurationBreaksItAnywayDoesNotPass) {
   EXPECT_NE(caused->observed.find("only with it"), std::string::npos) << caused->observed;
 }
 
-// A control that breaks at its fault's step, where the fault-free run does not: the fault-free
-// run needs to go only that far (the breakage is dated by its step).
-TEST(Verdict, AControlsFaultFreeRunStopsAtItsBreakage) {
-  std::string six(kGpt);
-  six.replace(six.find("steps: 4"), 8, "steps: 6");
-  const ScenarioResult r = run_scenario(parse_scenario_text(
-      six + "injections: [{type: grad_nonfinite, step: 2}]\nexpect: {params_finite: true, diverges: true}\n",
-      "six.yaml"));
-  ASSERT_EQ(r.last_step, 6);
-  EXPECT_TRUE(r.passed) << why(r);
+// A control whose fault only brings forward what its configuration does within the run anyway
+// proves nothing about its fault: SGD at LR 50 leaves the tiny GPT's parameters non-finite from
+// step 6 on by itself, and a NaN gradient at step 5 breaks it one step sooner. So the fault-free run
+// covers the whole window, not only the steps up to the breakage. Control: the same run in five
+// steps, which end before the configuration breaks, passes.
+constexpr const char* kSgd50 = R"(
+name: t
+model: {type: tiny_gpt, layers: 2, d_model: 16, heads: 2, vocab: 32, seq_len: 8, dropout: 0.1}
+data: {batch: 4}
+training: {steps: STEPS, optimizer: sgd, lr: 50, segments: 2}
+)";
+
+ScenarioSpec sgd50(int steps, const std::string& extra) {
+  std::string text(kSgd50);
+  text.replace(text.find("STEPS"), 5, std::to_string(steps));
+  return parse_scenario_text(text + extra, "sgd50.yaml");
+}
+
+TEST(Verdict, AControlWhoseFaultOnlyBringsTheBreakageForwardDoesNotPass) {
+  const std::string nan =
+      "injections: [{type: grad_nonfinite, step: 5}]\nexpect: {params_finite: true, diverges: true}\n";
+  ScenarioResult r = run_scenario(sgd50(8, nan));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome_kind(), Outcome::kBrokeWithoutFault) << why(r);
   EXPECT_EQ(r.counterfactual.kind, CounterfactualKind::kFaultFree);
-  EXPECT_EQ(r.counterfactual.last_step, 2);
+  EXPECT_EQ(r.counterfactual.last_step, 8);  // the whole window
+  ASSERT_FALSE(r.breakage.empty());
+  EXPECT_EQ(r.breakage.front().step, 5);
+  EXPECT_FALSE(r.breakage.front().counts);
+  EXPECT_EQ(r.breakage.front().without_fault_step, 6);
+  EXPECT_TRUE(has_reason(r, "got it broke too, 1 step later: parameters non-finite from step 6 on (with the fault: "
+                            "parameters non-finite from step 5 on); the configuration breaks it within the run, the "
+                            "fault only brought that forward"))
+      << why(r);
+
+  r = run_scenario(sgd50(5, nan));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "broke");
+  EXPECT_EQ(r.counterfactual.last_step, 5);
   EXPECT_TRUE(r.counterfactual.params_finite);
   EXPECT_TRUE(r.counterfactual.breakage.empty());
+}
+
+// The same for a run that held: clipping and skip_nonfinite hold SGD at LR 20 and a NaN gradient at
+// step 5, but without them the run breaks at step 8 by itself -- within an eight-step window the
+// fault's own bite is not shown (not exercised); within seven steps it is (held).
+TEST(Verdict, AHeldScenarioWhoseFaultOnlyBringsTheUndefendedBreakageForwardIsNotExercised) {
+  auto spec = [](int steps) {
+    ScenarioSpec s = sgd50(steps, "defenses: {skip_nonfinite: true, clip: {mode: global, max_norm: 1}}\n"
+                                  "injections: [{type: grad_nonfinite, step: 5}]\nexpect: {params_finite: true}\n");
+    s.training.lr = 20;
+    return s;
+  };
+  ScenarioResult r = run_scenario(spec(8));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome_kind(), Outcome::kNotExercised) << why(r);
+  EXPECT_FALSE(r.counterfactual.broke);
+  ASSERT_FALSE(r.counterfactual.breakage.empty());
+  EXPECT_EQ(r.counterfactual.breakage.front().without_fault_step, 8);
+  EXPECT_TRUE(has_reason(r, "got broke, but so does it without the fault, 3 steps later: parameters non-finite from "
+                            "step 8 on (with the fault: parameters non-finite from step 5 on)"))
+      << why(r);
+
+  r = run_scenario(spec(7));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "held");
+  EXPECT_TRUE(r.counterfactual.broke);
 }
 
 // "held" needs a fault that bites: a low mantissa flip that the undefended run shrugs off gave

@@ -66,7 +66,7 @@ enum class CheckRole {
               // (the fault does not break the run without the defenses either: Counterfactual)
   kOther,     // describes the run: max_skipped_steps, replay_bitwise
   kCause,     // a control's breakage was not its fault's: fault_caused (the run without its
-              // injections breaks as early: outcome "broke without the fault"; Counterfactual)
+              // injections breaks within the window: outcome "broke without the fault"; Counterfactual)
 };
 CheckRole role_of(CheckKind kind);
 
@@ -99,9 +99,11 @@ struct Breakage {
   std::int64_t step = 0;
   std::string detail;   // "parameters non-finite from step 5 on", "step 3 raised: ..."
   bool counts = false;  // at or after the fault step, of a kind the scenario's verdict accepts, and
-                        // (a control's) not shown as early by the run without its injections
+                        // (a control's) not shown anywhere in the window by the run without its
+                        // injections
   // A control's: the step at which the run without its injections showed the same kind of
-  // breakage, when that was at or before this one (then it does not count); 0: it did not.
+  // breakage, anywhere in the window (then it does not count: a fault that only brings it forward
+  // did not cause it); 0: it did not.
   std::int64_t without_fault_step = 0;
 };
 
@@ -132,7 +134,7 @@ enum class Outcome {
                        // or a harness error (the run never got to its fault); also a run that held
                        // where its fault does not break the run without its defenses either
   kBrokeWithoutFault,  // a negative control whose breakage the run without its injections shows
-                       // too, as early: the configuration broke it, not the fault
+                       // too, within the window: the configuration broke it, not the fault
 };
 const char* to_string(Outcome o);  // "held", "broke", "broke early", "not exercised", "broke without the fault"
 
@@ -156,16 +158,15 @@ const char* to_string(CounterfactualKind kind);  // "none", "fault_free", "undef
 struct Counterfactual {
   CounterfactualKind kind = CounterfactualKind::kNone;
   std::string why_not;         // kNone: why it was not run ("" when the rules ask for none)
-  std::int64_t last_step = 0;  // the last step it reached: it stops once it has shown what it
-                               // was run for (a control's breakage steps; undefended, the
-                               // first step from the fault's that leaves parameters non-finite)
+  std::int64_t last_step = 0;  // the last step it reached: the window's (undefended, it stops at
+                               // the first step from the fault's that leaves parameters non-finite)
   bool broke = false;          // fault_free: it broke at all; undefended: by the fault (some of
                                // its breakage the run with neither fault nor defenses does not show
-                               // as early: counts, without_fault_step 0)
+                               // within the window: counts, without_fault_step 0)
   bool params_finite = true;
   double final_loss = std::numeric_limits<double>::quiet_NaN();
   std::vector<Breakage> breakage;  // what broke in it (undefended: without_fault_step set where the
-                                   // run with neither fault nor defenses showed it too, as early)
+                                   // run with neither fault nor defenses showed it too, at any step)
 };
 
 // One entry of the scenario's injection list, and what became of it in the run.
@@ -317,8 +318,7 @@ void decide_verdict(const ExpectSpec& expect, ScenarioResult& r);
 // (each rank's own run_scenario leaves it to the launcher: why_not says so).
 struct CounterfactualPlan {
   CounterfactualKind kind = CounterfactualKind::kNone;  // kNone: none to run
-  std::int64_t first_step = 1, last_step = 0;           // its window (RunOptions'); a control's fault-free run
-                                                        // stops after the last breakage it is compared with
+  std::int64_t first_step = 1, last_step = 0;           // its window: the run's (RunOptions')
   std::int64_t fault_step = 1;                          // the run's: the fault-free run dates breakage by it
 };
 // Which counterfactual r's verdict needs: none when RunOptions::counterfactual is off, r is a
@@ -335,7 +335,7 @@ ScenarioSpec counterfactual_spec(const ScenarioSpec& spec, CounterfactualKind ki
 ScenarioResult run_counterfactual(const ScenarioSpec& spec, const CounterfactualPlan& plan,
                                   const RunOptions& options = {});
 // Weighs the counterfactual run `c` into r (whose verdict is decided): r.counterfactual, the
-// fault_caused or fault_bites check, a control's breakage that `c` shows as early no longer
+// fault_caused or fault_bites check, a control's breakage that `c` shows within the window no longer
 // counting, and the verdict as those change it. A `c` that could not run (harness error) fails
 // the check: the verdict is not earned. Returns the plan of the run still needed before the check
 // is decided (an undefended run that broke: the bare run, weighed in the same way), else kNone:
