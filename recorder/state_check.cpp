@@ -43,6 +43,32 @@ std::string name_list(const std::vector<std::string>& names) {
 
 }  // namespace
 
+// What `b` ended the step with otherwise than `a`, in a's state() order: "NAME" for a tensor whose
+// digest differs, "NAME (only in the A_NAME)" / "NAME (only in the B_NAME)", then "(loss)", "(grad
+// norm)", "(skipped)" for the outcome.
+std::vector<std::string> StateCheck::differences(const Copy& a, const Copy& b, const std::string& a_name,
+                                                 const std::string& b_name) {
+  std::vector<std::string> out;
+  std::map<std::string, Digest> other;
+  for (const Named& n : b.state_after) other.emplace(n.name, n.digest);
+  for (const Named& n : a.state_after) {
+    const auto it = other.find(n.name);
+    if (it == other.end()) {
+      out.push_back(n.name + " (only in the " + a_name + ")");
+      continue;
+    }
+    if (n.digest != it->second) out.push_back(n.name);
+    other.erase(it);
+  }
+  for (const Named& n : b.state_after) {
+    if (other.count(n.name)) out.push_back(n.name + " (only in the " + b_name + ")");
+  }
+  if (!same_number(a.outcome.loss, b.outcome.loss)) out.push_back("(loss)");
+  if (!same_number(a.outcome.grad_norm, b.outcome.grad_norm)) out.push_back("(grad norm)");
+  if (a.outcome.skipped != b.outcome.skipped) out.push_back("(skipped)");
+  return out;
+}
+
 StateCheck::StateCheck(Program& program, std::int64_t step, const std::vector<NamedTensor>& batch)
     : program_(program.name()), step_(step) {
   const std::vector<std::string> known = registered_programs();
@@ -50,10 +76,11 @@ StateCheck::StateCheck(Program& program, std::int64_t step, const std::vector<Na
     skipped_ = "program '" + program_ + "' is not registered (register_program), so it cannot be rebuilt by name";
     return;
   }
-  std::vector<NamedTensor> start = clone_all(program.state());
   const std::vector<NamedTensor> inputs = clone_all(batch);  // an injector may corrupt a batch in place
   const RngState rng = RngState::capture_all();
-  try {
+  // One copy's run of the step, from the live program's start state (the live step has not run
+  // yet, so its state() is still that) and the captured RNG state.
+  auto run_copy = [&](Copy& out) {
     std::unique_ptr<Program> copy;
     try {
       // Built as replay builds it (program_from_trace with BuildFor::kReplay): a program that
@@ -63,20 +90,24 @@ StateCheck::StateCheck(Program& program, std::int64_t step, const std::vector<Na
       copy = make_program(program_, program.config());
     } catch (const std::exception& e) {
       not_rebuilt_ = exception_message(e);
+      return false;
     }
-    if (copy) {
-      // Restored as replay restores it: into its own tensors where they fit, through adopt_state.
-      restore_as_replay_does(*copy, std::move(start));
-      rng.restore();  // construction may have drawn (random init, seeding)
-      try {
-        outcome_ = copy->step(step, inputs, nullptr);
-      } catch (const std::exception& e) {
-        raised_ = exception_message(e);
-      }
-      if (!raised_) {
-        for (const NamedTensor& n : copy->state()) state_after_.push_back({n.name, digest(n.tensor)});
-      }
+    // Restored as replay restores it: into its own tensors where they fit, through adopt_state.
+    restore_as_replay_does(*copy, clone_all(program.state()));
+    rng.restore();  // construction may have drawn (random init, seeding)
+    try {
+      out.outcome = copy->step(step, inputs, nullptr);
+    } catch (const std::exception& e) {
+      out.raised = exception_message(e);
+      return true;
     }
+    for (const NamedTensor& n : copy->state()) out.state_after.push_back({n.name, digest(n.tensor)});
+    return true;
+  };
+  try {
+    // Twice, one copy after the other (one copy's memory at a time): copies that disagree with each
+    // other show a step that is not deterministic, which no state() can make replayable.
+    if (run_copy(copy_)) run_copy(second_);
   } catch (...) {
     rng.restore();
     throw;
@@ -108,32 +139,39 @@ StateCheckResult StateCheck::finish(const StepOutcome& outcome, const std::vecto
                 "; replay rebuilds it the same way and would fail too";
     return r;
   }
-  if (raised_) {
-    r.message = at + " failed: " + copy + " raised where the live program did not: " + *raised_ +
+  // The step is not deterministic when the two copies, from the same start, end it differently.
+  if (second_.raised != copy_.raised || (!copy_.raised && !differences(copy_, second_, "first", "second").empty())) {
+    std::vector<std::string> apart;
+    if (second_.raised != copy_.raised) {
+      apart.push_back("one raised (" + copy_.raised.value_or(second_.raised.value_or("")) + "), the other did not");
+    } else {
+      apart = differences(copy_, second_, "first", "second");
+    }
+    r.differing = apart;
+    r.message = at + " failed: two copies of program '" + program_ +
+                "', each rebuilt from its name and config and loaded with the step's start state() and RNG state, "
+                "ended it differently from each other in " +
+                name_list(apart) +
+                ": the step is not deterministic, so no replay reproduces it bit for bit, whatever state() holds; "
+                "find what varies from run to run (a kernel without a deterministic implementation -- record "
+                "--deterministic turns deterministic algorithms on --, a generator drawn without a seed, a "
+                "thread, a clock), or turn the check off (RecorderOptions::state_check, retrace record "
+                "--no-state-check)";
+    return r;
+  }
+  if (copy_.raised) {
+    r.message = at + " failed: " + copy + " raised where the live program did not: " + *copy_.raised +
                 "; the program's state() is probably incomplete: it leaves out something the step depends on" + fix;
     return r;
   }
-  std::map<std::string, Digest> copied;
-  for (const Named& n : state_after_) copied.emplace(n.name, n.digest);
-  for (const NamedTensor& live : state_after) {
-    const auto it = copied.find(live.name);
-    if (it == copied.end()) {
-      r.differing.push_back(live.name + " (only in the live program)");
-      continue;
-    }
-    if (digest(live.tensor) != it->second) r.differing.push_back(live.name);
-    copied.erase(it);
-  }
-  for (const Named& n : state_after_) {
-    if (copied.count(n.name)) r.differing.push_back(n.name + " (only in the copy)");
-  }
-  if (!same_number(outcome.loss, outcome_.loss)) r.differing.push_back("(loss)");
-  if (!same_number(outcome.grad_norm, outcome_.grad_norm)) r.differing.push_back("(grad norm)");
-  if (outcome.skipped != outcome_.skipped) r.differing.push_back("(skipped)");
+  Copy live;
+  live.outcome = outcome;
+  for (const NamedTensor& n : state_after) live.state_after.push_back({n.name, digest(n.tensor)});
+  r.differing = differences(live, copy_, "live program", "copy");
   if (r.differing.empty()) {
     r.status = StateCheckResult::Status::kPassed;
     r.message = at + " passed: " + copy + " ended it bitwise equal (" + std::to_string(r.state_tensors) +
-                " state() tensors, loss, gradient norm)";
+                " state() tensors, loss, gradient norm), and so did a second one";
     return r;
   }
   const auto in_state =

@@ -78,6 +78,10 @@ struct ProbeContext : at::ObserverContext {
   std::string name;
   std::vector<at::Tensor> inputs;
   bool infinite_scalar = false;  // e.g. masked_fill(mask, -inf): infinities by design
+  // A cast of a wrapped number (a C++ or Python scalar, as `h * 1e5` wraps it): type promotion
+  // casts it to the common dtype for a kernel that reads the scalar itself, in its computation
+  // type. A constant past Half's range casts to an infinity no value of the run ever holds.
+  bool scalar_cast = false;
   // Inputs (tensor-list elements too) in a storage that holds an infinity by design, as they were
   // before the op, with the index of the op that made it (Probe::given).
   struct Handed {
@@ -130,9 +134,14 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (t_inside || g_probe == nullptr) return nullptr;
   auto ctx = std::make_unique<ProbeContext>();
   ctx->name = fn.name();
+  const std::string_view name = fn.name();
+  const bool cast = name == "aten::to" || name == "aten::_to_copy" || name == "aten::copy_";
   for (const c10::IValue& v : fn.inputs()) {
-    if (v.isTensor()) ctx->inputs.push_back(v.toTensor());
-    else if (v.isDouble() && !std::isfinite(v.toDouble())) ctx->infinite_scalar = true;
+    if (v.isTensor()) {
+      ctx->inputs.push_back(v.toTensor());
+      if (cast && v.toTensor().defined() && v.toTensor().unsafeGetTensorImpl()->is_wrapped_number())
+        ctx->scalar_cast = true;
+    } else if (v.isDouble() && !std::isfinite(v.toDouble())) ctx->infinite_scalar = true;
     else if (v.isScalar() && v.toScalar().isFloatingPoint() && !std::isfinite(v.toScalar().toDouble()))
       ctx->infinite_scalar = true;
   }
@@ -232,6 +241,8 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
       name == "aten::set_") {
     return;
   }
+  const auto* self = static_cast<ProbeContext*>(raw);
+  if (self && self->scalar_cast) return;  // a constant's cast for type promotion: no value of the run
   std::vector<at::Tensor> outputs;
   for (const c10::IValue& v : fn.outputs()) {
     if (v.isTensor()) outputs.push_back(v.toTensor());
@@ -244,7 +255,6 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
   // and so do out= variants (overload "out", "IntList_out", ...: sum into a given tensor, as
   // mean and mse_loss do inside), whose output is their `out` argument.
   const bool in_place = is_in_place(name) || is_out_variant(fn);
-  const auto* self = static_cast<ProbeContext*>(raw);
   auto aliases_input = [&](const at::Tensor& t) {
     if (in_place || !self || !t.has_storage()) return false;
     for (const at::Tensor& in : self->inputs) {

@@ -760,6 +760,9 @@ RunStart run_start(const TraceReader& trace, const std::map<std::int64_t, StepRe
   return {};
 }
 
+// The same loss: equal, or both NaN (a loss's NaN payload is not kept by the trace's JSON).
+bool same_double(double a, double b) { return a == b || (std::isnan(a) && std::isnan(b)); }
+
 // Re-executes step `s` from `begin` and compares it with its records. Returns whether the replay
 // goes on: not after the first divergence, a step that raised, or a non-finite step no defense
 // handled. `anchor_state`: for the step restored from its snapshot, the record that snapshot is
@@ -898,6 +901,21 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
                           ") tells them apart: it reproduces when state() is incomplete"
                     : std::string("the trace holds no snapshot of the run's first step to tell them apart "
                                   "(retrace record always stores one: this trace was edited or cut)"));
+    } else if (d.phase == "backward" && d.tensor.rfind("grad_output.", 0) == 0) {
+      // Everything compared before it matched, the forward of every segment so far included: the
+      // gradient handed to this segment's backward was made outside the segments, after its forward.
+      // The loss is compared after backward (the step's monitor sees it there), so it is not the
+      // first divergence even when it was computed differently: say whether it differs.
+      d.hint = "every segment event before it matched, so the gradient flowing into '" + d.segment +
+               "' was made outside the segments, by code that runs after its forward (the layers after it, the "
+               "loss function, the targets) and computed differently";
+      if (recs.end) {
+        const StepEndRecord end = StepEndRecord::decode(trace.read_table(*recs.end), trace.path());
+        if (!same_double(end.loss, outcome.loss)) {
+          d.hint += "; the step's loss differs too (recorded " + number_text(end.loss) + ", replayed " +
+                    number_text(outcome.loss) + ")";
+        }
+      }
     }
   }
   if (comparer.unrecorded) {
@@ -922,11 +940,14 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
   const bool handled = nonfinite && outcome.skipped && params_ok;
   // Provenance re-runs the step on this program; after a handled step the replay goes on, and a
   // second run of the step would move program state that state() does not hold (a rollback
-  // ring), so a handled step is only noted.
+  // ring), so a handled step is only noted -- unless it is the last step replayed, which nothing
+  // follows (the step a run that never recovered ended on, or the one asked for with --step).
+  const bool last = s == result.to_step;
   if (handled) {
     result.notes.push_back("step " + std::to_string(s) + " went non-finite and a defense skipped it (" +
-                           outcome.skip_reason + "); the replay goes on");
-  } else if (nonfinite && options.provenance && !result.first_nonfinite) {
+                           outcome.skip_reason + (last ? ")" : "); the replay goes on"));
+  }
+  if (nonfinite && (!handled || last) && options.provenance && !result.first_nonfinite) {
     find_provenance(trace, recs, program, s, state_before(), rng, batch, /*known_nonfinite=*/true, result);
   }
   return !result.first_divergence && !(nonfinite && !handled);

@@ -41,11 +41,15 @@ std::unique_ptr<Program> program_to_record(const std::string& scenario, const st
   throw Error("missing SCENARIO.yaml: the scenario to record (see examples/scenarios/ for examples)");
 }
 
-// One line per step, then what was recorded. Returns whether every step stayed finite or was
-// skipped by a defense (handled, not a failure of the run).
-bool print_summary(const std::vector<StepOutcome>& outcomes, const RecorderStats& stats, const std::string& output,
-                   const std::string& mode) {
+// One line per step, then what was recorded. Returns whether the run stayed finite: every step
+// finite or skipped by a defense (handled) with a finite step after it (the run recovered), and
+// the parameters finite at the end.
+bool print_summary(const std::vector<StepOutcome>& outcomes, bool params_finite, const RecorderStats& stats,
+                   const std::string& output, const std::string& mode) {
   bool finite = true;
+  std::size_t stuck_from = outcomes.size();  // the first of the skipped non-finite steps that end the run
+  for (std::size_t i = outcomes.size(); i > 0 && !outcomes[i - 1].finite() && outcomes[i - 1].skipped; --i)
+    stuck_from = i - 1;
   for (std::size_t i = 0; i < outcomes.size(); ++i) {
     const StepOutcome& o = outcomes[i];
     // A non-finite step that a defense skipped is handled, not a failure of the run.
@@ -75,6 +79,15 @@ bool print_summary(const std::vector<StepOutcome>& outcomes, const RecorderStats
     std::cerr << binary_name() << " record: recording stopped (" << stats.write_error
               << "); training went on; what was written "
               << "before is " << output << ".incomplete\n";
+  }
+  if (finite && stuck_from < outcomes.size()) {
+    finite = false;
+    std::cout << "the run did not recover: every step from step " << stuck_from + 1
+              << " on was non-finite and skipped, so nothing trained after it\n";
+  }
+  if (!params_finite) {
+    finite = false;
+    std::cout << "the parameters are non-finite at the end of the run\n";
   }
   if (!finite)
     std::cout << "the run went non-finite; replay it with: " << binary_name() << " replay " << output << "\n";
@@ -106,7 +119,8 @@ int run_record(const std::vector<std::string>& args) {
       "Trains as SCENARIO.yaml says and records a trace; in a binary built on retrace::main with\n"
       "its own program and no SCENARIO, records that program (its config from --config FILE).\n"
       "Exit code 0 when every step stayed\n"
-      "finite, 1 when the run went non-finite (the trace then holds the flight ring), one of the\n"
+      "finite, 1 when the run went non-finite (a step not skipped, skipped steps that end the run,\n"
+      "or non-finite parameters at the end; the trace then holds the flight ring), one of the\n"
       "scenario's injections never fired (e.g. --steps stopped before it) or the state self-check\n"
       "found the program's state() incomplete, 2 for bad input.\n\n"
       "options");
@@ -239,7 +253,8 @@ int run_record(const std::vector<std::string>& args) {
   if (stats.state_check.status == StateCheckResult::Status::kSkipped) {
     std::cerr << binary_name() << " record: " << stats.state_check.message << "\n";
   }
-  const bool finite = print_summary(outcomes, stats, output, mode);
+  const bool params_finite = defenses ? defenses->parameters_finite() : parameters_finite(program->state());
+  const bool finite = print_summary(outcomes, params_finite, stats, output, mode);
   // A run cut short by a NaN was reported above; one that ran every step must have fired every injection.
   bool all_fired = true;
   if (finite && static_cast<std::int64_t>(outcomes.size()) == n) all_fired = report_unfired(fired, defenses, n);

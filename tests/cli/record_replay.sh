@@ -127,4 +127,30 @@ grep -q "step 3 raised, as the recorded run did: step 3: .*clipping refuses it" 
 grep -q '"raised": {' "$work/raise.json" && grep -q '"reproduced": true' "$work/raise.json" || fail "raise not in --json: $(cat "$work/raise.json")"
 grep -q "clipping refuses it" "$work/raise.html" || fail "raise not in --report"
 
-echo "ok: record/replay/inspect/export/NaN/SIGKILL/SIGTERM/raised step"
+# 7. A run that never recovers: a weight flipped to 3.4e38 at step 3 makes every later loss NaN,
+# and skip_nonfinite skips each step -- handled one by one, but nothing trains after step 3. Exit
+# 1, and the replay of its last step names the op and the weight. Control: grad-nan-skip, whose
+# skipped NaN gradient at step 3 is followed by finite steps, exits 0.
+cat >"$work/stuck.yaml" <<'YAML'
+name: stuck
+model: {type: tiny_gpt, layers: 2, d_model: 16, heads: 2, vocab: 32, seq_len: 8, dropout: 0.1}
+data: {batch: 4}
+training: {steps: 5, optimizer: adamw, lr: 0.003, segments: 2}
+defenses: {skip_nonfinite: true}
+injections: [{type: bit_flip, step: 3, target: weights, bit: 30}]
+YAML
+set +e
+"$bin" record "$work/stuck.yaml" -o "$work/stuck.trace" >"$work/stuck.out" 2>&1
+rc=$?
+set -e
+[[ $rc -eq 1 ]] || fail "a run stuck on skipped steps: exit $rc, $(cat "$work/stuck.out")"
+grep -q "the run did not recover: every step from step 3 on was non-finite and skipped" "$work/stuck.out" ||
+  fail "stuck: $(cat "$work/stuck.out")"
+"$bin" replay "$work/stuck.trace" >"$work/stuck-replay.out" 2>&1 || fail "stuck replay: $(cat "$work/stuck-replay.out")"
+grep -q "first non-finite value at step 5: op aten::native_layer_norm in segment 'block1'.*input 1 Float\[16\] .*max 3.39978e+38" \
+  "$work/stuck-replay.out" || fail "stuck replay names no op: $(cat "$work/stuck-replay.out")"
+"$bin" record "$scenarios/../../suite/scenarios/grad-nan-skip.yaml" -o "$work/skip.trace" >"$work/skip.out" 2>&1 ||
+  fail "a skipped step the run recovered from: $(cat "$work/skip.out")"
+grep -q "non-finite, skipped" "$work/skip.out" || fail "grad-nan-skip skipped nothing: $(cat "$work/skip.out")"
+
+echo "ok: record/replay/inspect/export/NaN/SIGKILL/SIGTERM/raised step/stuck run"

@@ -34,8 +34,10 @@ class AdamProgram : public Program {
  public:
   enum class Quirk {
     kNone,
-    kHiddenWarmUp,  // the loss counts double from the third step on, by a counter state() leaves out
-    kGlobalBatch,   // batch() draws from the global generator, against Program's contract
+    kHiddenWarmUp,      // the loss counts double from the third step on, by a counter state() leaves out
+    kGlobalBatch,       // batch() draws from the global generator, against Program's contract
+    kNondeterministic,  // the loss is scaled by a process-wide count of steps run, as a kernel
+                        // without a deterministic implementation varies from run to run
   };
   AdamProgram(std::string name, bool complete, Quirk quirk = Quirk::kNone)
       : name_(std::move(name)), complete_(complete), quirk_(quirk) {
@@ -92,6 +94,8 @@ class AdamProgram : public Program {
     const at::Tensor x = torch::dropout(batch[0].tensor, 0.25, /*train=*/true);
     at::Tensor loss = torch::mse_loss(fc_->forward(x), batch[1].tensor);
     if (quirk_ == Quirk::kHiddenWarmUp && steps_taken_ >= 2) loss = loss * 2;
+    static int runs = 0;  // every instance's steps: the live program's and each check copy's
+    if (quirk_ == Quirk::kNondeterministic) loss = loss * (1.0 + 1e-3 * (runs++ % 3));
     ++steps_taken_;
     loss.backward();
     std::vector<NamedTensor> grads;
@@ -125,6 +129,7 @@ const char* kIncomplete = "test.adam.incomplete";
 const char* kComplete = "test.adam.complete";
 const char* kWarmup = "test.adam.warmup";             // complete but for its hidden warm-up counter
 const char* kGlobalBatch = "test.adam.global_batch";  // complete, its batch() drawn from the global generator
+const char* kNondet = "test.adam.nondeterministic";   // complete, its step not deterministic
 
 void register_adam_programs() {
   register_program(kWarmup, [](const std::string&) {
@@ -132,6 +137,9 @@ void register_adam_programs() {
   });
   register_program(kGlobalBatch, [](const std::string&) {
     return std::make_unique<AdamProgram>(kGlobalBatch, true, AdamProgram::Quirk::kGlobalBatch);
+  });
+  register_program(kNondet, [](const std::string&) {
+    return std::make_unique<AdamProgram>(kNondet, true, AdamProgram::Quirk::kNondeterministic);
   });
   register_program(kIncomplete, [](const std::string&) { return std::make_unique<AdamProgram>(kIncomplete, false); });
   register_program(kComplete, [](const std::string&) { return std::make_unique<AdamProgram>(kComplete, true); });
@@ -286,6 +294,29 @@ TEST(RecordStateCheck, StateWithoutAdamMomentsIsCaughtNamingTheTensorsThatDiffer
   }
   EXPECT_EQ(last_end, 2);
   EXPECT_TRUE(noted) << "the trace does not say why the recording stopped";
+  fs::remove(path);
+}
+
+// A step that is not deterministic is not blamed on state(): two copies from the same start end
+// it differently from each other, and the check says so. Control: the incomplete state() above,
+// whose two copies agree with each other, is blamed on state().
+TEST(RecordStateCheck, AStepThatIsNotDeterministicIsNamedSoNotAnIncompleteState) {
+  register_adam_programs();
+  AdamProgram program(kNondet, true, AdamProgram::Quirk::kNondeterministic);
+  const std::string path = temp_path("nondet");
+  Recorder recorder(path, program);
+  try {
+    record_run(program, recorder, 4);
+    FAIL() << "a step that is not deterministic passed the self-check";
+  } catch (const StateCheckError& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(e.result().status, StateCheckResult::Status::kFailed);
+    EXPECT_NE(what.find("two copies of program 'test.adam.nondeterministic'"), std::string::npos) << what;
+    EXPECT_NE(what.find("ended it differently from each other in "), std::string::npos) << what;
+    EXPECT_NE(what.find("the step is not deterministic"), std::string::npos) << what;
+    EXPECT_EQ(what.find("probably incomplete"), std::string::npos) << what;
+    EXPECT_FALSE(e.result().differing.empty());
+  }
   fs::remove(path);
 }
 

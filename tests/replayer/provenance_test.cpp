@@ -91,6 +91,14 @@ class OpProgram : public Program {
           w_.masked_fill(torch::tensor({false, true, false}), -std::numeric_limits<double>::infinity());
       y = at::softmax(masked.mul(0.5), -1);  // the scale carries the -inf on, the softmax absorbs it
       throw std::runtime_error("a loader hiccup");
+    } else if (config_ == "half-constant") {
+      // A constant past Half's range multiplies a Half tensor small enough for the product to fit:
+      // type promotion casts the constant to a Half infinity the kernel never uses (it computes in
+      // float). Then a real NaN: the square root of the -1 element.
+      const at::Tensor h = (w_.to(at::kHalf) * 1e-5) * 1e5;
+      y = h.to(at::kFloat).sqrt();
+    } else if (config_ == "half-cast") {
+      y = w_.mul(1e5).to(at::kHalf);  // the user's own cast past Half's range (9e5 > 65504)
     } else if (config_ == "fill-inf") {
       y = w_.clone();
       y.fill_(std::numeric_limits<double>::infinity());  // an infinity by design the loss carries on
@@ -197,6 +205,23 @@ TEST(Provenance, AnOpThatMakesTheValueInsideItIsNamedNotItsInnerOp) {
   EXPECT_EQ(o.inputs[0].nonfinite.pos_inf + o.inputs[0].nonfinite.nan, 0) << o.message();
   EXPECT_NE(o.message().find("(made inside it, first returned by its inner aten::"), std::string::npos) << o.message();
   EXPECT_EQ(o.to_json()["inner_op"], o.inner_op);
+}
+
+// A Half infinity that type promotion makes of a constant (the 1e5 of `h * 1e5`, cast for a kernel
+// that computes in float and never reads it) is no value of the run: the op named is the square
+// root that made the NaN. Control: a cast the program makes itself, of a tensor past Half's range,
+// is named.
+TEST(Provenance, AConstantsCastForTypePromotionIsNotNamed) {
+  ReplayResult r = record_and_replay_ops("half-constant");
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  EXPECT_EQ(r.first_nonfinite->op, "aten::sqrt") << r.first_nonfinite->message();
+
+  r = record_and_replay_ops("half-cast");
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  const NonFiniteOrigin& o = *r.first_nonfinite;
+  EXPECT_TRUE(o.op == "aten::to" || o.op == "aten::_to_copy" || o.op == "aten::copy_") << o.message();
+  ASSERT_FALSE(o.outputs.empty());
+  EXPECT_EQ(o.outputs[0].nonfinite.pos_inf, 2) << o.message();  // 4e5 and 9e5
 }
 
 // An infinity an op was given as an argument (masked_fill(mask, -inf)) is no fault while ops carry

@@ -369,6 +369,46 @@ TEST_P(Perturbed, OneParameterElementDivergesAtItsSegmentAndPhase) {
   fs::remove(copy);
 }
 
+// A gradient made outside the segments: one target token changed in the trace leaves every
+// segment's forward as recorded, and the first divergence is the gradient handed to the last
+// segment's backward, made by the head and the loss after it. Its hint says so, and that the loss
+// (compared only after backward) differs too. Control: a forward divergence (a changed weight, the
+// test above) gets no such hint.
+TEST(Replay, AGradientMadeOutsideTheSegmentsSaysWhereAndThatTheLossDiffers) {
+  const Recorded rec = record(kGpt, "target_src", {}, 1);
+  const std::string copy = temp_path("target");
+  rewrite(rec.path, copy, [](Record& r, std::vector<TensorToWrite>& tensors) {
+    if (r.type != RecordType::kStepBegin) return;
+    for (TensorToWrite& t : tensors) {
+      if (t.name != "batch.target") continue;
+      t.tensor = t.tensor.clone();
+      t.tensor.view(-1)[0] = (t.tensor.view(-1)[0] + 1) % 16;
+    }
+  });
+  const ReplayResult r = replay(copy);
+  ASSERT_TRUE(r.first_divergence.has_value());
+  const Divergence& d = *r.first_divergence;
+  EXPECT_EQ(d.phase, "backward") << d.message();
+  EXPECT_EQ(d.tensor, "grad_output.0") << d.message();
+  EXPECT_NE(d.hint.find("every segment event before it matched, so the gradient flowing into '" + d.segment +
+                        "' was made outside the segments"),
+            std::string::npos)
+      << d.message();
+  EXPECT_NE(d.hint.find("; the step's loss differs too (recorded "), std::string::npos) << d.message();
+
+  const std::string weight = temp_path("weight");
+  rewrite(rec.path, weight, [](Record& r, std::vector<TensorToWrite>& tensors) {
+    if (r.type == RecordType::kStepBegin) perturb_fc_weight(tensors);
+  });
+  const ReplayResult w = replay(weight);
+  ASSERT_TRUE(w.first_divergence.has_value());
+  EXPECT_EQ(w.first_divergence->phase, "forward");
+  EXPECT_EQ(w.first_divergence->hint.find("made outside the segments"), std::string::npos);
+  fs::remove(rec.path);
+  fs::remove(copy);
+  fs::remove(weight);
+}
+
 // A recorded tensor the replay does not produce is a divergence too (e.g. an optimizer state the
 // replayed program lost).
 TEST(Replay, RecordedTensorMissingFromTheReplayDiverges) {

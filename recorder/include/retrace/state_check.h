@@ -65,9 +65,11 @@ class StateCheckError : public Error {
 // state into it, and runs the step on a copy of `batch` from the current RNG state, with no
 // StepMonitor. It then puts every generator (RngState::capture_all) back as it found it, so the
 // live step draws exactly what it would have drawn without the check; the live program is only
-// read. Observers attached process-wide (ObserverScope) see the copy's segment events; the
-// Recorder ignores them (they come between its steps). Costs one program construction, one copy
-// of the state and one step; the copy is gone when the constructor returns, only its digests are
+// read. It does so twice, one copy after the other: two copies that end the step differently show
+// a step that is not deterministic (which no state() makes replayable), not an incomplete state().
+// Observers attached process-wide (ObserverScope) see the copies' segment events; the Recorder
+// ignores them (they come between its steps). Costs two program constructions and two steps, with
+// one copy of the state at a time; each copy is gone once its step ran, only its digests are
 // kept. A program not registered under its name() is skipped, not rebuilt.
 //
 // finish() runs after the live step: it digests `state_after` (the live state() after the step)
@@ -82,13 +84,21 @@ class StateCheck {
     std::string name;
     Digest digest;
   };
+  // What one copy's run of the step ended with.
+  struct Copy {
+    std::optional<std::string> raised;  // its step raised this
+    std::vector<Named> state_after;     // its state() after the step (not raised)
+    StepOutcome outcome;
+  };
   std::string program_;
   std::int64_t step_;
   std::optional<std::string> skipped_;      // why the copy was not run
   std::optional<std::string> not_rebuilt_;  // the factory threw rebuilding it
-  std::optional<std::string> raised_;       // the copy's step raised this
-  std::vector<Named> state_after_;          // the copy's state() after the step
-  StepOutcome outcome_;                     // the copy's outcome
+  static std::vector<std::string> differences(const Copy& a, const Copy& b, const std::string& a_name,
+                                              const std::string& b_name);
+  Copy copy_;    // the copy compared with the live program
+  Copy second_;  // a second one from the same start: equal, or the step
+                 // is not deterministic
 };
 
 }  // namespace retrace
