@@ -255,7 +255,11 @@ std::unique_ptr<Program> make_scenario_program(const ScenarioSpec& spec) {
     } catch (const Error& e) {
       throw Error(spec.origin + ": key 'injections': " + e.what());
     }
-    d->check_in(inner->state());
+    try {
+      d->check_in(inner->state());
+    } catch (const Error& e) {  // the program's state() leaves out the defenses': say which file
+      throw Error(spec.origin + ": key 'program': program '" + spec.program + "': " + e.what());
+    }
   }
   return std::make_unique<ProgramUnderScenario>(spec, std::move(inner));
 }

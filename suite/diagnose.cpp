@@ -172,6 +172,15 @@ std::vector<Variant> make_variants(const ScenarioSpec& base, std::vector<std::st
   if (!d.rollback) {
     add("rollback", "defenses.rollback: true", [](ScenarioSpec& s) { s.defenses.rollback = true; });
   }
+  if (!d.rollback && d.skip_nonfinite) {
+    // Beside a defense that skips, rollback acts only on non-finite parameters (a skipped step
+    // is handled): a finite weight gone huge, which every later step skips on, is left to it. On
+    // its own, rollback restores at the first non-finite step.
+    add("rollback, not skip", "defenses.rollback: true, defenses.skip_nonfinite: false", [](ScenarioSpec& s) {
+      s.defenses.rollback = true;
+      s.defenses.skip_nonfinite = false;
+    });
+  }
   if (!d.skip_nonfinite) {
     add("skip non-finite", "defenses.skip_nonfinite: true", [](ScenarioSpec& s) { s.defenses.skip_nonfinite = true; });
   }
@@ -450,10 +459,12 @@ Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options
   const TraceHeader header = TraceHeader::decode(trace);
   const std::string program = header.program ? header.program->name : std::string();
   if (program != "retrace.scenario") {
-    throw Error(path +
-                ": diagnose re-runs variants of a built-in scenario program ('retrace.scenario'); this trace was "
-                "recorded by '" +
-                program + "'. Record with 'retrace record SCENARIO.yaml' or diagnose the scenario file");
+    throw Error(path + ": this trace was recorded by program '" + program +
+                "' without a scenario, and diagnose re-runs the failing steps as variants of a scenario (its "
+                "defenses on and off); write one naming the program ('program: " +
+                program +
+                "' and its 'config:', docs/scenarios.md), then diagnose that file, or a trace "
+                "recorded from it (record SCENARIO.yaml)");
   }
   const ScenarioSpec spec = parse_scenario_text(header.program->config, path + " (program config)");
   Diagnosis d;

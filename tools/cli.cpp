@@ -71,7 +71,11 @@ std::optional<boost::program_options::variables_map> help_or_notify(
     std::ostringstream text;
     text << options;
     std::string help = text.str();
-    if (help.rfind("retrace ", 0) == 0) help = binary_name() + help.substr(7);  // the usage line names this binary
+    // The usage lines name this binary (a user's own, built on retrace::main).
+    for (std::size_t at = 0; at != std::string::npos && at < help.size(); at = help.find('\n', at)) {
+      if (at > 0) ++at;
+      if (help.compare(at, 8, "retrace ") == 0) help.replace(at, 7, binary_name());
+    }
     std::cout << help;
     return std::nullopt;
   }

@@ -97,6 +97,26 @@ TEST(Diagnose, BadDataIsNotCalledTransientAndStep1SuggestsNoLookback) {
   EXPECT_NE(d.report().find("no variant avoids the failure from step 1.\n"), std::string::npos) << d.report();
 }
 
+// A weight flipped to 3.4e38 stays finite, so every later step is non-finite and skip_nonfinite
+// skips it: training stops. Rollback beside the skip acts only on non-finite parameters and does
+// not help; rollback instead of the skip restores the state from before the flip, and fixes it.
+// Control: the variant that adds rollback on top, which does not.
+TEST(Diagnose, RollbackInsteadOfSkippingIsAVariantWhereSkippingStopsTraining) {
+  const Diagnosis d = diagnose_scenario(
+      parse_scenario_text("name: stuck\n"
+                          "model: {type: tiny_gpt, layers: 2, d_model: 16, heads: 2, vocab: 32, seq_len: 8}\n"
+                          "data: {batch: 4}\ntraining: {steps: 6, optimizer: adamw, lr: 0.003, segments: 2}\n"
+                          "defenses: {skip_nonfinite: true}\n"
+                          "injections: [{type: bit_flip, step: 3, target: weights, bit: 30}]\n"
+                          "expect: {params_finite: true}\n",
+                          "stuck.yaml"),
+      untimed());
+  EXPECT_NE(d.failure.find("training stopped"), std::string::npos) << d.report();
+  const auto fixes = fixing(d);
+  EXPECT_TRUE(has(fixes, "rollback, not skip")) << d.report();
+  EXPECT_FALSE(has(fixes, "rollback")) << d.report();
+}
+
 TEST(Diagnose, NothingToDiagnoseInAHealthyRun) {
   const Diagnosis d = diagnose_scenario(load_scenario("builtin:bf16-clean"));
   EXPECT_TRUE(d.variants.empty());

@@ -212,6 +212,8 @@ TEST(ProgramScenario, AStateWithoutTheDefensesStateIsRefused) {
       run_scenario(program_scenario("config: {forget_defense_state: true}\ndefenses: {loss_scaling: true}\n"));
   EXPECT_TRUE(r.harness_error);
   EXPECT_NE(r.error.find("the program's state() lacks the defenses' 'scaler.scale'"), std::string::npos) << r.error;
+  // It names the scenario file and the program: `retrace run` refuses the whole run with it.
+  EXPECT_EQ(r.error.rfind("program.yaml: key 'program': program 'test.regressor': ", 0), 0u) << r.error;
 }
 
 TEST(ProgramScenario, DiagnoseDoesNotCountAVariantThatStopsTrainingAsAFix) {
