@@ -534,10 +534,13 @@ bool rng_fault(const ScenarioSpec& spec) {
   return std::any_of(spec.injections.begin(), spec.injections.end(),
                      [](const InjectionSpec& in) { return in.type == InjectionType::kRngDesync; });
 }
-// preserve_rng_state defends this scenario against its RNG fault: the built-in models' checkpoint
-// takes it; a registered program's checkpoints are its own (the key is refused there).
+// preserve_rng_state is this scenario's defense: against its RNG fault, or, without injections,
+// where it claims bitwise recomputes (its configuration -- checkpointed dropout -- is the fault). The
+// built-in models' checkpoint takes it; a registered program's checkpoints are its own (the key is
+// refused there).
 bool rng_preserved_against_fault(const ScenarioSpec& spec) {
-  return spec.program.empty() && spec.defenses.preserve_rng_state && rng_fault(spec);
+  return spec.program.empty() && spec.defenses.preserve_rng_state &&
+         (rng_fault(spec) || (spec.injections.empty() && spec.expect.recompute_bitwise.value_or(false)));
 }
 }  // namespace
 
@@ -853,7 +856,7 @@ ScenarioResult run_and_check(const ScenarioSpec& spec, const RunOptions& options
 ScenarioSpec without_defenses(const ScenarioSpec& spec) {
   ScenarioSpec bare = spec;
   bare.defenses = DefenseSpec{};
-  bare.defenses.preserve_rng_state = spec.defenses.preserve_rng_state && !rng_fault(spec);
+  bare.defenses.preserve_rng_state = spec.defenses.preserve_rng_state && !rng_preserved_against_fault(spec);
   bare.training.clip_grad_norm = 0;
   return bare;
 }
@@ -990,6 +993,13 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
                ", parameters finite, final loss " + fmt(c.final_loss) + ")";
     if (!spec.expect.final_loss_below && !spec.expect.loss_finite)
       observed += "; expect.final_loss_below or loss_finite would say what breaking means here";
+  } else if (std::none_of(c.breakage.begin(), c.breakage.end(),
+                          [&](const Breakage& x) { return x.step >= r.fault_step; })) {
+    // It broke, but before the fault fired: what broke it is the defenses' absence, not the fault
+    // (without preserve_rng_state every recompute with dropout differs from step 1 on).
+    observed = "broke only before the fault at step " + std::to_string(r.fault_step) + ": " +
+               c.breakage.front().detail +
+               "; the defenses hold the configuration, and this fault's own bite is not shown";
   } else if (spec.injections.empty()) {  // the configuration is the fault: the bare run is this one
     r.counterfactual.broke = true;
     settle_counterfactual(CheckKind::kFaultBites, expected, "broke: " + c.breakage.front().detail, true, r, false);
@@ -1009,7 +1019,8 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
 void weigh_bare(const ScenarioSpec& spec, const ScenarioResult& c0, ScenarioResult& r) {
   Counterfactual& cf = r.counterfactual;
   const std::string expected = bites_expected(spec);
-  for (Breakage& x : cf.breakage) x.counts = true;  // any of the undefended run's, before the fault too
+  // Any of the undefended run's, a raise too -- but none from before the fault fired.
+  for (Breakage& x : cf.breakage) x.counts = x.step >= r.fault_step;
   const auto [kept, anyway, anyway_there] = date_against(cf.breakage, c0.breakage, /*raise_must_count=*/false);
   cf.broke = kept != nullptr;
   std::string observed;
@@ -1051,12 +1062,9 @@ ScenarioSpec counterfactual_spec(const ScenarioSpec& spec, CounterfactualKind ki
   if (kind == CounterfactualKind::kUndefended || kind == CounterfactualKind::kBare) {
     ScenarioSpec bare = without_defenses(spec);
     bare.expect = breakage_expectations(spec.expect);
-    if (kind == CounterfactualKind::kBare) {
-      bare.injections.clear();
-      // Against an RNG fault, a recompute without the forward's RNG state is that fault by
-      // construction (the generator has moved on): the run without the fault keeps it.
-      if (rng_fault(spec)) bare.defenses.preserve_rng_state = spec.defenses.preserve_rng_state;
-    }
+    // Neither the fault nor the defenses: against an RNG fault, without the forward's RNG state
+    // too, so a recompute that differs without it is the configuration's, not the fault's.
+    if (kind == CounterfactualKind::kBare) bare.injections.clear();
     return bare;
   }
   ScenarioSpec clean = spec;
@@ -1078,10 +1086,12 @@ ScenarioResult run_counterfactual(const ScenarioSpec& spec, const Counterfactual
   o.counterfactual = false;
   o.first_step = plan.first_step;
   o.last_step = plan.last_step;
-  // Undefended, it has shown what it was run for once the parameters are non-finite. Not for the
-  // ranks of a data-parallel run: one rank stopping alone would leave the others waiting in the
-  // next all-reduce.
-  o.stop_at_nonfinite_params = plan.kind == CounterfactualKind::kUndefended && spec.world_size <= 1;
+  // Undefended, it has shown what it was run for once the parameters are non-finite -- unless the
+  // scenario held by raising: then whether it raises the same, later, is what it was run for (a
+  // raise no defense made). Not for the ranks of a data-parallel run: one rank stopping alone would
+  // leave the others waiting in the next all-reduce.
+  o.stop_at_nonfinite_params = plan.kind == CounterfactualKind::kUndefended && spec.world_size <= 1 &&
+                               !spec.expect.raises.value_or(false);
   const ScenarioSpec variant = counterfactual_spec(spec, plan.kind);
   return run_and_check(variant, o, plan.kind == CounterfactualKind::kFaultFree ? plan.fault_step : 0);
 }

@@ -350,6 +350,33 @@ TEST(Verdict, AHeldScenarioWhoseUndefendedRunBreaksWithoutTheFaultTooIsNotExerci
             r.counterfactual.breakage.front().without_fault_step);
 }
 
+// An undefended run that broke only before the fault fired shows nothing of the fault's bite:
+// without preserve_rng_state every recompute with dropout differs from step 1 on, so an
+// rng_desync at step 3 (or at step 1, where the run with neither the fault nor the defenses breaks
+// the same) is not exercised. Control: the scenario without the injection claims what
+// preserve_rng_state holds -- checkpointed dropout, its configuration -- and held, earned.
+TEST(Verdict, AnUndefendedRunThatBreaksOnlyBeforeTheFaultShowsNoBite) {
+  const std::string expect = "expect: {recompute_bitwise: true}\n";
+  ScenarioResult r = run_scenario(with("injections: [{type: rng_desync, step: 3, segment: block0}]\n" + expect));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome_kind(), Outcome::kNotExercised) << why(r);
+  EXPECT_TRUE(has_reason(r, "got broke only before the fault at step 3: step 1 applied gradients from a recompute "
+                            "that was not bitwise; the defenses hold the configuration"))
+      << why(r);
+
+  r = run_scenario(with("injections: [{type: rng_desync, step: 1, segment: block0}]\n" + expect));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome_kind(), Outcome::kNotExercised) << why(r);
+  EXPECT_TRUE(has_reason(r, "got broke, but so does it without the fault: step 1 applied gradients")) << why(r);
+
+  r = run_scenario(with(expect));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "held");
+  const ExpectationCheck* bites = find_check(r, "fault_bites");
+  ASSERT_NE(bites, nullptr) << why(r);
+  EXPECT_EQ(bites->observed, "broke: step 1 applied gradients from a recompute that was not bitwise");
+}
+
 // A run that held by raising as it expected, and raises the same without its defenses: the
 // defense did not make the raise (an out-of-range token raises in the embedding with or without
 // skip_nonfinite). Control: grad-inf-clip-error's raise is its clipping's (error_if_nonfinite);
@@ -364,6 +391,14 @@ TEST(Verdict, AHeldRaiseThatTheUndefendedRunRaisesTooIsNotExercised) {
   EXPECT_TRUE(has_reason(r, "got raised the same: step 2 raised: index out of range in self; the defenses did not "
                             "make the raise"))
       << why(r);
+  // The same with a NaN gradient a step before, which leaves the undefended run's parameters
+  // non-finite: it still runs on to the step that raised (outsider finding: it stopped at the NaN,
+  // and the embedding's raise was credited to skip_nonfinite).
+  r = run_scenario(with("defenses: {skip_nonfinite: true}\n"
+                        "injections: [{type: grad_nonfinite, step: 2}, {type: corrupt_batch, step: 3}]\n"
+                        "expect: {params_finite: true, raises: true}\n"));
+  EXPECT_EQ(r.outcome_kind(), Outcome::kNotExercised) << why(r);
+  EXPECT_TRUE(has_reason(r, "got raised the same: step 3 raised: index out of range in self")) << why(r);
 
   r = run_scenario(load_scenario("builtin:grad-inf-clip-error"));
   EXPECT_TRUE(r.passed) << why(r);
