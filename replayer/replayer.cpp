@@ -927,7 +927,11 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
   if (!outcome.injected.empty()) {
     std::string tags;
     for (const std::string& i : outcome.injected) tags += (tags.empty() ? "" : "; ") + i;
-    result.notes.push_back("step " + std::to_string(s) + " carries injected faults (not real ones): " + tags);
+    // The faults are the scenario's, not real ones; a non-finite value in the step may still be the
+    // run's own (a configuration that breaks there anyway), which the first non-finite op tells.
+    result.notes.push_back("step " + std::to_string(s) + " carries injected faults: " + tags +
+                           " (injected by the scenario, not real ones; where a non-finite value came from, the "
+                           "first non-finite op says)");
   }
   bool params_ok = scan.finite;
   for (const NamedTensor& st : state_after) {  // device tensors, on the program's stream

@@ -384,6 +384,7 @@ const char* to_string(CheckKind kind) {
     case CheckKind::kRaises: return "raises";
     case CheckKind::kFaultBites: return "fault_bites";
     case CheckKind::kFaultCaused: return "fault_caused";
+    case CheckKind::kTrained: return "trained";
   }
   return "?";
 }
@@ -394,7 +395,8 @@ CheckRole role_of(CheckKind kind) {
     case CheckKind::kLossFinite:
     case CheckKind::kFinalLossBelow:
     case CheckKind::kRecomputeBitwise:
-    case CheckKind::kMinAppliedSteps: return CheckRole::kBreakage;
+    case CheckKind::kMinAppliedSteps:
+    case CheckKind::kTrained: return CheckRole::kBreakage;
     case CheckKind::kInjectionFired:
     case CheckKind::kInjectionsFired:
     case CheckKind::kMinSkippedSteps:
@@ -472,7 +474,7 @@ constexpr CheckKind kCheckKinds[] = {
     CheckKind::kMinRollbacks,     CheckKind::kFinalLossBelow,   CheckKind::kMinAppliedSteps,
     CheckKind::kRecomputeBitwise, CheckKind::kReplayBitwise,    CheckKind::kInjectionsFired,
     CheckKind::kInjectionFired,   CheckKind::kRaises,           CheckKind::kFaultBites,
-    CheckKind::kFaultCaused,
+    CheckKind::kFaultCaused,      CheckKind::kTrained,
 };
 
 CounterfactualKind parse_counterfactual_kind(const std::string& name) {
@@ -612,7 +614,15 @@ class ScenarioRun {
   Program* program() const { return program_.get(); }
   Defenses* defenses() const { return defenses_; }
   void mark_started() { started_ = true; }
-  void note_initial_params() { params_were_finite_ = params_finite(); }
+  // The parameters as the run starts: their finiteness, and a copy, for how far training moves them.
+  void note_initial_params() {
+    params_were_finite_ = params_finite();
+    initial_params_.clear();
+    for (const NamedTensor& n : program_->state()) {
+      if (n.kind == TensorKind::kParameter && n.tensor.is_floating_point())
+        initial_params_.push_back(n.tensor.detach().clone());
+    }
+  }
   bool params_nonfinite_now() const { return !params_were_finite_; }  // after the last step
 
   bool params_finite() const {
@@ -708,6 +718,7 @@ class ScenarioRun {
     if (r_.world_size > 1) {
       for (const NamedTensor& n : program_->state()) r_.state_digests.emplace_back(n.name, digest(n.tensor).hex());
     }
+    r_.param_movement = param_movement();
   }
 
  private:
@@ -730,6 +741,25 @@ class ScenarioRun {
   Defenses* defenses_ = nullptr;  // the program's pipeline: what fired, what the defenses did
   bool started_ = false;
   bool params_were_finite_ = true;
+  std::vector<at::Tensor> initial_params_;  // note_initial_params'
+
+  // ScenarioResult::param_movement: the parameters now against initial_params_, relative to those.
+  double param_movement() const {
+    double squares = 0, start = 0;
+    std::size_t i = 0;
+    for (const NamedTensor& n : program_->state()) {
+      if (n.kind != TensorKind::kParameter || !n.tensor.is_floating_point()) continue;
+      if (i >= initial_params_.size() || !n.tensor.sizes().equals(initial_params_[i].sizes()))
+        return std::numeric_limits<double>::quiet_NaN();
+      const at::Tensor now = n.tensor.detach().to(at::kCPU, at::kDouble);
+      const at::Tensor then = initial_params_[i].to(at::kCPU, at::kDouble);
+      squares += (now - then).pow(2).sum().item<double>();
+      start += then.pow(2).sum().item<double>();
+      ++i;
+    }
+    if (i != initial_params_.size() || start <= 0) return std::numeric_limits<double>::quiet_NaN();
+    return std::sqrt(squares / start);
+  }
   std::size_t seen_mismatches_ = 0;
 };
 
@@ -885,6 +915,7 @@ Counterfactual summary_of(CounterfactualKind kind, const ScenarioResult& c) {
   out.last_step = c.last_step;
   out.params_finite = c.params_finite;
   out.final_loss = c.final_loss;
+  out.param_movement = c.param_movement;
   out.breakage = c.breakage;
   return out;
 }
@@ -1013,6 +1044,34 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
   return {};
 }
 
+// A run that held a fault that bites, against the run with neither the fault nor the defenses: its
+// defenses held only if training went on, its parameters moving at least kTrainedFraction as far
+// (an LR scaled to nothing, clipping at 1e-30 or a warmup of 1e8 steps "hold" by freezing the
+// model) -- or, where that run runs away (finite, but on its way to breaking), at least
+// kMovedAtAll of their own norm. Not weighed where that run's movement is not known or not finite.
+void weigh_training(const ScenarioResult& c0, ScenarioResult& r) {
+  if (!c0.params_finite || !std::isfinite(c0.param_movement) || c0.param_movement <= 0) return;
+  const std::string window =
+      "steps " + std::to_string(r.steps.empty() ? 1 : r.steps.front().step) + ".." + std::to_string(r.last_step);
+  const double ratio = r.param_movement / c0.param_movement;
+  const bool trained = std::isfinite(r.param_movement) &&
+                       (ratio >= kTrainedFraction || r.param_movement >= kMovedAtAll);
+  check(r, CheckKind::kTrained,
+        "the parameters move at least " + fmt(kTrainedFraction) +
+            " as far as in the run with neither the fault nor the defenses, or " + fmt(kMovedAtAll) +
+            " of their norm (" + window + ")",
+        "they moved " + fmt(r.param_movement) + ", that run's " + fmt(c0.param_movement) + " (" + fmt(ratio) + ")",
+        trained);
+  if (trained) return;
+  r.reasons.push_back(reason_of(r.checks.back()));
+  r.passed = false;
+  r.broke = true;
+  r.breakage.push_back(
+      {BreakKind::kNoProgress, r.last_step,
+       "training did not go on: the parameters moved " + fmt(ratio) + " as far as without the fault and the defenses",
+       true});
+}
+
 // The undefended run's breakage against the run with neither the fault nor the defenses: breakage
 // of a kind that run shows too, at or before the same step, is the configuration's (the defenses
 // hold it, but not against this fault). The undefended run broke by the fault when some is left.
@@ -1036,6 +1095,7 @@ void weigh_bare(const ScenarioSpec& spec, const ScenarioResult& c0, ScenarioResu
                "); the defenses hold the configuration, and this fault's own bite is not shown";
   }
   settle_counterfactual(CheckKind::kFaultBites, expected, observed, cf.broke, r, false);
+  if (cf.broke) weigh_training(c0, r);
 }
 
 }  // namespace
@@ -1206,6 +1266,7 @@ nlohmann::json ScenarioResult::to_json() const {
   j["params_finite"] = params_finite;
   j["all_losses_finite"] = all_losses_finite;
   j["final_loss"] = num(final_loss);
+  j["param_movement"] = num(param_movement);
   for (double v : losses) j["losses"].push_back(num(v));
   for (double v : scales) j["scales"].push_back(num(v));
   for (double v : lrs) j["lrs"].push_back(num(v));
@@ -1263,6 +1324,7 @@ nlohmann::json ScenarioResult::to_json() const {
                          {"broke", counterfactual.broke},
                          {"params_finite", counterfactual.params_finite},
                          {"final_loss", num(counterfactual.final_loss)},
+                         {"param_movement", num(counterfactual.param_movement)},
                          {"breakage", breakage_json(counterfactual.breakage)}};
   j["reasons"] = reasons;
   j["checks"] = nlohmann::json::array();
@@ -1304,6 +1366,7 @@ ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
   r.params_finite = j.at("params_finite");
   r.all_losses_finite = j.at("all_losses_finite");
   r.final_loss = from_num(j.at("final_loss"));
+  r.param_movement = from_num(j.at("param_movement"));
   if (j.contains("losses"))
     for (const auto& v : j["losses"]) r.losses.push_back(from_num(v));
   if (j.contains("scales"))
@@ -1359,6 +1422,7 @@ ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
   r.counterfactual.broke = cf.at("broke");
   r.counterfactual.params_finite = cf.at("params_finite");
   r.counterfactual.final_loss = from_num(cf.at("final_loss"));
+  r.counterfactual.param_movement = from_num(cf.at("param_movement"));
   r.counterfactual.breakage = breakage_from_json(cf.at("breakage"));
   r.reasons = j.at("reasons").get<std::vector<std::string>>();
   for (const auto& c : j.at("checks")) {

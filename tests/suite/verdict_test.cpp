@@ -377,6 +377,38 @@ TEST(Verdict, AnUndefendedRunThatBreaksOnlyBeforeTheFaultShowsNoBite) {
   EXPECT_EQ(bites->observed, "broke: step 1 applied gradients from a recompute that was not bitwise");
 }
 
+// Defenses that hold by freezing training held nothing: skip_nonfinite holds a NaN gradient, but
+// with the LR scaled by 1e-12 the parameters barely move -- trained fails, against the run with
+// neither the fault nor the defenses, and the run broke (training did not go on). Control: the LR
+// scaled by 0.1 moves them about a tenth as far, and the run held; and clipping that holds a run
+// whose undefended twin runs away (SGD at LR 20, parameters 1e9 times further) trained, having moved
+// them far more than 1e-4 of their norm (AHeldScenarioWhoseFaultOnlyBrings... below).
+TEST(Verdict, DefensesThatHoldByFreezingTrainingBroke) {
+  const std::string rest = "injections: [{type: grad_nonfinite, step: 2}]\nexpect: {params_finite: true}\n";
+  ScenarioResult r = run_scenario(with("defenses: {skip_nonfinite: true, lr_scale: 1.0e-12}\n" + rest));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  const ExpectationCheck* trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_FALSE(trained->passed);
+  EXPECT_TRUE(has_reason(r, "trained: expected the parameters move at least 0.01 as far as in the run with neither "
+                            "the fault nor the defenses, or 0.0001 of their norm (steps 1..4)"))
+      << why(r);
+  ASSERT_FALSE(r.breakage.empty());
+  EXPECT_EQ(r.breakage.back().kind, BreakKind::kNoProgress);
+  EXPECT_LT(r.param_movement, 1e-9) << why(r);
+  const ScenarioResult back = ScenarioResult::from_json(r.to_json());
+  EXPECT_EQ(back.outcome(), "broke");
+  EXPECT_EQ(back.param_movement, r.param_movement);
+
+  r = run_scenario(with("defenses: {skip_nonfinite: true, lr_scale: 0.1}\n" + rest));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "held");
+  trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_TRUE(trained->passed) << trained->observed;
+}
+
 // A run that held by raising as it expected, and raises the same without its defenses: the
 // defense did not make the raise (an out-of-range token raises in the embedding with or without
 // skip_nonfinite). Control: grad-inf-clip-error's raise is its clipping's (error_if_nonfinite);

@@ -53,13 +53,24 @@ enum class CheckKind {
                  // defenses (Counterfactual)
   kFaultCaused,  // automatic, a negative control: the run without its injections does not break as
                  // early (Counterfactual)
+  kTrained,      // automatic, a scenario that held with a fault that bites: its parameters moved at
+                 // least kTrainedFraction as far as in the run with neither the fault nor the
+                 // defenses -- defenses that hold by freezing training (an LR scaled to nothing)
+                 // held nothing
 };
+// trained's bar: a defended run that moves its parameters less than kTrainedFraction as far as the
+// run with neither the fault nor the defenses (an LR / 10 moves them about 0.1 as far; an LR x
+// 1e-12, nothing), and less than kMovedAtAll of their norm (that run may be running away), did not
+// train.
+inline constexpr double kTrainedFraction = 0.01;
+inline constexpr double kMovedAtAll = 1e-4;
 const char* to_string(CheckKind kind);  // "params_finite", ...: the `expect` key and the JSON's name
 
 // What a failed check says of the run.
 enum class CheckRole {
   kBreakage,  // a fault got through (a negative control's evidence; a held scenario broke):
-              // params_finite, loss_finite, final_loss_below, recompute_bitwise, min_applied_steps
+              // params_finite, loss_finite, final_loss_below, recompute_bitwise, min_applied_steps,
+              // trained
   kExercise,  // the fault or the defense never acted (outcome "not exercised"): injection_fired,
               // injections_fired, min_skipped_steps, min_scale_backoffs, min_scale_growths,
               // min_rollbacks, raises (when nothing was raised; a wrong raise breaks), fault_bites
@@ -165,6 +176,7 @@ struct Counterfactual {
                                // within the window: counts, without_fault_step 0)
   bool params_finite = true;
   double final_loss = std::numeric_limits<double>::quiet_NaN();
+  double param_movement = std::numeric_limits<double>::quiet_NaN();  // ScenarioResult's
   std::vector<Breakage> breakage;  // what broke in it (undefended: without_fault_step set where the
                                    // run with neither fault nor defenses showed it too, at any step)
 };
@@ -206,9 +218,14 @@ struct ScenarioResult {
   std::int64_t silent_recompute_mismatches = 0;  // ... in steps whose gradients were applied
   std::int64_t caught_recompute_mismatches = 0;  // ... caught by defenses.verify_recompute
   bool params_finite = true;
-  bool all_losses_finite = true;            // over applied (not skipped) steps
-  double final_loss = 0;                    // mean loss of the applied steps in the final window
-                                            // (final_window_first .. last_step); NaN: none
+  bool all_losses_finite = true;  // over applied (not skipped) steps
+  double final_loss = 0;          // mean loss of the applied steps in the final window
+                                  // (final_window_first .. last_step); NaN: none
+  // How far training moved the parameters: the L2 norm, in double, of the change of every
+  // floating-point parameter in state() from the run's start to its end, relative to their L2 norm
+  // at the start; NaN where not known (a parameter's shape changed, the program never started, all
+  // parameters zero).
+  double param_movement = std::numeric_limits<double>::quiet_NaN();
   std::vector<double> losses, scales, lrs;  // per step
   std::vector<StepPoint> steps;             // per step, all of it (the report's curves)
   std::vector<StepNote> notes;              // in step order; per step, its injections before its skip
