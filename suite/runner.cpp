@@ -972,9 +972,29 @@ std::string later(const Breakage& with, const Breakage& without) {
          " later";
 }
 
+// The breakage of a run compared against (`c`: without the fault), plus its final loss where the
+// fault moved the final loss less than kFinalLossEdge of the threshold `below` (`with_fault`: the
+// final loss with it). A fault that only nudges the final loss across a threshold proves nothing
+// (an LR lowered by 0.1% for one step took the tiny GPT's final loss from 4.08486 to 4.08489, across
+// 4.08487): then the final loss without it counts as breaking too.
+std::vector<Breakage> with_edge(const ScenarioResult& c, const std::optional<double>& below, double with_fault) {
+  std::vector<Breakage> out = c.breakage;
+  const bool broke_so =
+      std::any_of(out.begin(), out.end(), [](const Breakage& x) { return x.kind == BreakKind::kFinalLoss; });
+  if (!below || broke_so || !std::isfinite(c.final_loss) || !std::isfinite(with_fault)) return out;
+  const double least = kFinalLossEdge * std::abs(*below);
+  if (std::abs(with_fault - c.final_loss) >= least) return out;
+  out.push_back({BreakKind::kFinalLoss, c.last_step,
+                 "final loss " + fmt(c.final_loss) + " (" + final_window(c) + "), less than " + fmt(least) + " (" +
+                     fmt(kFinalLossEdge) + " of the threshold " + fmt(*below) +
+                     ") from the run with the fault: the fault only nudged it across",
+                 true});
+  return out;
+}
+
 // A negative control's breakage against the same run without its injections: breakage of a kind
 // that run shows too, anywhere in the window, is the configuration's, and does not count.
-void weigh_fault_free(const CounterfactualPlan& plan, const ScenarioResult& c, ScenarioResult& r) {
+void weigh_fault_free(const ExpectSpec& e, const CounterfactualPlan& plan, const ScenarioResult& c, ScenarioResult& r) {
   r.counterfactual = summary_of(CounterfactualKind::kFaultFree, c);
   r.counterfactual.broke = !c.harness_error && !c.breakage.empty();
   const std::string expected = "the run without its injections does not break so within the run";
@@ -982,7 +1002,8 @@ void weigh_fault_free(const CounterfactualPlan& plan, const ScenarioResult& c, S
     settle_counterfactual(CheckKind::kFaultCaused, expected, "could not tell: " + c.error, false, r, false);
     return;
   }
-  const auto [kept, anyway, anyway_there] = date_against(r.breakage, c.breakage, /*raise_must_count=*/true);
+  const std::vector<Breakage> without = with_edge(c, e.final_loss_below, r.final_loss);
+  const auto [kept, anyway, anyway_there] = date_against(r.breakage, without, /*raise_must_count=*/true);
   const std::string ran = "steps " + std::to_string(plan.first_step) + ".." + std::to_string(c.last_step);
   std::string observed;
   if (kept) {
@@ -1080,7 +1101,8 @@ void weigh_bare(const ScenarioSpec& spec, const ScenarioResult& c0, ScenarioResu
   const std::string expected = bites_expected(spec);
   // Any of the undefended run's, a raise too -- but none from before the fault fired.
   for (Breakage& x : cf.breakage) x.counts = x.step >= r.fault_step;
-  const auto [kept, anyway, anyway_there] = date_against(cf.breakage, c0.breakage, /*raise_must_count=*/false);
+  const std::vector<Breakage> without = with_edge(c0, spec.expect.final_loss_below, cf.final_loss);
+  const auto [kept, anyway, anyway_there] = date_against(cf.breakage, without, /*raise_must_count=*/false);
   cf.broke = kept != nullptr;
   std::string observed;
   if (c0.harness_error) {
@@ -1159,7 +1181,7 @@ ScenarioResult run_counterfactual(const ScenarioSpec& spec, const Counterfactual
 CounterfactualPlan weigh_counterfactual(const ScenarioSpec& spec, const CounterfactualPlan& plan,
                                         const ScenarioResult& c, ScenarioResult& r) {
   switch (plan.kind) {
-    case CounterfactualKind::kFaultFree: weigh_fault_free(plan, c, r); break;
+    case CounterfactualKind::kFaultFree: weigh_fault_free(spec.expect, plan, c, r); break;
     case CounterfactualKind::kUndefended: return weigh_undefended(spec, plan, c, r);
     case CounterfactualKind::kBare: weigh_bare(spec, c, r); break;
     case CounterfactualKind::kNone: break;

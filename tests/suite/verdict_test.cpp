@@ -260,6 +260,42 @@ TEST(Verdict, AControlWhoseFaultOnlyBringsTheBreakageForwardDoesNotPass) {
   EXPECT_TRUE(r.counterfactual.breakage.empty());
 }
 
+// A fault that only nudges the final loss across a threshold the run without it sits on proves
+// nothing: an LR lowered by 0.1% for one step moves the tiny GPT's final loss in its fifth digit, and
+// a threshold between the two losses would make it a control that "broke". A fault that moves the
+// final loss less than kFinalLossEdge of the threshold only nudged it across: the run without it
+// counts as breaking too. Control: an LR spiked x50, which moves it far past the same threshold,
+// passes.
+TEST(Verdict, AFaultThatOnlyNudgesTheFinalLossAcrossItsThresholdDoesNotPass) {
+  const std::string run = "model: {type: tiny_gpt, layers: 4, d_model: 32, heads: 4, vocab: 64, seq_len: 16}\n"
+                          "data: {batch: 8, seed: 1}\ntraining: {steps: 8, optimizer: adamw, lr: 0.003, segments: 2}\n";
+  auto scenario = [&](const std::string& extra) { return parse_scenario_text(run + extra, "edge.yaml"); };
+  RunOptions plain;
+  plain.counterfactual = false;
+  const double clean = run_scenario(scenario("expect: {final_loss_below: 100}\n"), plain).final_loss;
+  const std::string nudge = "injections: [{type: lr_spike, step: 2, factor: 0.999}]\n";
+  const double nudged = run_scenario(scenario(nudge + "expect: {final_loss_below: 100}\n"), plain).final_loss;
+  ASSERT_NE(clean, nudged);
+  const double low = std::min(clean, nudged), high = std::max(clean, nudged);
+  ASSERT_LT(high - low, 1e-3 * low) << "the nudge moved the loss by more than 0.1%";
+  // The run whose loss is the higher one is the control that "broke"; its fault is the nudge, or
+  // the nudge's absence: a nudge that lowers the loss swaps the roles (the LR x1/0.999 then).
+  const std::string fault = nudged > clean ? nudge : "injections: [{type: lr_spike, step: 2, factor: 1.001}]\n";
+  const std::string threshold =
+      "expect: {diverges: true, final_loss_below: " + std::to_string((low + high) / 2) + "}\n";
+  ScenarioResult r = run_scenario(scenario(fault + threshold));
+  if (nudged > clean) {
+    EXPECT_FALSE(r.passed) << why(r);
+    EXPECT_EQ(r.outcome_kind(), Outcome::kBrokeWithoutFault) << why(r);
+    EXPECT_TRUE(has_reason(r, "from the run with the fault: the fault only nudged it across (with the fault: final "
+                              "loss "))
+        << why(r);
+  }
+  r = run_scenario(scenario("injections: [{type: lr_spike, step: 2, factor: 50}]\n" + threshold));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "broke");
+}
+
 // The same for a run that held: clipping and skip_nonfinite hold SGD at LR 20 and a NaN gradient at
 // step 5, but without them the run breaks at step 8 by itself -- within an eight-step window the
 // fault's own bite is not shown (not exercised); within seven steps it is (held).

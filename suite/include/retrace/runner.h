@@ -64,6 +64,10 @@ enum class CheckKind {
 // train.
 inline constexpr double kTrainedFraction = 0.01;
 inline constexpr double kMovedAtAll = 1e-4;
+// The least change of the final loss, as a fraction of final_loss_below, that a fault must make for
+// its final-loss breakage to be its own: one that moves it less only nudged it across the threshold
+// (the run without it then counts as breaking too).
+inline constexpr double kFinalLossEdge = 0.01;
 const char* to_string(CheckKind kind);  // "params_finite", ...: the `expect` key and the JSON's name
 
 // What a failed check says of the run.
