@@ -41,7 +41,10 @@ int run_diagnose(const std::vector<std::string>& args) {
   const auto parsed = parse_arguments(args, opts, "source", &source);
   if (!parsed) return 0;
   if (source.empty()) throw Error("missing TRACE or SCENARIO: what to diagnose");
-  if (options.steps < 0) throw Error("--steps must be positive, got " + std::to_string(options.steps));
+  if (parsed->count("steps") && options.steps < 1) {
+    throw Error("--steps must be at least 1, got " + std::to_string(options.steps) +
+                " (leave it out to re-run to the end of the run)");
+  }
   if (options.lookback < 0) throw Error("--lookback must be 0 or more, got " + std::to_string(options.lookback));
   check_threads_flag(options.threads);
   if (options.repeats < 1) throw Error("--repeats must be at least 1, got " + std::to_string(options.repeats));

@@ -143,8 +143,8 @@ int run_record(const std::vector<std::string>& args) {
       "compression", po::value<std::string>(&compression)->default_value("fast"),
       "stored tensors: fast (Blosc bit-shuffle + LZ4) or small (byte shuffle + zstd, ~10% smaller, ~4x slower)")(
       "encode-threads", po::value<int>(&encode_threads)->default_value(0),
-      "threads compressing a record's stored tensors (full mode, snapshots, ring dumps): 0 = a quarter of the cores, "
-      "1 to 8; the trace is the same whatever the count")(
+      "threads compressing a record's stored tensors (full mode, snapshots, ring dumps): 0 = a quarter of the cores "
+      "(1 to 8), or 1 to 64; the trace is the same whatever the count")(
       "page-cache-mib", po::value<std::int64_t>(&page_cache_mib)->default_value(page_cache_mib),
       "the trace's newest N MiB left in the page cache; older ones are written back and dropped from it as the "
       "trace grows (0: off, the kernel decides)")("steps", po::value<std::int64_t>(&steps),
@@ -170,6 +170,10 @@ int run_record(const std::vector<std::string>& args) {
   refuse_output_path(output, "-o", {{scenario, "the scenario file"}, {config_path, "the --config file"}});
   if (vm.count("steps") && steps < 1) throw Error("--steps must be at least 1, got " + std::to_string(steps));
   if (every < 0 || ring < 0) throw Error("--every and --ring must not be negative");
+  if (every > 0 && parse_record_mode(mode) == RecordMode::kFull) {
+    throw Error("--every " + std::to_string(every) +
+                " is for digest mode: --mode full stores every step's full state already; drop one of them");
+  }
   if (ring_every < 1)
     throw Error("--ring-every must be at least 1 (a snapshot every step), got " + std::to_string(ring_every));
   if (on_write_error != "stop" && on_write_error != "continue") {

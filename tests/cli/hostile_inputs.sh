@@ -145,6 +145,7 @@ case_ "negative encode threads" 2 -- record "$data/../../examples/scenarios/tiny
 case_ "negative page cache window" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --page-cache-mib -1
 case_ "unknown write-error policy" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --on-write-error ignore
 case_ "unknown ring copy" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --ring 2 --ring-copy later
+case_ "full snapshots every K steps in full mode" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --mode full --every 2
 case_ "ring snapshots zero steps apart" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --ring 2 --ring-every 0
 case_ "unknown record mode" 2 -- record "$data/../../examples/scenarios/tiny-gpt.yaml" -o "$dir/t.trace" --mode fast
 case_ "scenario file that does not exist" 2 -- run "$dir/nope.yaml"
@@ -218,6 +219,7 @@ case_ "a trace of a program this binary lacks" 2 -- replay "$data/golden-v1.trac
 case_ "diagnose without a source" 2 -- diagnose
 case_ "diagnose a trace of another program" 2 -- diagnose "$data/golden-v1.trace"
 case_ "diagnose --steps -1" 2 -- diagnose builtin:grad-nan-skip-off --steps -1
+case_ "diagnose --steps 0" 2 -- diagnose builtin:grad-nan-skip-off --steps 0
 case_ "diagnose --steps short of the failing step" 2 -- diagnose builtin:grad-nan-skip-off --steps 1
 
 if [[ -n $table ]]; then

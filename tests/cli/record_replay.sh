@@ -9,6 +9,14 @@ bin=$1 scenarios=$2 pickle_check=$3 crashable=$4
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
+# grep ARGS... over `retrace inspect TRACE`, read from a file: a pipe into grep -q that exits at its
+# first match would kill inspect with SIGPIPE mid-output, which pipefail reports as a failure.
+inspect_has() {
+  local trace=$1
+  shift
+  "$bin" inspect "$trace" >"$work/inspect.txt" || return 2
+  grep "$@" "$work/inspect.txt"
+}
 
 # 1. A clean run replays bitwise, in digest and full mode.
 for mode in digest full; do
@@ -18,10 +26,10 @@ for mode in digest full; do
 done
 "$bin" inspect "$work/full.trace" --json >"$work/inspect.json"
 grep -q '"complete": true' "$work/inspect.json" || fail "inspect --json"
-"$bin" inspect "$work/digest.trace" | grep -q "step_begin step 1 full" || fail "inspect text"
-"$bin" inspect "$work/digest.trace" | grep -q "step_begin step 2 state as step_end 1" || fail "inspect text"
+inspect_has "$work/digest.trace" -q "step_begin step 1 full" || fail "inspect text"
+inspect_has "$work/digest.trace" -q "step_begin step 2 state as step_end 1" || fail "inspect text"
 # Full mode stores the state once between two steps: step 3's step_begin points at step_end 2.
-"$bin" inspect "$work/full.trace" | grep -q "step_begin step 3 state as step_end 2" || fail "inspect text (full)"
+inspect_has "$work/full.trace" -q "step_begin step 3 state as step_end 2" || fail "inspect text (full)"
 
 set +e
 "$bin" replay "$work/digest.trace" --step 99 2>"$work/err" >/dev/null
@@ -36,7 +44,7 @@ set -e
 
 # Recorded under --deterministic: the fingerprint says so and replay applies the same settings.
 "$bin" record "$scenarios/tiny-gpt.yaml" -o "$work/det.trace" --steps 2 --deterministic >/dev/null
-"$bin" inspect "$work/det.trace" | grep -q "deterministic_algorithms=on" || fail "--deterministic not in the fingerprint"
+inspect_has "$work/det.trace" -q "deterministic_algorithms=on" || fail "--deterministic not in the fingerprint"
 "$bin" replay "$work/det.trace" >/dev/null || fail "deterministic trace did not replay"
 
 # 2. --export writes .pt files LibTorch's pickle loader (and Python's torch.load) open.
@@ -67,8 +75,8 @@ set -e
 grep -q "flight ring dumped" "$work/nan.out" || fail "no ring dump reported"
 "$bin" replay "$work/nan.trace" --json - 2>/dev/null >"$work/nan.json" || fail "NaN replay did not reproduce"
 grep -q '"op": "aten::native_layer_norm"' "$work/nan.json" || fail "first non-finite op not named: $(cat "$work/nan.json")"
-"$bin" inspect "$work/nan.trace" | grep -Eq "step_end step [0-9]+ loss (nan|inf|-inf) grad_norm" || fail "inspect does not print the non-finite loss bare"
-if "$bin" inspect "$work/nan.trace" | grep -q -- '-nan\|"nan"'; then fail "inspect prints -nan or a quoted nan"; fi
+inspect_has "$work/nan.trace" -Eq "step_end step [0-9]+ loss (nan|inf|-inf) grad_norm" || fail "inspect does not print the non-finite loss bare"
+if inspect_has "$work/nan.trace" -q -- '-nan\|"nan"'; then fail "inspect prints -nan or a quoted nan"; fi
 
 # 4. SIGKILL during step 3 with write-ahead: the .incomplete trace replays the dying step.
 set +e
@@ -111,7 +119,7 @@ set -e
 [[ $rc -eq 143 ]] || fail "SIGTERM: exit $rc, expected 143"
 trace=$work/term.trace
 [[ -f $trace ]] || trace=$work/term.trace.incomplete
-"$bin" inspect "$trace" | grep -q "ring_dump: exception: signal SIGTERM" || fail "no ring dump after SIGTERM"
+inspect_has "$trace" -q "ring_dump: exception: signal SIGTERM" || fail "no ring dump after SIGTERM"
 "$bin" replay "$trace" >/dev/null || fail "SIGTERM trace did not replay"
 
 # 6. A step that raised (clipping refuses an Inf gradient norm, defenses.clip.error_if_nonfinite):
