@@ -869,8 +869,8 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
     // restored a snapshot its ring kept, which a replay starting here has not seen (the ring is
     // not in state(), docs/defenses.md). That, not an incomplete state(), is what differs.
     std::optional<StepEndRecord> recorded_end;
-    if (anchor && recs.end) recorded_end = StepEndRecord::decode(trace.read_table(*recs.end), trace.path());
-    if (recorded_end && recorded_end->rolled_back && recorded_end->rolled_back_to >= 0 &&
+    if (recs.end) recorded_end = StepEndRecord::decode(trace.read_table(*recs.end), trace.path());
+    if (anchor && recorded_end && recorded_end->rolled_back && recorded_end->rolled_back_to >= 0 &&
         recorded_end->rolled_back_to < s) {
       d.hint = "the recorded run rolled back in step " + std::to_string(s) + " to the state from the start of step " +
                std::to_string(recorded_end->rolled_back_to) +
@@ -909,12 +909,9 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
       d.hint = "every segment event before it matched, so the gradient flowing into '" + d.segment +
                "' was made outside the segments, by code that runs after its forward (the layers after it, the "
                "loss function, the targets) and computed differently";
-      if (recs.end) {
-        const StepEndRecord end = StepEndRecord::decode(trace.read_table(*recs.end), trace.path());
-        if (!same_double(end.loss, outcome.loss)) {
-          d.hint += "; the step's loss differs too (recorded " + number_text(end.loss) + ", replayed " +
-                    number_text(outcome.loss) + ")";
-        }
+      if (recorded_end && !same_double(recorded_end->loss, outcome.loss)) {
+        d.hint += "; the step's loss differs too (recorded " + number_text(recorded_end->loss) + ", replayed " +
+                  number_text(outcome.loss) + ")";
       }
     }
   }
