@@ -451,6 +451,11 @@ void Defenses::check_in(const std::vector<NamedTensor>& program_state) const {
 
 bool Defenses::parameters_finite() const { return retrace::parameters_finite(parameters_); }
 
+bool parameters_finite(Program& program) {
+  const Defenses* d = program.defenses();
+  return d ? d->parameters_finite() : parameters_finite(program.state());
+}
+
 double Defenses::next_lr() const {
   if (!optimizer_ || optimizer_->param_groups().empty()) return 0.0;
   return schedule_.lr(optimizer_->param_groups()[0].options().get_lr());

@@ -186,6 +186,9 @@ class ProgramUnderScenario : public Program {
       : spec_(std::move(spec)), inner_(std::move(inner)) {}
   std::string name() const override { return "retrace.scenario"; }
   std::string config() const override { return to_yaml(spec_); }
+  std::string describe() const override {
+    return inner_->describe() + ", run by scenario '" + spec_.name + "' (" + spec_.origin + ")";
+  }
   std::vector<NamedTensor> state() override { return inner_->state(); }
   void load_state(const std::vector<NamedTensor>& state) override { inner_->load_state(state); }
   void adopt_state(std::vector<NamedTensor> state) override { inner_->adopt_state(std::move(state)); }

@@ -70,10 +70,10 @@ std::vector<std::string> StateCheck::differences(const Copy& a, const Copy& b, c
 }
 
 StateCheck::StateCheck(Program& program, std::int64_t step, const std::vector<NamedTensor>& batch)
-    : program_(program.name()), step_(step) {
+    : program_(program.name()), described_(program.describe()), step_(step) {
   const std::vector<std::string> known = registered_programs();
   if (std::find(known.begin(), known.end(), program_) == known.end()) {
-    skipped_ = "program '" + program_ + "' is not registered (register_program), so it cannot be rebuilt by name";
+    skipped_ = described_ + " is not registered (register_program), so it cannot be rebuilt by name";
     return;
   }
   const std::vector<NamedTensor> inputs = clone_all(batch);  // an injector may corrupt a batch in place
@@ -126,7 +126,7 @@ StateCheckResult StateCheck::finish(const StepOutcome& outcome, const std::vecto
     return r;
   }
   const std::string copy =
-      "a copy of program '" + program_ + "' rebuilt from its name and config and loaded with the step's start state()";
+      "a copy of " + described_ + " rebuilt from its name and config and loaded with the step's start state()";
   const std::string fix =
       "; add it to state() and load_state() (or, if its constructor skips initializing it under "
       "restoring_state(), initialize it there; and load_state() is given the program's own state() tensors "
@@ -134,8 +134,7 @@ StateCheckResult StateCheck::finish(const StepOutcome& outcome, const std::vecto
       "the check off (RecorderOptions::state_check, retrace record --no-state-check)";
   r.status = StateCheckResult::Status::kFailed;
   if (not_rebuilt_) {
-    r.message = at + " failed: rebuilding program '" + program_ +
-                "' from its name and config raised: " + *not_rebuilt_ +
+    r.message = at + " failed: rebuilding " + described_ + " from its name and config raised: " + *not_rebuilt_ +
                 "; replay rebuilds it the same way and would fail too";
     return r;
   }
@@ -148,8 +147,8 @@ StateCheckResult StateCheck::finish(const StepOutcome& outcome, const std::vecto
       apart = differences(copy_, second_, "first", "second");
     }
     r.differing = apart;
-    r.message = at + " failed: two copies of program '" + program_ +
-                "', each rebuilt from its name and config and loaded with the step's start state() and RNG state, "
+    r.message = at + " failed: two copies of " + described_ +
+                ", each rebuilt from its name and config and loaded with the step's start state() and RNG state, "
                 "ended it differently from each other in " +
                 name_list(apart) +
                 ": the step is not deterministic, so no replay reproduces it bit for bit, whatever state() holds; "

@@ -257,7 +257,7 @@ int run_record(const std::vector<std::string>& args) {
   if (stats.state_check.status == StateCheckResult::Status::kSkipped) {
     std::cerr << binary_name() << " record: " << stats.state_check.message << "\n";
   }
-  const bool params_finite = defenses ? defenses->parameters_finite() : parameters_finite(program->state());
+  const bool params_finite = parameters_finite(*program);
   const bool finite = print_summary(outcomes, params_finite, stats, output, mode);
   // A run cut short by a NaN was reported above; one that ran every step must have fired every injection.
   bool all_fired = true;

@@ -311,11 +311,37 @@ TEST(RecordStateCheck, AStepThatIsNotDeterministicIsNamedSoNotAnIncompleteState)
   } catch (const StateCheckError& e) {
     const std::string what = e.what();
     EXPECT_EQ(e.result().status, StateCheckResult::Status::kFailed);
-    EXPECT_NE(what.find("two copies of program 'test.adam.nondeterministic'"), std::string::npos) << what;
+    EXPECT_NE(what.find("two copies of program 'test.adam.nondeterministic', each"), std::string::npos) << what;
     EXPECT_NE(what.find("ended it differently from each other in "), std::string::npos) << what;
     EXPECT_NE(what.find("the step is not deterministic"), std::string::npos) << what;
     EXPECT_EQ(what.find("probably incomplete"), std::string::npos) << what;
     EXPECT_FALSE(e.result().differing.empty());
+  }
+  fs::remove(path);
+}
+
+// Run by a scenario, the program is recorded under the scenario's wrapper ("retrace.scenario", the
+// name replay rebuilds it by); the check's message names the user's program and the scenario, not
+// the wrapper alone. Control: the bare program's message above names no scenario.
+TEST(RecordStateCheck, AScenariosProgramIsNamedByItsOwnNameAndTheScenario) {
+  register_adam_programs();
+  register_builtin_programs();
+  const std::unique_ptr<Program> program = make_scenario_program(
+      parse_scenario_text("name: wrapped-nondet\nprogram: test.adam.nondeterministic\ntraining: {steps: 4}\n"
+                          "expect: {params_finite: true}\n",
+                          "wrapped.yaml"));
+  EXPECT_EQ(program->name(), "retrace.scenario");
+  const std::string path = temp_path("wrapped");
+  Recorder recorder(path, *program);
+  try {
+    record_run(*program, recorder, 4);
+    FAIL() << "a step that is not deterministic passed the self-check";
+  } catch (const StateCheckError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("two copies of program 'test.adam.nondeterministic', run by scenario 'wrapped-nondet' "
+                        "(wrapped.yaml), each"),
+              std::string::npos)
+        << what;
   }
   fs::remove(path);
 }

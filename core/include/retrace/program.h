@@ -108,6 +108,9 @@ class Program {
   // ranks share (the recorder writes it into the trace's header; replay rebuilds the program as
   // that rank, alone). A single-process program keeps the default.
   virtual RankInfo ranks() const { return {}; }
+  // How messages name this program: "program 'NAME'" by default. A program that wraps another
+  // names the one it wraps (a scenario's: "program 'my.trainer', run by scenario 'x'").
+  virtual std::string describe() const { return "program '" + name() + "'"; }
 };
 
 using ProgramFactory = std::function<std::unique_ptr<Program>(const std::string& config)>;

@@ -300,4 +300,8 @@ class DefendedStep {
   std::optional<ObserverScope> inject_scope_, verify_scope_, extra_scope_;
 };
 
+// Every parameter of `program` finite: its defenses' parameters where it has defenses (their
+// master copies), else the parameters in its state().
+bool parameters_finite(Program& program);
+
 }  // namespace retrace

@@ -90,7 +90,8 @@ class StateCheck {
     std::vector<Named> state_after;     // its state() after the step (not raised)
     StepOutcome outcome;
   };
-  std::string program_;
+  std::string program_;    // its registry name
+  std::string described_;  // Program::describe(), for messages
   std::int64_t step_;
   std::optional<std::string> skipped_;      // why the copy was not run
   std::optional<std::string> not_rebuilt_;  // the factory threw rebuilding it
