@@ -227,6 +227,11 @@ void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
   }
 }
 
+std::string optimizer_state_detail(const ScenarioResult& r) {
+  return "optimizer state non-finite at the end (" + r.nonfinite_optimizer_state +
+         "): the updates of the parameters it covers are 0 or non-finite from then on";
+}
+
 // What broke, and when: r.breakage, from the run and its failed checks.
 void find_breakage(const ExpectSpec& e, ScenarioResult& r) {
   const bool raise_expected = e.raises.value_or(false);
@@ -241,14 +246,23 @@ void find_breakage(const ExpectSpec& e, ScenarioResult& r) {
     add(BreakKind::kNonFiniteParams, r.nonfinite_params_since,
         "parameters non-finite from step " + std::to_string(r.nonfinite_params_since) + " on", true);
   }
+  if (!r.optimizer_state_finite && r.params_finite)
+    add(BreakKind::kNonFiniteOptimizerState, r.last_step, optimizer_state_detail(r), true);
   if (failed(CheckKind::kLossFinite) && r.first_nonfinite_loss_step > 0) {
     add(BreakKind::kNonFiniteLoss, r.first_nonfinite_loss_step,
         "step " + std::to_string(r.first_nonfinite_loss_step) + " applied a non-finite loss", true);
   }
   if (failed(CheckKind::kFinalLossBelow)) {
+    const bool any_applied = std::any_of(r.steps.begin(), r.steps.end(), [&](const StepPoint& p) {
+      return p.step >= r.final_window_first && !p.skipped;
+    });
+    // With no applied step in the window there is no final loss: for a control, that is the
+    // defenses refusing every step of it (a validated batch skipped), not the fault raising the loss.
     add(BreakKind::kFinalLoss, r.last_step,
-        "final loss " + fmt(r.final_loss) + " (" + final_window(r) + "), expected below " + fmt(*e.final_loss_below),
-        true);
+        (any_applied ? "final loss " + fmt(r.final_loss) + " (" + final_window(r) + ")"
+                     : "no applied step in " + final_window(r) + " to take a final loss from") +
+            ", expected below " + fmt(*e.final_loss_below),
+        any_applied || !e.diverges);
   }
   if (failed(CheckKind::kRecomputeBitwise) && r.first_silent_mismatch_step > 0) {
     add(BreakKind::kSilentRecompute, r.first_silent_mismatch_step,
@@ -288,12 +302,14 @@ void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
     // A harness error never got to its fault: what its checks of what breaks say (loss_finite: no
     // applied step) is no breakage, and its outcome is "not exercised".
     r.broke = !r.harness_error && ((r.raised && !raise_expected) || wrong_raise || !r.params_finite ||
+                                   (!r.optimizer_state_finite && r.params_finite) ||
                                    std::any_of(r.checks.begin(), r.checks.end(), [](const ExpectationCheck& c) {
                                      return !c.passed && role_of(c.kind) == CheckRole::kBreakage;
                                    }));
     if (r.raised && !raise_expected && !r.harness_error)
       reason("raised at step " + std::to_string(r.raised_at_step) + ": " + r.error);
     if (!r.params_finite && !e.params_finite) reason("non-finite parameters at the end");
+    if (!r.optimizer_state_finite && r.params_finite && !r.harness_error) reason(optimizer_state_detail(r));
     for (const ExpectationCheck& c : r.checks) {
       if (!c.passed) reason(reason_of(c));
     }
@@ -421,6 +437,7 @@ const char* to_string(BreakKind kind) {
     case BreakKind::kNoProgress: return "no_progress";
     case BreakKind::kRaised: return "raised";
     case BreakKind::kRanksSplit: return "ranks_split";
+    case BreakKind::kNonFiniteOptimizerState: return "non_finite_optimizer_state";
   }
   return "?";
 }
@@ -462,7 +479,7 @@ StepNoteKind parse_step_note_kind(const std::string& name) {
 BreakKind parse_break_kind(const std::string& name) {
   for (BreakKind k :
        {BreakKind::kNonFiniteParams, BreakKind::kNonFiniteLoss, BreakKind::kFinalLoss, BreakKind::kSilentRecompute,
-        BreakKind::kNoProgress, BreakKind::kRaised, BreakKind::kRanksSplit}) {
+        BreakKind::kNoProgress, BreakKind::kRaised, BreakKind::kRanksSplit, BreakKind::kNonFiniteOptimizerState}) {
     if (name == to_string(k)) return k;
   }
   throw Error("unknown breakage kind '" + name + "' in a scenario result");
@@ -614,20 +631,18 @@ class ScenarioRun {
   Program* program() const { return program_.get(); }
   Defenses* defenses() const { return defenses_; }
   void mark_started() { started_ = true; }
-  // The parameters as the run starts: their finiteness, and a copy, for how far training moves them.
-  void note_initial_params() {
+  // The parameters as the run starts: their finiteness; and how far training moves them is measured
+  // from the start of step `movement_from` (the fault's: what moved before it says nothing of what
+  // the defenses let through after it).
+  void note_initial_params(std::int64_t first_step, std::int64_t movement_from) {
     params_were_finite_ = params_finite();
-    initial_params_.clear();
-    for (const NamedTensor& n : program_->state()) {
-      if (n.kind == TensorKind::kParameter && n.tensor.is_floating_point())
-        initial_params_.push_back(n.tensor.detach().clone());
-    }
+    movement_from_ = std::max(first_step, movement_from);
+    r_.param_movement_from = movement_from_;
+    if (movement_from_ == first_step) keep_movement_start();
   }
   bool params_nonfinite_now() const { return !params_were_finite_; }  // after the last step
 
-  bool params_finite() const {
-    return defenses_ ? defenses_->parameters_finite() : parameters_finite(program_->state());
-  }
+  bool params_finite() const { return parameters_finite(*program_); }
 
   // What each injection entry was due on and did in the step that ends (or raised).
   void tally_injections(std::int64_t step) {
@@ -668,6 +683,7 @@ class ScenarioRun {
     const bool finite = params_finite();
     if (!finite && params_were_finite_) r_.nonfinite_params_since = step;
     params_were_finite_ = finite;
+    if (step + 1 == movement_from_) keep_movement_start();
   }
 
   void on_exception(const std::exception& e) {
@@ -704,6 +720,13 @@ class ScenarioRun {
     if (!program_) return;
     if (defenses_) defenses_->observe(nullptr);
     r_.params_finite = params_finite();
+    for (const NamedTensor& n : program_->state()) {
+      if (n.kind == TensorKind::kOptimizerState && n.tensor.is_floating_point() && !all_finite(n.tensor)) {
+        r_.optimizer_state_finite = false;
+        r_.nonfinite_optimizer_state = n.name;
+        break;
+      }
+    }
     if (r_.params_finite) r_.nonfinite_params_since = first_step - 1;
     else if (params_were_finite_) r_.nonfinite_params_since = r_.last_step;  // the step that raised broke them
     if (const LossScaler* s = defenses_ ? defenses_->scaler() : nullptr) {
@@ -741,10 +764,21 @@ class ScenarioRun {
   Defenses* defenses_ = nullptr;  // the program's pipeline: what fired, what the defenses did
   bool started_ = false;
   bool params_were_finite_ = true;
-  std::vector<at::Tensor> initial_params_;  // note_initial_params'
+  std::int64_t movement_from_ = 1;
+  std::vector<at::Tensor> initial_params_;  // at the start of step movement_from_
 
-  // ScenarioResult::param_movement: the parameters now against initial_params_, relative to those.
+  void keep_movement_start() {
+    initial_params_.clear();
+    for (const NamedTensor& n : program_->state()) {
+      if (n.kind == TensorKind::kParameter && n.tensor.is_floating_point())
+        initial_params_.push_back(n.tensor.detach().clone());
+    }
+  }
+
+  // ScenarioResult::param_movement: the parameters now against initial_params_, relative to those
+  // (NaN where the run never reached step movement_from_).
   double param_movement() const {
+    if (initial_params_.empty()) return std::numeric_limits<double>::quiet_NaN();
     double squares = 0, start = 0;
     std::size_t i = 0;
     for (const NamedTensor& n : program_->state()) {
@@ -839,7 +873,7 @@ ScenarioResult run_and_check(const ScenarioSpec& spec, const RunOptions& options
       if (options.restart_schedule && run.defenses()) run.defenses()->schedule().restart();
     }
     if (options.start_rng) options.start_rng->restore();
-    run.note_initial_params();
+    run.note_initial_params(options.first_step, options.movement_from > 0 ? options.movement_from : r.fault_step);
     auto after_step = [&](std::int64_t step, const StepOutcome& o) { run.after_step(step, o); };
     // After the injector: it compares what actually flowed. A program without the pipeline has
     // its segments observed directly.
@@ -1021,6 +1055,47 @@ void weigh_fault_free(const ExpectSpec& e, const CounterfactualPlan& plan, const
   settle_counterfactual(CheckKind::kFaultCaused, expected, observed, kept != nullptr, r, anyway != nullptr);
 }
 
+// A run that held, against the run with neither the fault nor the defenses (`c0`; for a scenario
+// without injections, the undefended run): it held only if training went on after the fault. From
+// the start of the fault's step, its parameters must move at least kTrainedFraction as far as in
+// that run -- an LR scaled to nothing, clipping at 1e-30, a warmup of 1e8 steps, a plateau cut to
+// 1e-12 or a loss scale backed off until the gradients underflow "hold" by freezing the model --
+// or, where that run runs away (non-finite, or moving more than kRunsAway of their norm), at least
+// kMovedAtAll of their own norm; and at least kMovedAtAllInFloat32 of it in any case (a
+// configuration that does not train, an LR of 0, shows nothing held either).
+void weigh_training(const ScenarioResult& c0, ScenarioResult& r) {
+  // Not weighed for a run that held by raising, as it expected (it stops there by design), nor for
+  // one that applied no step from the fault's on: its defenses skipped them all, and the progress
+  // rule (min_applied_steps) is what speaks of that.
+  if (r.raised || r.applied_from_fault == 0) return;
+  const std::string window = "steps " + std::to_string(r.param_movement_from) + ".." + std::to_string(r.last_step);
+  const double m = r.param_movement, m0 = c0.param_movement;
+  const bool runs_away = !c0.params_finite || !std::isfinite(m0) || m0 > kRunsAway;
+  const double ratio = m / m0;
+  const bool trained = std::isfinite(m) && m >= kMovedAtAllInFloat32 &&
+                       (runs_away ? m >= kMovedAtAll : ratio >= kTrainedFraction);
+  check(r, CheckKind::kTrained,
+        "from the fault's step on (" + window + "), the parameters move at least " + fmt(kTrainedFraction) +
+            " as far as in the run with neither the fault nor the defenses (where that run runs away, " +
+            fmt(kMovedAtAll) + " of their norm), and at least " + fmt(kMovedAtAllInFloat32) + " of their norm",
+        "they moved " + fmt(m) + ", that run's " +
+            (c0.params_finite ? fmt(m0) + (runs_away ? " (it runs away)" : " (" + fmt(ratio) + " as far)")
+                              : std::string("non-finite (it runs away)")),
+        trained);
+  if (trained) return;
+  r.reasons.push_back(reason_of(r.checks.back()));
+  r.passed = false;
+  r.broke = true;
+  std::string why =
+      "the parameters moved " + fmt(m) + " of their norm from step " + std::to_string(r.param_movement_from) + " on";
+  if (!runs_away && m0 < kMovedAtAllInFloat32) {
+    why += ", and " + fmt(m0) + " without the fault and the defenses: the configuration does not train";
+  } else if (!runs_away) {
+    why += ", " + fmt(ratio) + " as far as without the fault and the defenses";
+  }
+  r.breakage.push_back({BreakKind::kNoProgress, r.last_step, "training did not go on: " + why, true});
+}
+
 // fault_bites' expectation, as the undefended and the bare run state it.
 std::string bites_expected(const ScenarioSpec& spec) {
   return "the run without its defenses (" + defense_label(spec) + ") breaks, and not without the fault";
@@ -1055,6 +1130,7 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
   } else if (spec.injections.empty()) {  // the configuration is the fault: the bare run is this one
     r.counterfactual.broke = true;
     settle_counterfactual(CheckKind::kFaultBites, expected, "broke: " + c.breakage.front().detail, true, r, false);
+    weigh_training(c, r);
     return {};
   } else {
     CounterfactualPlan next = plan;  // the whole window: breakage later than the fault's counts too
@@ -1063,34 +1139,6 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
   }
   settle_counterfactual(CheckKind::kFaultBites, expected, observed, false, r, false);
   return {};
-}
-
-// A run that held a fault that bites, against the run with neither the fault nor the defenses: its
-// defenses held only if training went on, its parameters moving at least kTrainedFraction as far
-// (an LR scaled to nothing, clipping at 1e-30 or a warmup of 1e8 steps "hold" by freezing the
-// model) -- or, where that run runs away (finite, but on its way to breaking), at least
-// kMovedAtAll of their own norm. Not weighed where that run's movement is not known or not finite.
-void weigh_training(const ScenarioResult& c0, ScenarioResult& r) {
-  if (!c0.params_finite || !std::isfinite(c0.param_movement) || c0.param_movement <= 0) return;
-  const std::string window =
-      "steps " + std::to_string(r.steps.empty() ? 1 : r.steps.front().step) + ".." + std::to_string(r.last_step);
-  const double ratio = r.param_movement / c0.param_movement;
-  const bool trained = std::isfinite(r.param_movement) &&
-                       (ratio >= kTrainedFraction || r.param_movement >= kMovedAtAll);
-  check(r, CheckKind::kTrained,
-        "the parameters move at least " + fmt(kTrainedFraction) +
-            " as far as in the run with neither the fault nor the defenses, or " + fmt(kMovedAtAll) +
-            " of their norm (" + window + ")",
-        "they moved " + fmt(r.param_movement) + ", that run's " + fmt(c0.param_movement) + " (" + fmt(ratio) + ")",
-        trained);
-  if (trained) return;
-  r.reasons.push_back(reason_of(r.checks.back()));
-  r.passed = false;
-  r.broke = true;
-  r.breakage.push_back(
-      {BreakKind::kNoProgress, r.last_step,
-       "training did not go on: the parameters moved " + fmt(ratio) + " as far as without the fault and the defenses",
-       true});
 }
 
 // The undefended run's breakage against the run with neither the fault nor the defenses: breakage
@@ -1120,6 +1168,19 @@ void weigh_bare(const ScenarioSpec& spec, const ScenarioResult& c0, ScenarioResu
   if (cf.broke) weigh_training(c0, r);
 }
 
+// A scenario without defenses that held its fault (the model itself holds), against the run
+// without the fault: training must have gone on after it.
+void weigh_undefended_model(const ScenarioResult& c, ScenarioResult& r) {
+  r.counterfactual = summary_of(CounterfactualKind::kBare, c);
+  r.counterfactual.broke = !c.harness_error && !c.breakage.empty();
+  if (c.harness_error) {
+    settle_counterfactual(CheckKind::kTrained, "training goes on after the fault as without it",
+                          "could not tell: the run without the fault: " + c.error, false, r, false);
+    return;
+  }
+  weigh_training(c, r);
+}
+
 }  // namespace
 
 CounterfactualPlan plan_counterfactual(const ScenarioSpec& spec, const RunOptions& options, ScenarioResult& r) {
@@ -1132,7 +1193,15 @@ CounterfactualPlan plan_counterfactual(const ScenarioSpec& spec, const RunOption
   if (!options.counterfactual || r.harness_error || (control && spec.injections.empty())) return plan;
   if (control ? !r.broke : r.outcome_kind() != Outcome::kHeld) return plan;
   if (!control && !defended(spec)) {
-    r.counterfactual.why_not = "no defenses to take away: the scenario claims the model itself holds";
+    // The scenario claims the model itself holds: no defenses to take away, but the run without
+    // the fault shows whether training went on after it (a loss x 1e30 leaves AdamW's second
+    // moments infinite, and every later update 0).
+    if (spec.injections.empty()) {
+      r.counterfactual.why_not = "no defenses to take away and no fault: the scenario claims the model itself holds";
+      return plan;
+    }
+    plan.kind = CounterfactualKind::kBare;
+    plan.last_step = options.last_step;
     return plan;
   }
   plan.kind = control ? CounterfactualKind::kFaultFree : CounterfactualKind::kUndefended;
@@ -1168,6 +1237,7 @@ ScenarioResult run_counterfactual(const ScenarioSpec& spec, const Counterfactual
   o.counterfactual = false;
   o.first_step = plan.first_step;
   o.last_step = plan.last_step;
+  o.movement_from = plan.fault_step;  // the run's: the movements compared cover the same steps
   // Undefended, it has shown what it was run for once the parameters are non-finite -- unless the
   // scenario held by raising: then whether it raises the same, later, is what it was run for (a
   // raise no defense made). Not for the ranks of a data-parallel run: one rank stopping alone would
@@ -1183,7 +1253,10 @@ CounterfactualPlan weigh_counterfactual(const ScenarioSpec& spec, const Counterf
   switch (plan.kind) {
     case CounterfactualKind::kFaultFree: weigh_fault_free(spec.expect, plan, c, r); break;
     case CounterfactualKind::kUndefended: return weigh_undefended(spec, plan, c, r);
-    case CounterfactualKind::kBare: weigh_bare(spec, c, r); break;
+    case CounterfactualKind::kBare:
+      if (defended(spec)) weigh_bare(spec, c, r);
+      else weigh_undefended_model(c, r);
+      break;
     case CounterfactualKind::kNone: break;
   }
   return {};
@@ -1286,9 +1359,12 @@ nlohmann::json ScenarioResult::to_json() const {
   j["silent_recompute_mismatches"] = silent_recompute_mismatches;
   j["caught_recompute_mismatches"] = caught_recompute_mismatches;
   j["params_finite"] = params_finite;
+  j["optimizer_state_finite"] = optimizer_state_finite;
+  j["nonfinite_optimizer_state"] = nonfinite_optimizer_state;
   j["all_losses_finite"] = all_losses_finite;
   j["final_loss"] = num(final_loss);
   j["param_movement"] = num(param_movement);
+  j["param_movement_from"] = param_movement_from;
   for (double v : losses) j["losses"].push_back(num(v));
   for (double v : scales) j["scales"].push_back(num(v));
   for (double v : lrs) j["lrs"].push_back(num(v));
@@ -1386,9 +1462,12 @@ ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
   r.silent_recompute_mismatches = j.at("silent_recompute_mismatches");
   r.caught_recompute_mismatches = j.at("caught_recompute_mismatches");
   r.params_finite = j.at("params_finite");
+  r.optimizer_state_finite = j.at("optimizer_state_finite");
+  r.nonfinite_optimizer_state = j.at("nonfinite_optimizer_state");
   r.all_losses_finite = j.at("all_losses_finite");
   r.final_loss = from_num(j.at("final_loss"));
   r.param_movement = from_num(j.at("param_movement"));
+  r.param_movement_from = j.at("param_movement_from");
   if (j.contains("losses"))
     for (const auto& v : j["losses"]) r.losses.push_back(from_num(v));
   if (j.contains("scales"))

@@ -152,6 +152,9 @@ ScenarioResult merge_ranks(const ScenarioSpec& spec, const std::string& source,
     r.raised = r.raised || x.raised;
     r.harness_error = r.harness_error || x.harness_error;
     r.params_finite = r.params_finite && x.params_finite;
+    if (r.optimizer_state_finite && !x.optimizer_state_finite)
+      r.nonfinite_optimizer_state = who + ": " + x.nonfinite_optimizer_state;
+    r.optimizer_state_finite = r.optimizer_state_finite && x.optimizer_state_finite;
     if (r.error.empty() && !x.error.empty()) r.error = who + ": " + x.error;
   }
   std::stable_sort(r.notes.begin(), r.notes.end(), [](const StepNote& a, const StepNote& b) {

@@ -427,15 +427,17 @@ TEST(Verdict, DefensesThatHoldByFreezingTrainingBroke) {
   const ExpectationCheck* trained = find_check(r, "trained");
   ASSERT_NE(trained, nullptr) << why(r);
   EXPECT_FALSE(trained->passed);
-  EXPECT_TRUE(has_reason(r, "trained: expected the parameters move at least 0.01 as far as in the run with neither "
-                            "the fault nor the defenses, or 0.0001 of their norm (steps 1..4)"))
+  EXPECT_TRUE(has_reason(r, "trained: expected from the fault's step on (steps 2..4), the parameters move at least "
+                            "0.01 as far as in the run with neither the fault nor the defenses"))
       << why(r);
+  EXPECT_EQ(r.param_movement_from, 2);
   ASSERT_FALSE(r.breakage.empty());
   EXPECT_EQ(r.breakage.back().kind, BreakKind::kNoProgress);
   EXPECT_LT(r.param_movement, 1e-9) << why(r);
   const ScenarioResult back = ScenarioResult::from_json(r.to_json());
   EXPECT_EQ(back.outcome(), "broke");
   EXPECT_EQ(back.param_movement, r.param_movement);
+  EXPECT_EQ(back.param_movement_from, 2);
 
   r = run_scenario(with("defenses: {skip_nonfinite: true, lr_scale: 0.1}\n" + rest));
   EXPECT_TRUE(r.passed) << why(r);
@@ -443,6 +445,121 @@ TEST(Verdict, DefensesThatHoldByFreezingTrainingBroke) {
   trained = find_check(r, "trained");
   ASSERT_NE(trained, nullptr) << why(r);
   EXPECT_TRUE(trained->passed) << trained->observed;
+}
+
+// An SGD model of its own for the rules below: what a step moves is all the update there is (no
+// momentum, no weight decay), so a step that applies zero gradients moves nothing.
+std::string sgd(const std::string& training, const std::string& rest) {
+  return "name: t\nmodel: {type: tiny_gpt, layers: 2, d_model: 16, heads: 2, vocab: 32, seq_len: 8, dropout: 0.1}\n"
+         "data: {batch: 4}\ntraining: {optimizer: sgd, segments: 2, " +
+         training + "}\n" + rest;
+}
+
+// trained is measured from the fault's step on (red-team findings): what moved before the fault says
+// nothing of what the defenses let through after it. Clipping a gradient whose norm overflows
+// multiplies it by 0; a loss x 1e30 on every step from 3 on leaves SGD applying zeros, and the
+// movement of steps 1..2 carried the whole-run measure ('held, ok'). An LR scaled by 1e-3 moved
+// them 0.007 as far as the run without it: the 1e-4-of-their-norm floor applies only where that run
+// runs away. Controls: the same spike on step 3 alone, after which clipping lets training go on,
+// held; an LR scaled by 0.1 held.
+TEST(Verdict, TrainedIsMeasuredFromTheFaultsStepOn) {
+  const std::string clip = "defenses: {clip: {mode: global, max_norm: 1.0}}\nexpect: {params_finite: true}\n";
+  ScenarioResult r = run_scenario(parse_scenario_text(
+      sgd("steps: 8, lr: 0.1", clip + "injections: [{type: loss_spike, step: 3, duration: 6, factor: 1.0e30}]\n"),
+      "zeroed.yaml"));
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  EXPECT_TRUE(has_reason(r, "(steps 3..8)")) << why(r);
+  EXPECT_EQ(r.param_movement, 0.0) << why(r);
+  ASSERT_FALSE(r.breakage.empty());
+  EXPECT_EQ(r.breakage.back().kind, BreakKind::kNoProgress);
+  r = run_scenario(parse_scenario_text(
+      sgd("steps: 8, lr: 0.1", clip + "injections: [{type: loss_spike, step: 3, factor: 1.0e30}]\n"), "once.yaml"));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "held") << why(r);
+  ASSERT_NE(find_check(r, "trained"), nullptr) << why(r);
+
+  const std::string spike = "injections: [{type: lr_spike, step: 3, duration: 2, factor: 20}]\n"
+                            "expect: {final_loss_below: 4.0, params_finite: true}\n";
+  r = run_scenario(parse_scenario_text(sgd("steps: 10, lr: 1.0", "defenses: {lr_scale: 1.0e-3}\n" + spike), "s.yaml"));
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  const ExpectationCheck* trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_FALSE(trained->passed) << trained->observed;
+  EXPECT_GT(r.param_movement, kMovedAtAll) << why(r);  // the floor alone would have passed it
+  r = run_scenario(parse_scenario_text(sgd("steps: 10, lr: 1.0", "defenses: {lr_scale: 0.1}\n" + spike), "s.yaml"));
+  EXPECT_TRUE(r.passed) << why(r);
+  trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_TRUE(trained->passed) << trained->observed;
+}
+
+// A configuration that does not train shows no defense holding, whatever the run without the fault
+// and the defenses did: an LR of 0 moved the parameters 0 in both runs (the check was skipped), a
+// loss weighted 1e-30 moved them 4e-34 against 5e-34 (it passed, a ratio of 0.88). Both are below
+// float32's relative precision. Control: the same at LR 0.003 held.
+TEST(Verdict, AConfigurationThatDoesNotTrainHeldNothing) {
+  const std::string rest = "defenses: {skip_nonfinite: true}\ninjections: [{type: grad_nonfinite, step: 2}]\n"
+                           "expect: {params_finite: true}\n";
+  for (const char* training : {"steps: 5, lr: 0.0", "steps: 5, lr: 0.1, loss_weight: 1.0e-30"}) {
+    const ScenarioResult r = run_scenario(parse_scenario_text(sgd(training, rest), "frozen.yaml"));
+    EXPECT_EQ(r.outcome(), "broke") << training << "\n" << why(r);
+    const ExpectationCheck* trained = find_check(r, "trained");
+    ASSERT_NE(trained, nullptr) << training << "\n" << why(r);
+    EXPECT_FALSE(trained->passed) << trained->observed;
+    EXPECT_LT(r.param_movement, kMovedAtAllInFloat32);
+  }
+  const ScenarioResult r = run_scenario(parse_scenario_text(sgd("steps: 5, lr: 0.1", rest), "trains.yaml"));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "held");
+}
+
+// A model that holds its fault without defenses must train on after it, and keep its optimizer's
+// state finite: a loss x 1e30 leaves AdamW's second moments infinite, every later update of their
+// parameters 0 (red-team finding: 'held, ok', no check). The run without the fault is its
+// counterfactual (bare). Control: a mantissa flip of a weight, which the model holds, passes with
+// trained weighed; a scenario with neither fault nor defenses runs none and says why.
+TEST(Verdict, AModelThatHoldsWithoutDefensesMustTrainOnAndKeepItsOptimizerStateFinite) {
+  ScenarioResult r =
+      run_scenario(with("injections: [{type: loss_spike, step: 2, factor: 1.0e30}]\nexpect: {params_finite: true}\n"));
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  EXPECT_FALSE(r.optimizer_state_finite);
+  EXPECT_NE(r.nonfinite_optimizer_state.find("exp_avg_sq"), std::string::npos) << r.nonfinite_optimizer_state;
+  EXPECT_TRUE(has_reason(r, "optimizer state non-finite at the end")) << why(r);
+  EXPECT_TRUE(r.params_finite);
+  const ScenarioResult back = ScenarioResult::from_json(r.to_json());
+  EXPECT_FALSE(back.optimizer_state_finite);
+  EXPECT_EQ(back.nonfinite_optimizer_state, r.nonfinite_optimizer_state);
+
+  r = run_scenario(with("injections: [{type: bit_flip, step: 2, target: weights, bit: 2}]\n"
+                        "expect: {params_finite: true}\n"));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_TRUE(r.optimizer_state_finite);
+  EXPECT_EQ(r.counterfactual.kind, CounterfactualKind::kBare);
+  const ExpectationCheck* trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_TRUE(trained->passed) << trained->observed;
+  r = run_scenario(with("expect: {params_finite: true}\n"));
+  EXPECT_EQ(r.counterfactual.kind, CounterfactualKind::kNone);
+  EXPECT_NE(r.counterfactual.why_not.find("no defenses to take away and no fault"), std::string::npos);
+}
+
+// A control whose final window its defenses skipped whole has no final loss: that is the defense
+// refusing the fault's batches, not the fault raising the loss (red-team finding: validated
+// corrupt batches on the last steps passed as 'broke, ok: final loss nan'). Control: expecting to
+// hold, the same run with final_loss_below broke (training did not go on to the end).
+TEST(Verdict, AControlWhoseDefensesSkippedTheWholeFinalWindowHasNoFinalLossBreakage) {
+  const std::string rest =
+      "defenses: {validate_batch: true}\ninjections: [{type: corrupt_batch, step: 2, duration: 3}]\n";
+  ScenarioResult r = run_scenario(with(rest + "expect: {final_loss_below: 10.0, diverges: true}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "held") << why(r);
+  ASSERT_FALSE(r.breakage.empty()) << why(r);
+  EXPECT_FALSE(r.breakage.front().counts);
+  EXPECT_NE(r.breakage.front().detail.find("no applied step in steps 2..4 to take a final loss from"),
+            std::string::npos)
+      << r.breakage.front().detail;
+  r = run_scenario(with(rest + "expect: {final_loss_below: 10.0, min_applied_steps: 0}\n"));
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
 }
 
 // A run that held by raising as it expected, and raises the same without its defenses: the
@@ -477,14 +594,14 @@ TEST(Verdict, AHeldRaiseThatTheUndefendedRunRaisesTooIsNotExercised) {
 }
 
 // No defense to take away: the scenario claims the model itself holds (the built-in
-// bitflip-mantissa-benign), and there is no counterfactual -- it says why. Nor is there one when
-// the caller turns it off (RunOptions::counterfactual, diagnose's variants).
+// bitflip-mantissa-benign), and its counterfactual is only the run without the fault, for trained:
+// no fault_bites. None runs when the caller turns it off (RunOptions::counterfactual, diagnose's
+// variants).
 TEST(Verdict, AScenarioWithoutDefensesOrWithTheCounterfactualOffRunsNone) {
   const std::string flip = "injections: [{type: bit_flip, step: 3, target: weights, bit: 2}]\n";
   ScenarioResult r = run_scenario(with(flip + "expect: {params_finite: true}\n"));
   EXPECT_TRUE(r.passed) << why(r);
-  EXPECT_EQ(r.counterfactual.kind, CounterfactualKind::kNone);
-  EXPECT_NE(r.counterfactual.why_not.find("no defenses to take away"), std::string::npos) << r.counterfactual.why_not;
+  EXPECT_EQ(r.counterfactual.kind, CounterfactualKind::kBare);  // for trained only
   EXPECT_EQ(find_check(r, "fault_bites"), nullptr);
   RunOptions off;
   off.counterfactual = false;

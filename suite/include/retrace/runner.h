@@ -53,17 +53,21 @@ enum class CheckKind {
                  // defenses (Counterfactual)
   kFaultCaused,  // automatic, a negative control: the run without its injections does not break as
                  // early (Counterfactual)
-  kTrained,      // automatic, a scenario that held with a fault that bites: its parameters moved at
-                 // least kTrainedFraction as far as in the run with neither the fault nor the
-                 // defenses -- defenses that hold by freezing training (an LR scaled to nothing)
-                 // held nothing
+  kTrained,      // automatic, a scenario that held: from the fault's step on, its parameters moved
+                 // at least kTrainedFraction as far as in the run with neither the fault nor the
+                 // defenses (kRunsAway, kMovedAtAll, kMovedAtAllInFloat32) -- defenses that hold
+                 // by freezing training (an LR scaled to nothing) held nothing
 };
-// trained's bar: a defended run that moves its parameters less than kTrainedFraction as far as the
-// run with neither the fault nor the defenses (an LR / 10 moves them about 0.1 as far; an LR x
-// 1e-12, nothing), and less than kMovedAtAll of their norm (that run may be running away), did not
-// train.
+// trained's bar, from the start of the fault's step to the end: a run that held moved its parameters
+// at least kTrainedFraction as far as the run with neither the fault nor the defenses (an LR / 10
+// moves them about 0.1 as far; an LR x 1e-12, nothing) -- or, where that run runs away (non-finite
+// at the end, or moving more than kRunsAway of their norm), at least kMovedAtAll of their norm --
+// and at least kMovedAtAllInFloat32 of their norm in any case (float32's relative precision: less
+// is a model that does not train, whatever the other run did).
 inline constexpr double kTrainedFraction = 0.01;
 inline constexpr double kMovedAtAll = 1e-4;
+inline constexpr double kRunsAway = 1.0;
+inline constexpr double kMovedAtAllInFloat32 = 1.1920928955078125e-07;  // FLT_EPSILON
 // The least change of the final loss, as a fraction of final_loss_below, that a fault must make for
 // its final-loss breakage to be its own: one that moves it less only nudged it across the threshold
 // (the run without it then counts as breaking too).
@@ -96,16 +100,19 @@ struct ExpectationCheck {
 // What broke a run, and the first step that showed it: the evidence a negative control's verdict
 // rests on (docs/scenarios.md, "Expectations and the verdict").
 enum class BreakKind {
-  kNonFiniteParams,  // parameters non-finite at the end (step: since when, without a finite step between)
-  kNonFiniteLoss,    // an applied step's loss was non-finite (expect.loss_finite: true failed)
-  kFinalLoss,        // expect.final_loss_below failed (step: the run's last step)
-  kSilentRecompute,  // a recompute that was not bitwise reached applied gradients
-                     // (expect.recompute_bitwise: true failed)
-  kNoProgress,       // a control's expect.min_applied_steps failed: the defense stopped training
-                     // (step: the run's last step)
-  kRaised,           // the run raised (step: the step in progress)
-  kRanksSplit,       // data parallel: the ranks ended with different state (step: the run's last
-                     // step); found when `retrace run` combines the ranks' results
+  kNonFiniteParams,          // parameters non-finite at the end (step: since when, without a finite step between)
+  kNonFiniteLoss,            // an applied step's loss was non-finite (expect.loss_finite: true failed)
+  kFinalLoss,                // expect.final_loss_below failed (step: the run's last step)
+  kSilentRecompute,          // a recompute that was not bitwise reached applied gradients
+                             // (expect.recompute_bitwise: true failed)
+  kNoProgress,               // a control's expect.min_applied_steps failed: the defense stopped training
+                             // (step: the run's last step)
+  kRaised,                   // the run raised (step: the step in progress)
+  kRanksSplit,               // data parallel: the ranks ended with different state (step: the run's last
+                             // step); found when `retrace run` combines the ranks' results
+  kNonFiniteOptimizerState,  // the optimizer's state non-finite at the end, the parameters finite
+                             // (step: the run's last): an Adam second moment of Inf makes every
+                             // later update of its parameters 0, a silent freeze
 };
 const char* to_string(BreakKind kind);  // "non_finite_params", ...
 
@@ -180,7 +187,8 @@ struct Counterfactual {
                                // within the window: counts, without_fault_step 0)
   bool params_finite = true;
   double final_loss = std::numeric_limits<double>::quiet_NaN();
-  double param_movement = std::numeric_limits<double>::quiet_NaN();  // ScenarioResult's
+  double param_movement = std::numeric_limits<double>::quiet_NaN();  // ScenarioResult's, from the
+                                                                     // same step as the run's
   std::vector<Breakage> breakage;  // what broke in it (undefended: without_fault_step set where the
                                    // run with neither fault nor defenses showed it too, at any step)
 };
@@ -222,14 +230,19 @@ struct ScenarioResult {
   std::int64_t silent_recompute_mismatches = 0;  // ... in steps whose gradients were applied
   std::int64_t caught_recompute_mismatches = 0;  // ... caught by defenses.verify_recompute
   bool params_finite = true;
+  // Every floating-point tensor of kind optimizer_state in state() finite at the end; else the
+  // first that is not, by name.
+  bool optimizer_state_finite = true;
+  std::string nonfinite_optimizer_state;
   bool all_losses_finite = true;  // over applied (not skipped) steps
   double final_loss = 0;          // mean loss of the applied steps in the final window
                                   // (final_window_first .. last_step); NaN: none
-  // How far training moved the parameters: the L2 norm, in double, of the change of every
-  // floating-point parameter in state() from the run's start to its end, relative to their L2 norm
-  // at the start; NaN where not known (a parameter's shape changed, the program never started, all
-  // parameters zero).
+  // How far training moved the parameters from the start of step param_movement_from (the fault's,
+  // RunOptions::movement_from) to the run's end: the L2 norm, in double, of the change of every
+  // floating-point parameter in state(), relative to their L2 norm at that start; NaN where not
+  // known (a parameter's shape changed, the run never reached that step, all parameters zero).
   double param_movement = std::numeric_limits<double>::quiet_NaN();
+  std::int64_t param_movement_from = 1;
   std::vector<double> losses, scales, lrs;  // per step
   std::vector<StepPoint> steps;             // per step, all of it (the report's curves)
   std::vector<StepNote> notes;              // in step order; per step, its injections before its skip
@@ -320,6 +333,8 @@ struct RunOptions {
   // Stop after the first step from the fault's on that leaves the parameters non-finite (a
   // counterfactual run: what it was run to show has shown).
   bool stop_at_nonfinite_params = false;
+  // The step from whose start ScenarioResult::param_movement is measured (0: the run's fault step).
+  std::int64_t movement_from = 0;
 };
 
 // Runs `spec` in this process. Never throws for what the scenario does (an exception from
