@@ -133,10 +133,7 @@ void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
       return p.step >= r.final_window_first && !p.skipped;
     });
     // Digits enough to show the two apart where 6 print them alike (a loss just at its bound).
-    int digits = 6;
-    while (digits < 17 && r.final_loss != *e.final_loss_below &&
-           number_text(r.final_loss, digits) == number_text(*e.final_loss_below, digits))
-      ++digits;
+    const int digits = digits_apart(r.final_loss, *e.final_loss_below);
     check(r, CheckKind::kFinalLossBelow, "< " + number_text(*e.final_loss_below, digits) + " (" + window + ")",
           any_applied ? number_text(r.final_loss, digits) : "no applied step in " + window,
           std::isfinite(r.final_loss) && r.final_loss < *e.final_loss_below);
@@ -371,8 +368,7 @@ const char* to_string(Outcome o) {
 Outcome ScenarioResult::outcome_kind() const {
   if (broke) return Outcome::kBroke;
   if (harness_error) return Outcome::kNotExercised;  // the run never got to its fault
-  if (expected_to_break &&
-      std::any_of(breakage.begin(), breakage.end(), [](const Breakage& x) { return x.without_fault_step > 0; }))
+  if (std::any_of(breakage.begin(), breakage.end(), [](const Breakage& x) { return x.without_fault_step > 0; }))
     return Outcome::kBrokeWithoutFault;
   const bool early = expected_to_break && std::any_of(breakage.begin(), breakage.end(),
                                                       [&](const Breakage& x) { return x.step < fault_step; });
@@ -1050,9 +1046,16 @@ void weigh_fault_free(const ExpectSpec& e, const CounterfactualPlan& plan, const
                (sooner.empty() ? "); the configuration breaks it, not the fault"
                                : "); the configuration breaks it within the run, the fault only brought that forward");
   } else {
-    observed = "nothing of the run's counted to weigh";  // planned only for a control that broke
+    observed = "nothing of the run's counted to weigh";  // planned only for a run whose breakage counts
   }
-  settle_counterfactual(CheckKind::kFaultCaused, expected, observed, kept != nullptr, r, anyway != nullptr);
+  // A run that expected to hold broke without the fault too only where nothing else broke it: a
+  // raise it did not ask for, or a defense that stopped training (the progress rule), stays its own.
+  const bool nothing_else = e.diverges ||
+                            (!r.raised && std::none_of(r.checks.begin(), r.checks.end(), [](const auto& x) {
+                              return x.kind == CheckKind::kMinAppliedSteps && !x.passed;
+                            }));
+  settle_counterfactual(CheckKind::kFaultCaused, expected, observed, kept != nullptr, r,
+                        anyway != nullptr && nothing_else);
 }
 
 // A run that held, against the run with neither the fault nor the defenses (`c0`; for a scenario
@@ -1191,6 +1194,15 @@ CounterfactualPlan plan_counterfactual(const ScenarioSpec& spec, const RunOption
   // Without injections the configuration is the fault: a control has none to take away; a held
   // run's defenses can still be taken away.
   if (!options.counterfactual || r.harness_error || (control && spec.injections.empty())) return plan;
+  // A run that expected to hold and broke: the run without its injections (its defenses kept) says
+  // whether the fault got through or the configuration breaks so anyway -- a final_loss_below out of
+  // reach without the fault too is no defense failing.
+  if (!control && r.broke && !spec.injections.empty() &&
+      std::any_of(r.breakage.begin(), r.breakage.end(), [](const Breakage& x) { return x.counts; })) {
+    plan.kind = CounterfactualKind::kFaultFree;
+    plan.last_step = options.last_step;
+    return plan;
+  }
   if (control ? !r.broke : r.outcome_kind() != Outcome::kHeld) return plan;
   if (!control && !defended(spec)) {
     // The scenario claims the model itself holds: no defenses to take away, but the run without

@@ -562,6 +562,32 @@ TEST(Verdict, AControlWhoseDefensesSkippedTheWholeFinalWindowHasNoFinalLossBreak
   EXPECT_EQ(r.outcome(), "broke") << why(r);
 }
 
+// A run that expected to hold and broke is weighed against the run without its injections (its
+// defenses kept): a final_loss_below out of reach without the fault too is the configuration's, not
+// a defense failing (outsider finding: "broke", with no counterfactual run and without_fault_step 0
+// reading as "not without the fault"). Control: a NaN gradient that clipping cannot stop broke by
+// the fault, and fault_caused says the run without it did not break.
+TEST(Verdict, AHeldScenarioThatBrokeIsWeighedAgainstTheRunWithoutItsFault) {
+  const std::string clip = "defenses: {clip: {mode: global, max_norm: 1.0}}\n";
+  ScenarioResult r = run_scenario(with(clip + "injections: [{type: loss_spike, step: 2, factor: 10}]\n"
+                                              "expect: {final_loss_below: 0.5, params_finite: true}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome_kind(), Outcome::kBrokeWithoutFault) << why(r);
+  EXPECT_EQ(r.counterfactual.kind, CounterfactualKind::kFaultFree);
+  EXPECT_TRUE(has_reason(r, "fault_caused: expected the run without its injections does not break so within the "
+                            "run, got it broke too: final loss"))
+      << why(r);
+  ASSERT_FALSE(r.breakage.empty());
+  EXPECT_GT(r.breakage.front().without_fault_step, 0);
+
+  r = run_scenario(with(clip + "injections: [{type: grad_nonfinite, step: 2}]\nexpect: {params_finite: true}\n"));
+  EXPECT_EQ(r.outcome_kind(), Outcome::kBroke) << why(r);
+  EXPECT_EQ(r.counterfactual.kind, CounterfactualKind::kFaultFree);
+  const ExpectationCheck* caused = find_check(r, "fault_caused");
+  ASSERT_NE(caused, nullptr) << why(r);
+  EXPECT_TRUE(caused->passed) << caused->observed;
+}
+
 // A run that held by raising as it expected, and raises the same without its defenses: the
 // defense did not make the raise (an out-of-range token raises in the embedding with or without
 // skip_nonfinite). Control: grad-inf-clip-error's raise is its clipping's (error_if_nonfinite);

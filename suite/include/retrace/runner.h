@@ -51,8 +51,8 @@ enum class CheckKind {
   kRaises,
   kFaultBites,   // automatic, a scenario that expects to hold: its fault breaks the run without its
                  // defenses (Counterfactual)
-  kFaultCaused,  // automatic, a negative control: the run without its injections does not break as
-                 // early (Counterfactual)
+  kFaultCaused,  // automatic, a negative control, or a run that expected to hold and broke: the run
+                 // without its injections does not break so within the window (Counterfactual)
   kTrained,      // automatic, a scenario that held: from the fault's step on, its parameters moved
                  // at least kTrainedFraction as far as in the run with neither the fault nor the
                  // defenses (kRunsAway, kMovedAtAll, kMovedAtAllInFloat32) -- defenses that hold
@@ -155,8 +155,9 @@ enum class Outcome {
                        // (min_skipped_steps, min_scale_*, min_rollbacks, a raise expected and not raised),
                        // or a harness error (the run never got to its fault); also a run that held
                        // where its fault does not break the run without its defenses either
-  kBrokeWithoutFault,  // a negative control whose breakage the run without its injections shows
-                       // too, within the window: the configuration broke it, not the fault
+  kBrokeWithoutFault,  // a run whose breakage the run without its injections shows too, within the
+                       // window: the configuration broke it, not the fault (a negative control; or
+                       // a run that expected to hold, where nothing else broke it)
 };
 const char* to_string(Outcome o);  // "held", "broke", "broke early", "not exercised", "broke without the fault"
 
