@@ -31,4 +31,10 @@ std::string number_text(double v, int precision) {
   return os.str();
 }
 
+int digits_apart(double a, double b, int least) {
+  int digits = least;
+  while (digits < 17 && a != b && number_text(a, digits) == number_text(b, digits)) ++digits;
+  return digits;
+}
+
 }  // namespace retrace

@@ -100,7 +100,13 @@ std::unique_ptr<Program> make_program(const std::string& name, const std::string
     throw Error("the trace was recorded by program '" + name + "', which this binary does not know (it has: " +
                 (known.empty() ? "none" : known) + "); replay it with the binary that recorded it");
   }
-  return factory(config);
+  try {
+    return factory(config);
+  } catch (const std::exception& e) {  // whatever the factory throws (std::stod's "stod" too): its config
+    std::string what = e.what();
+    what = what.substr(0, what.find('\n'));  // c10::Error appends a C++ backtrace
+    throw Error("program '" + name + "' refuses its config: " + what);
+  }
 }
 
 }  // namespace retrace

@@ -247,4 +247,26 @@ RngFork::~RngFork() {
   }
 }
 
+std::string generators_differing(const RngState& now, const RngState& then, const std::string& then_name) {
+  if (now == then) return "";
+  std::string out;
+  const auto add = [&](const std::string& what) { out += (out.empty() ? "" : ", ") + what; };
+  for (const GeneratorState& g : then.generators()) {
+    const auto it = std::find_if(now.generators().begin(), now.generators().end(),
+                                 [&](const GeneratorState& n) { return n.device == g.device; });
+    if (it == now.generators().end()) {
+      add(g.device.str() + "'s, which this process does not have");
+    } else if (!(*it == g)) {
+      add(g.device.is_cpu() ? std::string("the CPU generator's") : g.device.str() + "'s");
+    }
+  }
+  for (const GeneratorState& n : now.generators()) {
+    if (std::none_of(then.generators().begin(), then.generators().end(),
+                     [&](const GeneratorState& g) { return g.device == n.device; })) {
+      add(n.device.str() + "'s, which " + then_name + " did not have");
+    }
+  }
+  return out.empty() ? "their order or encoding" : out;
+}
+
 }  // namespace retrace

@@ -601,9 +601,12 @@ DefendedStep::ForwardScope DefendedStep::forward() {
 
 void DefendedStep::backward(const at::Tensor& loss) {
   Defenses& d = *d_;
-  loss_ = loss.to(at::kFloat);
+  const at::Tensor part = loss.detach().to(at::kFloat);
+  // Gradient accumulation: one backward() per micro-batch, the step's loss their sum.
+  const at::Tensor this_loss = loss.to(at::kFloat);
+  loss_ = backward_done_ ? loss_ + part : part;
   const double w = d.traits_.loss_weight;
-  at::Tensor objective = d.injector_->on_loss(w != 1.0 ? loss_ * w : loss_);
+  at::Tensor objective = d.injector_->on_loss(w != 1.0 ? this_loss * w : this_loss);
   if (d.scaler_) objective = d.scaler_->scale(objective);
   objective.backward();
   detach_observers();

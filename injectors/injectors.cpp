@@ -249,7 +249,10 @@ at::Tensor Injector::on_loss(const at::Tensor& loss) {
   for (std::size_t i = 0; i < specs_.size(); ++i) {
     if (specs_[i].type != InjectionType::kLossSpike || !fires(i)) continue;
     out = out * specs_[i].effective_factor();
-    note(specs_[i], "loss", "x" + number(specs_[i].effective_factor()));
+    // Each micro-batch's loss of an accumulating step is spiked; the step notes it once.
+    const bool noted = std::any_of(fired_.begin(), fired_.end(),
+                                   [&](const InjectionEvent& e) { return e.entry == i && e.step == step_; });
+    if (!noted) note(specs_[i], "loss", "x" + number(specs_[i].effective_factor()));
   }
   return out;
 }

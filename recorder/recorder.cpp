@@ -787,6 +787,13 @@ void Recorder::note_state_check(StateCheckResult result) {
   impl_->stats.state_check = std::move(result);
 }
 
+void Recorder::note_batch_drew_rng(std::int64_t step, const std::string& generators) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
+  if (impl_->stats.batch_drew_rng_step > 0) return;
+  impl_->stats.batch_drew_rng_step = step;
+  impl_->stats.batch_drew_rng = generators;
+}
+
 void Recorder::begin_step(std::int64_t step, const std::vector<NamedTensor>& state,
                           const std::vector<NamedTensor>& batch, double lr, double loss_scale) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mutex);
@@ -1164,7 +1171,11 @@ std::vector<StepOutcome> record_run(Program& program, Recorder& recorder, std::i
   for (std::int64_t s = 1; s <= steps; ++s) {
     bool in_step = false;  // the exception, if any, left Program::step (not the loader or the recorder)
     try {
+      const RngState before_batch = RngState::capture_all();
       const std::vector<NamedTensor> batch = program.batch(s);
+      if (const std::string drew = generators_differing(RngState::capture_all(), before_batch, "before it");
+          !drew.empty())
+        recorder.note_batch_drew_rng(s, drew);
       // Before begin_step: the copy's step runs between the recorder's steps (it ignores its
       // segment events), and the RNG state begin_step captures is the one the check restored.
       std::optional<StateCheck> state_check;

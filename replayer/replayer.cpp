@@ -719,25 +719,7 @@ void find_provenance(const TraceReader& trace, const StepRecords& recs, Program&
 // "the CPU generator's", "cuda:0's"; "" when none does.
 std::string generators_differing(const RngState& now, const std::vector<std::uint8_t>& recorded) {
   if (now.serialize() == recorded) return "";
-  const RngState then = RngState::deserialize(recorded.data(), recorded.size());
-  std::string out;
-  const auto add = [&](const std::string& what) { out += (out.empty() ? "" : ", ") + what; };
-  for (const GeneratorState& g : then.generators()) {
-    const auto it = std::find_if(now.generators().begin(), now.generators().end(),
-                                 [&](const GeneratorState& n) { return n.device == g.device; });
-    if (it == now.generators().end()) {
-      add(g.device.str() + "'s, which this process does not have");
-    } else if (!(*it == g)) {
-      add(g.device.is_cpu() ? std::string("the CPU generator's") : g.device.str() + "'s");
-    }
-  }
-  for (const GeneratorState& n : now.generators()) {
-    if (std::none_of(then.generators().begin(), then.generators().end(),
-                     [&](const GeneratorState& g) { return g.device == n.device; })) {
-      add(n.device.str() + "'s, which the recorded run did not have");
-    }
-  }
-  return out.empty() ? "their order or encoding" : out;
+  return generators_differing(now, RngState::deserialize(recorded.data(), recorded.size()), "the recorded run");
 }
 
 // The run's first recorded step, whose start state the program's constructor made, and whether
@@ -784,17 +766,33 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
     }
     if (!comparer.first) {
       if (const std::string differ = generators_differing(RngState::capture_all(), rng); !differ.empty()) {
-        comparer.diverge("", "step_begin", std::string(tensor_names::kRng),
-                         "the RNG state differs from the recorded one (" + differ + ")");
-        // The state matched: the recorded run drew from that generator after the previous step
-        // and before this one, where the replay, which runs only step(), does not.
-        comparer.first->hint =
-            "the state this step begins with matched, so the recorded run drew from that generator between "
-            "steps " +
-            std::to_string(s - 1) + " and " + std::to_string(s) +
-            " where the replay draws nothing: typically Program::batch() drawing from the global generator (a "
-            "batch must be deterministic in (config, step): draw it from a generator of its own seeded from the "
-            "step) or code the training loop runs between steps";
+        // The state matched: the recorded run drew from that generator after the previous step and
+        // before this one, where the replay, which runs only step() on the recorded batch, does
+        // not. record_run calls Program::batch() there: where calling it now brings the generators
+        // to the recorded state, batch() drew -- the program's contract broken (a batch must be
+        // deterministic in (config, step)), not the step's: noted, and the replay goes on.
+        (void)program.batch(s);
+        if (generators_differing(RngState::capture_all(), rng).empty()) {
+          const std::string note = "Program::batch() draws from the global generator (" + differ +
+                                   "; first between steps " + std::to_string(s - 1) + " and " + std::to_string(s) +
+                                   "): the steps replay from the recorded RNG state, but a batch must be "
+                                   "deterministic in (config, step) -- draw it from a generator of its own seeded "
+                                   "from the step, or a rerun from a snapshot (diagnose) trains on other batches";
+          const bool noted = std::any_of(result.notes.begin(), result.notes.end(), [](const std::string& n) {
+            return n.rfind("Program::batch() draws from the global generator", 0) == 0;
+          });
+          if (!noted) result.notes.push_back(note);
+        } else {
+          comparer.diverge("", "step_begin", std::string(tensor_names::kRng),
+                           "the RNG state differs from the recorded one (" + differ + ")");
+          comparer.first->hint =
+              "the state this step begins with matched, so the recorded run drew from that generator between "
+              "steps " +
+              std::to_string(s - 1) + " and " + std::to_string(s) +
+              " where the replay draws nothing, and not in Program::batch() (calling it does not account for "
+              "it): code the training loop runs between steps, or the previous step drawing otherwise than "
+              "it did when recorded";
+        }
       }
     }
   }
@@ -910,8 +908,9 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
                "' was made outside the segments, by code that runs after its forward (the layers after it, the "
                "loss function, the targets) and computed differently";
       if (recorded_end && !same_double(recorded_end->loss, outcome.loss)) {
-        d.hint += "; the step's loss differs too (recorded " + number_text(recorded_end->loss) + ", replayed " +
-                  number_text(outcome.loss) + ")";
+        const int digits = digits_apart(recorded_end->loss, outcome.loss);
+        d.hint += "; the step's loss differs too (recorded " + number_text(recorded_end->loss, digits) + ", replayed " +
+                  number_text(outcome.loss, digits) + ")";
       }
     }
   }

@@ -32,7 +32,13 @@ std::unique_ptr<Program> program_to_record(const std::string& scenario, const st
   }
   if (!scenario.empty()) return make_scenario_program(load_scenario(scenario));
   if (!default_program().empty()) {
-    return make_program(default_program(), config_path.empty() ? "" : read_text_file(config_path, "--config file"));
+    const std::string config = config_path.empty() ? "" : read_text_file(config_path, "--config file");
+    try {
+      return make_program(default_program(), config);
+    } catch (const Error& e) {  // say which file
+      throw Error((config_path.empty() ? std::string("no --config given") : "--config " + config_path) + ": " +
+                  e.what());
+    }
   }
   if (!config_path.empty()) {
     throw Error(
@@ -254,6 +260,13 @@ int run_record(const std::vector<std::string>& args) {
   }
   recorder.close();
   const RecorderStats stats = recorder.stats();
+  if (stats.batch_drew_rng_step > 0) {
+    std::cerr << binary_name() << " record: warning: Program::batch() drew from the global generator ("
+              << stats.batch_drew_rng << ") at step " << stats.batch_drew_rng_step
+              << ": a batch must be deterministic in (config, step) -- draw it from a generator of its own seeded "
+                 "from the step; a replay re-executes the recorded batches, but a rerun from a snapshot (diagnose) "
+                 "trains on other ones\n";
+  }
   if (stats.state_check.status == StateCheckResult::Status::kSkipped) {
     std::cerr << binary_name() << " record: " << stats.state_check.message << "\n";
   }

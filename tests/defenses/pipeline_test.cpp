@@ -41,6 +41,34 @@ TEST(Pipeline, TheProgramsOwnLrComesBackAfterEachStepAndScheduleMultipliesIt) {
   EXPECT_DOUBLE_EQ(s2.lr, 0.1 * 0.5);
 }
 
+// Gradient accumulation: forward() and backward() once per micro-batch. The step's loss is the sum
+// of the losses passed (each half's / 2: the batch's mean), not the last one's (outsider finding:
+// half of it, feeding loss_finite, final_loss_below and the trace); the gradients accumulate as the
+// whole batch's. A loss spike scales every micro-batch's loss and is noted once. Control: the same
+// program on the whole batch at once.
+TEST(Pipeline, GradientAccumulationReportsTheStepsWholeLoss) {
+  Regressor whole(""), halves("micro_batches: 2");
+  const StepOutcome a = whole.step(1, whole.batch(1), nullptr);
+  const StepOutcome b = halves.step(1, halves.batch(1), nullptr);
+  EXPECT_NEAR(b.loss, a.loss, 1e-6 * a.loss);
+  EXPECT_NEAR(b.grad_norm, a.grad_norm, 1e-5 * a.grad_norm);
+  for (std::size_t i = 0; i < 2; ++i) {
+    EXPECT_TRUE(at::allclose(whole.state()[i].tensor, halves.state()[i].tensor, 1e-5, 1e-7)) << i;
+  }
+
+  Regressor spiked("micro_batches: 2"), plain("micro_batches: 2");
+  InjectionSpec spike;
+  spike.type = InjectionType::kLossSpike;
+  spike.step = 1;
+  spike.factor = 1000;
+  spiked.defenses()->configure({}, {spike});
+  const StepOutcome s = spiked.step(1, spiked.batch(1), nullptr);
+  const StepOutcome p = plain.step(1, plain.batch(1), nullptr);
+  EXPECT_EQ(s.injected.size(), 1u);
+  EXPECT_NEAR(s.grad_norm, 1000 * p.grad_norm, 1e-3 * p.grad_norm);
+  EXPECT_NEAR(s.loss, p.loss, 1e-6 * p.loss);  // the loss as the program reports it
+}
+
 TEST(Pipeline, PlateauCutsOnlyWhenTheChangeExceedsEps) {
   PlateauOptions plateau;
   plateau.enabled = true;

@@ -64,6 +64,19 @@ TEST(ProgramScenario, ProgramAndConfigParseAndRoundTrip) {
   EXPECT_EQ(to_yaml(s).find("model:"), std::string::npos) << to_yaml(s);
 }
 
+// Whatever a program's factory throws on its config -- std::stod's std::invalid_argument ("stod") as
+// much as a retrace::Error -- is the scenario's bad input: an Error naming the file, the key and the
+// program (outsider finding: "run: stod", exit 1). Control: a config it takes builds.
+TEST(ProgramScenario, AFactoryThatThrowsOnItsConfigIsNamedWithTheFileAndKey) {
+  try {
+    make_scenario_program(program_scenario("config: {lr: abc}\n"));
+    ADD_FAILURE() << "a config the factory throws on was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "program.yaml: key 'config': program 'test.regressor' refuses its config: stod");
+  }
+  EXPECT_NE(make_scenario_program(program_scenario("config: {lr: 0.5}\n")), nullptr);
+}
+
 TEST(ProgramScenario, BuiltInOnlyKeysAreRefusedWithTheirLine) {
   const std::string head = "name: p\nprogram: test.regressor\n";
   expect_error(head + "model: {type: mlp}\n", "program.yaml:3: key 'model': describes a built-in model");

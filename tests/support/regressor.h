@@ -17,13 +17,15 @@ namespace retrace::test {
 // A user's program with its own names: weights "w1"/"w2", momentum buffers "momentum.w1" (not
 // retrace's "optim." convention), features "x" and targets "y". SGD with momentum; a two-layer
 // tanh regressor, the first layer checkpointed as "layer0". Config: "lr: X" (default 0.05) and
-// "pipeline: false" (no defense pipeline), "vocab: true" (a vocabulary it does not use).
+// "pipeline: false" (no defense pipeline), "vocab: true" (a vocabulary it does not use),
+// "micro_batches: 2" (gradient accumulation over the batch's two halves, each loss / 2).
 class Regressor : public Program {
  public:
   explicit Regressor(const std::string& config) : config_(config) {
     if (config.find("lr: ") != std::string::npos) lr_ = std::stod(config.substr(config.find("lr: ") + 4));
     pipeline_ = config.find("pipeline: false") == std::string::npos;
     forget_defense_state_ = config.find("forget_defense_state: true") != std::string::npos;
+    micro_batches_ = config.find("micro_batches: 2") != std::string::npos ? 2 : 1;
     torch::manual_seed(7);
     w1_ = (torch::randn({8, 16}) * 0.3).requires_grad_();
     w2_ = (torch::randn({16, 1}) * 0.3).requires_grad_();
@@ -75,14 +77,18 @@ class Regressor : public Program {
     const std::vector<NamedTensor> batch = s.batch(batch_in);
     if (s.done()) return s.finish();
     optimizer_->zero_grad();
-    at::Tensor loss;
-    {
-      const auto forward = s.forward();
-      const at::Tensor h = checkpoint(
-          "layer0", [this](const at::Tensor& x) { return torch::tanh(x.matmul(w1_)); }, batch[0].tensor);
-      loss = torch::mse_loss(h.matmul(w2_), batch[1].tensor);
+    const std::vector<at::Tensor> xs = batch[0].tensor.chunk(micro_batches_),
+                                  ys = batch[1].tensor.chunk(micro_batches_);
+    for (std::size_t m = 0; m < xs.size(); ++m) {
+      at::Tensor loss;
+      {
+        const auto forward = s.forward();
+        const at::Tensor h = checkpoint(
+            "layer0", [this](const at::Tensor& x) { return torch::tanh(x.matmul(w1_)); }, xs[m]);
+        loss = torch::mse_loss(h.matmul(w2_), ys[m]);
+      }
+      s.backward(micro_batches_ > 1 ? loss / static_cast<double>(micro_batches_) : loss);
     }
-    s.backward(loss);
     return s.finish();
   }
   Defenses* defenses() override { return pipeline_ ? &defenses_ : nullptr; }
@@ -92,6 +98,7 @@ class Regressor : public Program {
   std::string config_;
   double lr_ = 0.05;
   bool pipeline_ = true, forget_defense_state_ = false;
+  std::int64_t micro_batches_ = 1;
   at::Tensor w1_, w2_;
   std::unique_ptr<torch::optim::SGD> optimizer_;
   std::vector<NamedTensor> params_;

@@ -1420,6 +1420,20 @@ TEST(Numbers, NonFiniteNumbersHaveOneSpellingAndANaNNoSign) {
   EXPECT_FALSE(number_from_json(nlohmann::json()).has_value());
 }
 
+// Two numbers a message compares are printed with digits enough to tell them apart (a replay's
+// "loss differs too (recorded 31.5276, replayed 31.5276)", outsider finding): up to 17, which tell
+// any two doubles apart. Control: equal numbers keep the 6 digits.
+TEST(Numbers, DigitsApartTellTwoNumbersApart) {
+  const double a = 31.527612, b = 31.527638;
+  ASSERT_EQ(number_text(a), number_text(b));
+  const int d = digits_apart(a, b);
+  EXPECT_EQ(d, 7);
+  EXPECT_NE(number_text(a, d), number_text(b, d));
+  const double c = std::nextafter(a, 100.0);
+  EXPECT_NE(number_text(a, digits_apart(a, c)), number_text(c, digits_apart(a, c)));
+  EXPECT_EQ(digits_apart(a, a), 6);
+}
+
 // The exception event: what the recorder writes reads back; a trace from before raised_by_step
 // reads as not raised by the step; an event of another kind is no exception; fields of the wrong
 // type are malformed (records.h decodes every event the same way).

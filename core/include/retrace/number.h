@@ -18,5 +18,8 @@ std::optional<double> number_from_json(const nlohmann::json& j);
 // v as text for people: "nan" (whatever its sign), "inf", "-inf", else `precision` significant
 // digits (printf's %g).
 std::string number_text(double v, int precision = 6);
+// The least precision from `least` (up to 17, which tells any two doubles apart) at which
+// number_text prints a and b apart; `least` where they are equal.
+int digits_apart(double a, double b, int least = 6);
 
 }  // namespace retrace

@@ -117,7 +117,8 @@ using ProgramFactory = std::function<std::unique_ptr<Program>(const std::string&
 
 // Registers a factory under `name` (replacing any earlier one). Thread-safe.
 void register_program(const std::string& name, ProgramFactory factory);
-// Builds a registered program; throws retrace::Error naming the known programs otherwise.
+// Builds a registered program; throws retrace::Error naming the known programs otherwise, and
+// "program 'NAME' refuses its config: ..." for anything its factory throws.
 std::unique_ptr<Program> make_program(const std::string& name, const std::string& config);
 std::vector<std::string> registered_programs();
 

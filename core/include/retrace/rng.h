@@ -80,6 +80,10 @@ class RngState {
   std::vector<GeneratorState> generators_;
 };
 
+// Which generators differ between `now` and `then`, in words ("the CPU generator's", "cuda:1's",
+// "cuda:1's, which `then` did not have"); "" when they are equal.
+std::string generators_differing(const RngState& now, const RngState& then, const std::string& then_name = "the other");
+
 // RAII: saves the current state of the CPU generator and the given CUDA devices' generators,
 // and restores it on destruction (torch.random.fork_rng).
 // During CUDA graph capture a device's generator cannot be rewound in place: there the fork puts

@@ -272,7 +272,11 @@ class DefendedStep {
   };
   [[nodiscard]] ForwardScope forward();
   // Back-propagates loss x loss_weight (x an injected spike) x the loss scale. `loss` is the
-  // step's loss as the program reports it (any dtype; a float copy is kept).
+  // step's loss as the program reports it (any dtype; a float copy is kept). Gradient
+  // accumulation: forward() and backward() once per micro-batch; the step's loss (StepOutcome,
+  // the trace, loss_finite, final_loss_below, plateau) is the sum of the losses passed -- pass
+  // each micro-batch's loss / micro-batches for a mean. A segment injection hits the segment's
+  // first run in the step only (docs/injectors.md); a loss spike, every micro-batch's loss.
   void backward(const at::Tensor& loss);
   // After backward: injected gradient faults, the monitor, unscale, gradient norm, recompute
   // check, clipping, the optimizer step or a skip, rollback, the schedule. Returns what happened.

@@ -119,6 +119,10 @@ struct RecorderStats {
   std::uint64_t snapshot_buffer_bytes = 0;
   std::string write_error;       // OnWriteError::kContinue: why recording stopped
   StateCheckResult state_check;  // what record_run's state self-check found (kNotRun: off)
+  // The first step whose Program::batch() moved a global generator (0: none), and which, in words:
+  // against Program's contract (a batch deterministic in (config, step)); record_run notes it.
+  std::int64_t batch_drew_rng_step = 0;
+  std::string batch_drew_rng;
 };
 
 // Data-parallel runs (retrace/dist.h): the recorder is also a CollectiveObserver. Each rank's trace
@@ -161,6 +165,8 @@ class Recorder : public SegmentObserver, public StepMonitor, public CollectiveOb
 
   // Keeps the state self-check's result for stats() (record_run calls it).
   void note_state_check(StateCheckResult result);
+  // Keeps the first step whose Program::batch() drew from a global generator (record_run calls it).
+  void note_batch_drew_rng(std::int64_t step, const std::string& generators);
 
   RecorderStats stats() const;
   const RecorderOptions& options() const;
