@@ -45,6 +45,8 @@ struct ActiveFrame {
   SegmentCall* tape = nullptr;
 };
 thread_local std::vector<ActiveFrame> t_active;
+// The segment whose event the observers are handling on this thread (notify()).
+thread_local std::vector<ActiveFrame> t_observed;
 
 // Marks the calling thread as running a segment's phase for the scope.
 class ActiveScope {
@@ -242,6 +244,10 @@ void notify(const SegmentCall& call, SegmentPhase phase, const std::vector<at::T
             std::vector<at::Tensor>& outputs, bool will_recompute) {
   if (!detail::observers_attached()) return;
   SegmentEvent event{call.name, call.invocation, phase, inputs, outputs, will_recompute};
+  t_observed.push_back({&call.name, phase});
+  struct Pop {
+    ~Pop() { t_observed.pop_back(); }
+  } pop;
   detail::notify_observers(event);
 }
 
@@ -412,6 +418,13 @@ bool current_segment(ActiveSegment* out) {
   if (t_active.empty()) return false;
   out->segment = *t_active.back().name;
   out->phase = t_active.back().phase;
+  return true;
+}
+
+bool observed_segment(ActiveSegment* out) {
+  if (t_observed.empty()) return false;
+  out->segment = *t_observed.back().name;
+  out->phase = t_observed.back().phase;
   return true;
 }
 

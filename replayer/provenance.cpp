@@ -193,6 +193,10 @@ NonFiniteOrigin describe_op(const at::RecordFunction& fn, const ProbeContext* se
   if (current_segment(&active)) {
     origin.segment = active.segment;
     origin.phase = to_string(active.phase);
+  } else if (observed_segment(&active)) {  // an injector on the segment's output, not its own code
+    origin.segment = active.segment;
+    origin.phase = to_string(active.phase);
+    origin.by_observer = true;
   }
   // Outside segments: before backward, forward; after autograd's backward and before the
   // program's after_backward call, post-backward (gradient faults and hooks) -- unless the op

@@ -69,7 +69,9 @@ std::string NonFiniteOrigin::message() const {
   std::ostringstream os;
   os << "first non-finite value at step " << step << ": op " << op
      << (inner_op.empty() ? "" : " (made inside it, first returned by its inner " + inner_op + ")") << " in "
-     << (segment.empty() ? "(outside segments)" : "segment '" + segment + "'") << ", phase " << phase;
+     << (segment.empty() ? "(outside segments)" : "segment '" + segment + "'")
+     << (by_observer ? " (by an observer of its output, an injection: not the segment's own code)" : "") << ", phase "
+     << phase;
   const char* which = given_infinity ? " (an infinity it was given as an argument"
                                      : " (an infinity it made, handed infinities by design";
   if ((given_infinity || !carried_to.empty()) && nan_op.empty()) {
@@ -108,13 +110,8 @@ nlohmann::json NonFiniteOrigin::to_json() const {
     }
     return a;
   };
-  nlohmann::json j = {{"step", step},
-                      {"segment", segment},
-                      {"phase", phase},
-                      {"op", op},
-                      {"inputs", stats(inputs)},
-                      {"outputs", stats(outputs)},
-                      {"message", message()}};
+  nlohmann::json j = {{"step", step}, {"segment", segment},      {"by_observer", by_observer}, {"phase", phase},
+                      {"op", op},     {"inputs", stats(inputs)}, {"outputs", stats(outputs)},  {"message", message()}};
   if (!inner_op.empty()) j["inner_op"] = inner_op;
   if (given_infinity || !nan_op.empty() || !carried_to.empty()) {
     j["given_infinity"] = given_infinity;

@@ -276,8 +276,13 @@ void tensor_rows(std::ostringstream& os, const char* role, const std::vector<Ten
   for (const TensorStats& s : stats) {
     auto count = [&](std::int64_t n) { os << "<td class=\"num" << (n ? " bad" : "") << "\">" << n << "</td>"; };
     os << "<tr><td>" << role << "</td><td>" << html_escape(s.name) << "</td><td class=\"mono\">" << html_escape(s.meta)
-       << "</td><td class=\"num\">" << value_text(s.min) << "</td><td class=\"num\">" << value_text(s.max)
-       << "</td><td class=\"num\">" << value_text(s.abs_max) << "</td>";
+       << "</td>";
+    if (std::isnan(s.min)) {  // min, max and |max| are over the finite elements: there are none
+      os << "<td class=\"num\" colspan=\"3\">no finite element</td>";
+    } else {
+      os << "<td class=\"num\">" << value_text(s.min) << "</td><td class=\"num\">" << value_text(s.max)
+         << "</td><td class=\"num\">" << value_text(s.abs_max) << "</td>";
+    }
     count(s.nonfinite.nan);
     count(s.nonfinite.pos_inf);
     count(s.nonfinite.neg_inf);
@@ -357,7 +362,11 @@ std::string html_replay_report(const std::string& trace_name, const ReplayResult
     if (!n->inner_op.empty()) {
       kv(os, "made inside it, first returned by", "<span class=\"mono\">" + html_escape(n->inner_op) + "</span>");
     }
-    kv(os, "segment", n->segment.empty() ? "(outside segments)" : html_escape(n->segment));
+    kv(os, "segment",
+       n->segment.empty()
+           ? "(outside segments)"
+           : html_escape(n->segment) +
+                 (n->by_observer ? " (by an observer of its output, an injection: not the segment's own code)" : ""));
     kv(os, "phase", html_escape(n->phase));
     if (n->given_infinity && !n->nan_op.empty()) {
       kv(os, "infinity by design",

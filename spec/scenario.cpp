@@ -12,6 +12,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cctype>
 #include <cmath>
 #include <fstream>
@@ -537,6 +538,18 @@ ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
          {"name", "description", "program", "config", "world_size", "model", "data", "training", "defenses",
           "injections", "expect"});
   s.name = p.text(root, "name", "name");
+  // A name lands in the console's lines, file names, JUnit XML (where most control characters are
+  // not allowed at all) and HTML: one line of text.
+  for (std::size_t i = 0; i < s.name.size(); ++i) {
+    const auto c = static_cast<unsigned char>(s.name[i]);
+    if (c < 0x20 || c == 0x7f) {
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "0x%02x", c);
+      p.fail(root["name"], "name",
+             std::string("holds a control character (byte ") + hex + " at offset " + std::to_string(i) +
+                 "): a name is one line of text");
+    }
+  }
   s.description = p.text(root, "description", "description");
   s.world_size = static_cast<int>(p.integer(root, "world_size", "world_size", 1, 1, kMaxScenarioRanks));
   if (root["program"].IsDefined()) return parse_program_scenario(p, root, std::move(s));

@@ -302,9 +302,17 @@ Classification classify(const ScenarioSpec& spec, const Window& w, double origin
         // corrupt_batch due on the step fires: it always has inputs to corrupt.)
         const Injector schedule(spec.injections);
         bool data = false;
+        std::int64_t again = 0, last_again = 0;  // later steps an injection that is not data is due on
         for (std::size_t i = 0; i < spec.injections.size(); ++i) {
           data = data || (spec.injections[i].type == InjectionType::kCorruptBatch && schedule.scheduled(i, w.start));
+          if (spec.injections[i].type == InjectionType::kCorruptBatch) continue;
+          for (std::int64_t s = w.start + 1; s <= spec.training.steps; ++s) {
+            if (!schedule.scheduled(i, s)) continue;
+            ++again;
+            last_again = std::max(last_again, s);
+          }
         }
+        c.injected_fault_repeats = !fails_clean && !data && again > 0;
         c.detail = "re-executing the step from its state fails again" +
                    std::string(as_before ? ", bit for bit as the run did," : "") + " with the scenario's " +
                    (a.injected.size() > 1 ? "injections (" : "injection (") + joined(a.injected) +
@@ -313,10 +321,17 @@ Classification classify(const ScenarioSpec& spec, const Window& w, double origin
                     : data      ? "does not fail (loss " + fmt(c2.loss) +
                                  "): the injected bad batch is the cause -- in a real run bad data comes back with "
                                  "its batch, and a retry fails again: validate or fix the data"
-                           : "does not fail (loss " + fmt(c2.loss) +
-                                 "): the injected fault is the cause -- in a real "
-                                 "run a fault like it (a bit flip, an overflow) is transient, and a rollback and "
-                                 "retry is enough");
+                    : c.injected_fault_repeats
+                        ? "does not fail (loss " + fmt(c2.loss) +
+                              "): the injected fault is the cause, and the scenario injects it again on " +
+                              std::to_string(again) + " later step" + (again > 1 ? "s" : "") + " (up to step " +
+                              std::to_string(last_again) +
+                              "): a rollback or a retry does not get past a fault that comes back -- in a real run "
+                              "one that does is in the state, the data or the code"
+                        : "does not fail (loss " + fmt(c2.loss) +
+                              "): the injected fault is the cause -- in a real "
+                              "run a fault like it (a bit flip, an overflow) is transient, and a rollback and "
+                              "retry is enough");
       }
     } else {
       c.kind = "transient";
@@ -580,7 +595,11 @@ std::string Diagnosis::report() const {
   if (n == 0) {
     os << "\nno variant avoids the failure from step " << from_step;
     // From step 1 there is nothing earlier to start from.
-    if (from_step > 1) os << "; try a larger DiagnoseOptions::lookback (retrace diagnose --lookback)";
+    if (classification.injected_fault_repeats) {
+      os << "; the scenario injects its fault again on later steps, and no earlier start avoids that";
+    } else if (from_step > 1) {
+      os << "; try a larger DiagnoseOptions::lookback (retrace diagnose --lookback)";
+    }
     os << ".\n";
   }
   if (!not_applicable.empty()) {
@@ -611,8 +630,10 @@ nlohmann::json Diagnosis::to_json() const {
   j["failure_kind"] = failure_kind;
   j["from_step"] = from_step;
   j["to_step"] = to_step;
-  j["classification"] = {
-      {"kind", classification.kind}, {"step", classification.step}, {"detail", classification.detail}};
+  j["classification"] = {{"kind", classification.kind},
+                         {"step", classification.step},
+                         {"detail", classification.detail},
+                         {"injected_fault_repeats", classification.injected_fault_repeats}};
   j["baseline"] = variant(baseline);
   j["variants"] = nlohmann::json::array();
   for (const VariantResult& v : variants) j["variants"].push_back(variant(v));

@@ -145,12 +145,16 @@ void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
   if (!r.raised && after > 0 && (e.min_applied_steps || !e.diverges)) {
     const std::string span = "of steps " + std::to_string(r.fault_step) + ".." + std::to_string(r.last_step);
     std::string observed = std::to_string(r.applied_from_fault) + " applied";
+    if (r.zero_gradient_steps > 0)
+      observed += " (and " + std::to_string(r.zero_gradient_steps) + " with a gradient of norm 0, which train nothing)";
     if (e.min_applied_steps) {
       check(r, CheckKind::kMinAppliedSteps, ">= " + std::to_string(*e.min_applied_steps) + " applied " + span, observed,
             r.applied_from_fault >= *e.min_applied_steps);
     } else {
       const std::int64_t half = (after + 1) / 2;
-      if (!r.last_step_applied) observed += ", the last skipped";
+      if (!r.last_step_applied)
+        observed += !r.steps.empty() && !r.steps.back().skipped ? ", the last with a gradient of norm 0"
+                                                                : ", the last skipped";
       check(r, CheckKind::kMinAppliedSteps, ">= " + std::to_string(half) + " applied " + span + ", the last among them",
             observed, r.applied_from_fault >= half && r.last_step_applied);
     }
@@ -666,13 +670,20 @@ class ScenarioRun {
     }
     if (!o.skipped && !o.finite()) ++r_.applied_nonfinite_steps;
     for (const std::string& i : o.injected) r_.notes.push_back({step, StepNoteKind::kInjected, i});
+    // A step applied with a gradient of norm 0 -- clipping by 0 a gradient whose norm overflows, a
+    // loss scale backed off until the fp16 gradients underflow -- trained nothing of its own (what
+    // moves the parameters is momentum or Adam's moments carried from before): not applied.
+    const bool zero_gradient = !o.skipped &&
+                               (o.clipped_grad_norm == 0.0 || (std::isnan(o.clipped_grad_norm) && o.grad_norm == 0.0));
     if (o.skipped) {
       ++r_.skipped_steps;
       r_.notes.push_back({step, StepNoteKind::kSkipped, o.skip_reason});
+    } else if (step >= r_.fault_step && zero_gradient) {
+      ++r_.zero_gradient_steps;
     } else if (step >= r_.fault_step) {
       ++r_.applied_from_fault;
     }
-    r_.last_step_applied = !o.skipped;
+    r_.last_step_applied = !o.skipped && !zero_gradient;
     tally_injections(step);
     count_recompute_mismatches(step, o.skipped);
     // When the parameters went non-finite (and stayed so): the step a control's breakage dates from.
@@ -793,6 +804,21 @@ class ScenarioRun {
   std::size_t seen_mismatches_ = 0;
 };
 
+// Where trained measures from: the step after the last one in first..last that an injection is due
+// on (what moved on the fault's own steps -- a clipped spike -- says nothing of whether training
+// went on after it); `first` without injections. Past `last` when the fault lasts to the end.
+std::int64_t after_the_fault(const ScenarioSpec& spec, std::int64_t first, std::int64_t last) {
+  if (spec.injections.empty()) return first;
+  const Injector schedule(spec.injections);
+  std::int64_t latest = 0;
+  for (std::size_t i = 0; i < spec.injections.size(); ++i) {
+    for (std::int64_t s = first; s <= last; ++s) {
+      if (schedule.scheduled(i, s)) latest = std::max(latest, s);
+    }
+  }
+  return latest == 0 ? first : latest + 1;
+}
+
 // The final loss: the mean of the applied steps among the last three, none before the fault.
 void set_final_loss(ScenarioResult& r) {
   r.final_window_first = std::max(r.fault_step, r.last_step - 2);
@@ -869,7 +895,9 @@ ScenarioResult run_and_check(const ScenarioSpec& spec, const RunOptions& options
       if (options.restart_schedule && run.defenses()) run.defenses()->schedule().restart();
     }
     if (options.start_rng) options.start_rng->restore();
-    run.note_initial_params(options.first_step, options.movement_from > 0 ? options.movement_from : r.fault_step);
+    run.note_initial_params(options.first_step, options.movement_from > 0
+                                                    ? options.movement_from
+                                                    : after_the_fault(spec, options.first_step, last));
     auto after_step = [&](std::int64_t step, const StepOutcome& o) { run.after_step(step, o); };
     // After the injector: it compares what actually flowed. A program without the pipeline has
     // its segments observed directly.
@@ -1032,7 +1060,9 @@ void weigh_fault_free(const ExpectSpec& e, const CounterfactualPlan& plan, const
     settle_counterfactual(CheckKind::kFaultCaused, expected, "could not tell: " + c.error, false, r, false);
     return;
   }
-  const std::vector<Breakage> without = with_edge(c, e.final_loss_below, r.final_loss);
+  // The nudge rule is a control's: a run that expected to hold and whose final loss the fault
+  // nudged across did not break without it.
+  const std::vector<Breakage> without = e.diverges ? with_edge(c, e.final_loss_below, r.final_loss) : c.breakage;
   const auto [kept, anyway, anyway_there] = date_against(r.breakage, without, /*raise_must_count=*/true);
   const std::string ran = "steps " + std::to_string(plan.first_step) + ".." + std::to_string(c.last_step);
   std::string observed;
@@ -1060,17 +1090,18 @@ void weigh_fault_free(const ExpectSpec& e, const CounterfactualPlan& plan, const
 
 // A run that held, against the run with neither the fault nor the defenses (`c0`; for a scenario
 // without injections, the undefended run): it held only if training went on after the fault. From
-// the start of the fault's step, its parameters must move at least kTrainedFraction as far as in
+// the step after the fault's last (after_the_fault), its parameters must move at least kTrainedFraction as far as in
 // that run -- an LR scaled to nothing, clipping at 1e-30, a warmup of 1e8 steps, a plateau cut to
 // 1e-12 or a loss scale backed off until the gradients underflow "hold" by freezing the model --
 // or, where that run runs away (non-finite, or moving more than kRunsAway of their norm), at least
 // kMovedAtAll of their own norm; and at least kMovedAtAllInFloat32 of it in any case (a
 // configuration that does not train, an LR of 0, shows nothing held either).
 void weigh_training(const ScenarioResult& c0, ScenarioResult& r) {
-  // Not weighed for a run that held by raising, as it expected (it stops there by design), nor for
-  // one that applied no step from the fault's on: its defenses skipped them all, and the progress
-  // rule (min_applied_steps) is what speaks of that.
-  if (r.raised || r.applied_from_fault == 0) return;
+  // Not weighed for a run that held by raising, as it expected (it stops there by design), for one
+  // that applied no step from the fault's on (its defenses skipped them all, or applied gradients of
+  // norm 0: the progress rule, min_applied_steps, speaks of that), nor where the fault lasts to the
+  // end (no step after it to show training going on).
+  if (r.raised || r.applied_from_fault == 0 || r.param_movement_from > r.last_step) return;
   const std::string window = "steps " + std::to_string(r.param_movement_from) + ".." + std::to_string(r.last_step);
   const double m = r.param_movement, m0 = c0.param_movement;
   const bool runs_away = !c0.params_finite || !std::isfinite(m0) || m0 > kRunsAway;
@@ -1078,7 +1109,7 @@ void weigh_training(const ScenarioResult& c0, ScenarioResult& r) {
   const bool trained = std::isfinite(m) && m >= kMovedAtAllInFloat32 &&
                        (runs_away ? m >= kMovedAtAll : ratio >= kTrainedFraction);
   check(r, CheckKind::kTrained,
-        "from the fault's step on (" + window + "), the parameters move at least " + fmt(kTrainedFraction) +
+        "after the fault (" + window + "), the parameters move at least " + fmt(kTrainedFraction) +
             " as far as in the run with neither the fault nor the defenses (where that run runs away, " +
             fmt(kMovedAtAll) + " of their norm), and at least " + fmt(kMovedAtAllInFloat32) + " of their norm",
         "they moved " + fmt(m) + ", that run's " +
@@ -1249,7 +1280,8 @@ ScenarioResult run_counterfactual(const ScenarioSpec& spec, const Counterfactual
   o.counterfactual = false;
   o.first_step = plan.first_step;
   o.last_step = plan.last_step;
-  o.movement_from = plan.fault_step;  // the run's: the movements compared cover the same steps
+  // The run's: the movements compared cover the same steps.
+  o.movement_from = after_the_fault(spec, plan.first_step, plan.last_step > 0 ? plan.last_step : spec.training.steps);
   // Undefended, it has shown what it was run for once the parameters are non-finite -- unless the
   // scenario held by raising: then whether it raises the same, later, is what it was run for (a
   // raise no defense made). Not for the ranks of a data-parallel run: one rank stopping alone would
@@ -1417,6 +1449,7 @@ nlohmann::json ScenarioResult::to_json() const {
   j["last_step"] = last_step;
   j["raised_at_step"] = raised_at_step;
   j["applied_from_fault"] = applied_from_fault;
+  j["zero_gradient_steps"] = zero_gradient_steps;
   j["last_step_applied"] = last_step_applied;
   j["final_window_first"] = final_window_first;
   j["nonfinite_params_since"] = nonfinite_params_since;
@@ -1516,6 +1549,7 @@ ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
   r.last_step = j.at("last_step");
   r.raised_at_step = j.at("raised_at_step");
   r.applied_from_fault = j.at("applied_from_fault");
+  r.zero_gradient_steps = j.at("zero_gradient_steps");
   r.last_step_applied = j.at("last_step_applied");
   r.final_window_first = j.at("final_window_first");
   r.nonfinite_params_since = j.at("nonfinite_params_since");

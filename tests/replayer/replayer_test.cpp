@@ -456,6 +456,7 @@ TEST(Replay, NanRunDumpsItsFlightRingAndReplayNamesTheFirstNonFiniteOp) {
   EXPECT_EQ(r.first_nonfinite->step, static_cast<std::int64_t>(rec.outcomes.size()));
   EXPECT_EQ(r.first_nonfinite->op, "aten::native_layer_norm");
   EXPECT_EQ(r.first_nonfinite->segment, "block0..block1");
+  EXPECT_FALSE(r.first_nonfinite->by_observer);  // the segment's own LayerNorm
   EXPECT_EQ(r.first_nonfinite->phase, "forward");
   ASSERT_FALSE(r.first_nonfinite->inputs.empty());
   EXPECT_EQ(r.first_nonfinite->inputs[0].nonfinite.nan, 0);  // finite but huge inputs...
@@ -696,6 +697,30 @@ TEST(ReplayCli, StepThatRaisedHasAVerdictJsonReportAndExitCode) {
   }
   fs::remove(raising);
   fs::remove(other);
+}
+
+// An injected overflow of a segment's output is made by the injector, an observer of that output,
+// after the segment's own code: the first non-finite op is named in that segment, as the
+// observer's (outsider finding: "(outside segments)", while the note said block1). Control: an
+// overflow the segment's own LayerNorm makes (NanRunDumpsItsFlightRing...) is the segment's own.
+TEST(Replay, AnInjectedOverflowIsNamedInItsSegmentAsTheObserversOp) {
+  const std::string yaml =
+      "name: gpt\nmodel: {type: tiny_gpt, layers: 4, d_model: 32, heads: 4, dropout: 0.1}\ndata: {batch: 4, seed: 3}\n"
+      "training: {steps: 1, optimizer: adamw, lr: 0.001, segments: 2, precision: fp16}\n"
+      "injections: [{type: activation_overflow, step: 1, segment: block2}]\n";
+  const Recorded rec = record(yaml.c_str(), "injected_overflow", {}, 1);
+  ASSERT_FALSE(rec.outcomes.empty());
+  ASSERT_FALSE(rec.outcomes.back().finite());
+  const ReplayResult r = replay(rec.path);
+  ASSERT_TRUE(r.first_nonfinite.has_value());
+  EXPECT_EQ(r.first_nonfinite->segment, "block2..block3") << r.first_nonfinite->message();
+  EXPECT_EQ(r.first_nonfinite->phase, "forward");
+  EXPECT_TRUE(r.first_nonfinite->by_observer) << r.first_nonfinite->message();
+  EXPECT_NE(r.first_nonfinite->message().find("in segment 'block2..block3' (by an observer of its output"),
+            std::string::npos)
+      << r.first_nonfinite->message();
+  EXPECT_TRUE(r.to_json()["first_nonfinite"]["by_observer"].get<bool>());
+  fs::remove(rec.path);
 }
 
 // An op after backward and before the program hands over its gradients -- here an injected NaN

@@ -242,6 +242,8 @@ TEST(Report, ReplayPageNamesTheDivergenceAndTheFirstNonFiniteOp) {
   EXPECT_NE(html.find("3 of 10"), std::string::npos);
   EXPECT_NE(html.find("5e+24"), std::string::npos);
   EXPECT_NE(html.find(">2048</td>"), std::string::npos);
+  // The output has no finite element: its min/max/|max| say so, not "NaN" (the input's are numbers).
+  EXPECT_EQ(count(html, "<td class=\"num\" colspan=\"3\">no finite element</td>"), 1u);
   EXPECT_NE(html.find("(not real ones): &lt;x&gt;"), std::string::npos);
   EXPECT_EQ(count(html, "<svg class=\"chart\""), 4u);
   EXPECT_EQ(count(html, "class=\"divergence\""), 4u);  // a line on each chart

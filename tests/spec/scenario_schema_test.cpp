@@ -77,6 +77,24 @@ TEST(Schema, BadDefensesInjectionsAndExpectationsNameFileLineAndKey) {
 // YAML's core schema, not yaml-cpp's looser reading: a boolean is true or false (yes, on and y
 // are not), a quoted scalar is a string (not the number or boolean it spells), and an expectation
 // that the run breaks is a negative control's. Controls: the same keys written plainly parse.
+// A name is one line of text: it lands in the console, file names, JUnit XML (which has no room
+// for most control characters) and HTML. A control character is refused with its byte and offset.
+// Control: a name with spaces and non-ASCII letters is fine.
+TEST(Schema, ANameWithAControlCharacterIsRefused) {
+  const std::string rest = "model: {type: mlp, layers: 2}\n";
+  try {
+    parse_scenario_text("name: \"bell\\a here\"\n" + rest, "n.yaml");
+    ADD_FAILURE() << "a control character in the name was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(
+        std::string(e.what()).find(
+            "n.yaml:1: key 'name': holds a control character (byte 0x07 at offset 4): a name is one line of text"),
+        std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(parse_scenario_text("name: grad nan — skip\n" + rest, "n.yaml").name, "grad nan — skip");
+}
+
 TEST(Schema, BooleansAndNumbersAreTheCoreSchemasAndExpectingBreakageNeedsDiverges) {
   expect_error("expect: {diverges: yes}\n", "test.yaml:6: key 'expect.diverges': must be true or false, got 'yes'");
   expect_error("expect: {diverges: On}\n", "must be true or false, got 'On'");

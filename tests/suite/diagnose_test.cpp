@@ -97,6 +97,31 @@ TEST(Diagnose, BadDataIsNotCalledTransientAndStep1SuggestsNoLookback) {
   EXPECT_NE(d.report().find("no variant avoids the failure from step 1.\n"), std::string::npos) << d.report();
 }
 
+// An injected NaN gradient that the scenario injects again on every later step is not called
+// transient, nor is an earlier start suggested (red-team finding: "a rollback and retry is
+// enough", beside its own table's "rollback no", and "try a larger --lookback"). Control: the same
+// NaN on one step is the transient kind, and the lookback is suggested.
+TEST(Diagnose, AnInjectedFaultThatRepeatsIsNotCalledTransient) {
+  const std::string head =
+      "name: nan\nmodel: {type: mlp, layers: 2, hidden: 16, in_features: 8, out_features: 2, dropout: 0.0}\n"
+      "data: {batch: 8, seed: 1}\ntraining: {steps: 6, optimizer: adamw, lr: 0.003}\nexpect: {params_finite: true}\n";
+  Diagnosis d = diagnose_scenario(
+      parse_scenario_text(head + "injections: [{type: grad_nonfinite, step: 3, duration: 4}]\n", "nan.yaml"),
+      untimed());
+  EXPECT_EQ(d.failing_step, 3) << d.report();
+  EXPECT_TRUE(d.classification.injected_fault_repeats) << d.report();
+  EXPECT_NE(d.classification.detail.find("the scenario injects it again on 3 later steps (up to step 6)"),
+            std::string::npos)
+      << d.classification.detail;
+  EXPECT_EQ(d.classification.detail.find("retry is enough"), std::string::npos) << d.classification.detail;
+  EXPECT_EQ(d.report().find("--lookback"), std::string::npos) << d.report();
+
+  d = diagnose_scenario(parse_scenario_text(head + "injections: [{type: grad_nonfinite, step: 3}]\n", "nan.yaml"),
+                        untimed());
+  EXPECT_FALSE(d.classification.injected_fault_repeats) << d.report();
+  EXPECT_NE(d.classification.detail.find("retry is enough"), std::string::npos) << d.classification.detail;
+}
+
 // A weight flipped to 3.4e38 stays finite, so every later step is non-finite and skip_nonfinite
 // skips it: training stops. Rollback beside the skip acts only on non-finite parameters and does
 // not help; rollback instead of the skip restores the state from before the flip, and fixes it.

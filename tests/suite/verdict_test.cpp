@@ -427,17 +427,17 @@ TEST(Verdict, DefensesThatHoldByFreezingTrainingBroke) {
   const ExpectationCheck* trained = find_check(r, "trained");
   ASSERT_NE(trained, nullptr) << why(r);
   EXPECT_FALSE(trained->passed);
-  EXPECT_TRUE(has_reason(r, "trained: expected from the fault's step on (steps 2..4), the parameters move at least "
+  EXPECT_TRUE(has_reason(r, "trained: expected after the fault (steps 3..4), the parameters move at least "
                             "0.01 as far as in the run with neither the fault nor the defenses"))
       << why(r);
-  EXPECT_EQ(r.param_movement_from, 2);
+  EXPECT_EQ(r.param_movement_from, 3);
   ASSERT_FALSE(r.breakage.empty());
   EXPECT_EQ(r.breakage.back().kind, BreakKind::kNoProgress);
   EXPECT_LT(r.param_movement, 1e-9) << why(r);
   const ScenarioResult back = ScenarioResult::from_json(r.to_json());
   EXPECT_EQ(back.outcome(), "broke");
   EXPECT_EQ(back.param_movement, r.param_movement);
-  EXPECT_EQ(back.param_movement_from, 2);
+  EXPECT_EQ(back.param_movement_from, 3);
 
   r = run_scenario(with("defenses: {skip_nonfinite: true, lr_scale: 0.1}\n" + rest));
   EXPECT_TRUE(r.passed) << why(r);
@@ -455,38 +455,45 @@ std::string sgd(const std::string& training, const std::string& rest) {
          training + "}\n" + rest;
 }
 
-// trained is measured from the fault's step on (red-team findings): what moved before the fault says
-// nothing of what the defenses let through after it. Clipping a gradient whose norm overflows
-// multiplies it by 0; a loss x 1e30 on every step from 3 on leaves SGD applying zeros, and the
-// movement of steps 1..2 carried the whole-run measure ('held, ok'). An LR scaled by 1e-3 moved
-// them 0.007 as far as the run without it: the 1e-4-of-their-norm floor applies only where that run
+// Training must go on after the fault (red-team findings), and what moved before it or on its own
+// steps says nothing of that. Clipping a gradient whose norm overflows multiplies it by 0: a loss x
+// 1e30 on every step from 3 on leaves SGD applying zero gradients (momentum or Adam's moments carry
+// the parameters on a while: 'held, ok' on the movement), and such steps are not applied for the
+// progress rule. trained measures from the step after the fault's last: an LR scaled by 1e-3 moved
+// them 0.007 as far as the run without it; the 1e-4-of-their-norm floor applies only where that run
 // runs away. Controls: the same spike on step 3 alone, after which clipping lets training go on,
 // held; an LR scaled by 0.1 held.
-TEST(Verdict, TrainedIsMeasuredFromTheFaultsStepOn) {
+TEST(Verdict, TrainedIsMeasuredAfterTheFaultAndZeroGradientsTrainNothing) {
   const std::string clip = "defenses: {clip: {mode: global, max_norm: 1.0}}\nexpect: {params_finite: true}\n";
-  ScenarioResult r = run_scenario(parse_scenario_text(
-      sgd("steps: 8, lr: 0.1", clip + "injections: [{type: loss_spike, step: 3, duration: 6, factor: 1.0e30}]\n"),
-      "zeroed.yaml"));
-  EXPECT_EQ(r.outcome(), "broke") << why(r);
-  EXPECT_TRUE(has_reason(r, "(steps 3..8)")) << why(r);
-  EXPECT_EQ(r.param_movement, 0.0) << why(r);
-  ASSERT_FALSE(r.breakage.empty());
-  EXPECT_EQ(r.breakage.back().kind, BreakKind::kNoProgress);
+  for (const char* training : {"steps: 8, lr: 0.1", "steps: 8, lr: 0.1, momentum: 0.9"}) {
+    const ScenarioResult r = run_scenario(parse_scenario_text(
+        sgd(training, clip + "injections: [{type: loss_spike, step: 3, duration: 6, factor: 1.0e30}]\n"),
+        "zeroed.yaml"));
+    EXPECT_EQ(r.outcome(), "broke") << training << "\n" << why(r);
+    EXPECT_EQ(r.zero_gradient_steps, 6) << why(r);
+    EXPECT_TRUE(has_reason(r, "min_applied_steps: expected >= 3 applied of steps 3..8, the last among them, got 0 "
+                              "applied (and 6 with a gradient of norm 0, which train nothing), the last with a "
+                              "gradient of norm 0"))
+        << why(r);
+  }
+  ScenarioResult r;
   r = run_scenario(parse_scenario_text(
       sgd("steps: 8, lr: 0.1", clip + "injections: [{type: loss_spike, step: 3, factor: 1.0e30}]\n"), "once.yaml"));
   EXPECT_TRUE(r.passed) << why(r);
   EXPECT_EQ(r.outcome(), "held") << why(r);
+  EXPECT_EQ(r.zero_gradient_steps, 1);
+  EXPECT_EQ(r.param_movement_from, 4);
   ASSERT_NE(find_check(r, "trained"), nullptr) << why(r);
 
   const std::string spike = "injections: [{type: lr_spike, step: 3, duration: 2, factor: 20}]\n"
                             "expect: {final_loss_below: 4.0, params_finite: true}\n";
-  r = run_scenario(parse_scenario_text(sgd("steps: 10, lr: 1.0", "defenses: {lr_scale: 1.0e-3}\n" + spike), "s.yaml"));
+  r = run_scenario(parse_scenario_text(sgd("steps: 20, lr: 1.0", "defenses: {lr_scale: 1.0e-3}\n" + spike), "s.yaml"));
   EXPECT_EQ(r.outcome(), "broke") << why(r);
   const ExpectationCheck* trained = find_check(r, "trained");
   ASSERT_NE(trained, nullptr) << why(r);
   EXPECT_FALSE(trained->passed) << trained->observed;
   EXPECT_GT(r.param_movement, kMovedAtAll) << why(r);  // the floor alone would have passed it
-  r = run_scenario(parse_scenario_text(sgd("steps: 10, lr: 1.0", "defenses: {lr_scale: 0.1}\n" + spike), "s.yaml"));
+  r = run_scenario(parse_scenario_text(sgd("steps: 20, lr: 1.0", "defenses: {lr_scale: 0.1}\n" + spike), "s.yaml"));
   EXPECT_TRUE(r.passed) << why(r);
   trained = find_check(r, "trained");
   ASSERT_NE(trained, nullptr) << why(r);
@@ -500,14 +507,16 @@ TEST(Verdict, TrainedIsMeasuredFromTheFaultsStepOn) {
 TEST(Verdict, AConfigurationThatDoesNotTrainHeldNothing) {
   const std::string rest = "defenses: {skip_nonfinite: true}\ninjections: [{type: grad_nonfinite, step: 2}]\n"
                            "expect: {params_finite: true}\n";
-  for (const char* training : {"steps: 5, lr: 0.0", "steps: 5, lr: 0.1, loss_weight: 1.0e-30"}) {
-    const ScenarioResult r = run_scenario(parse_scenario_text(sgd(training, rest), "frozen.yaml"));
-    EXPECT_EQ(r.outcome(), "broke") << training << "\n" << why(r);
-    const ExpectationCheck* trained = find_check(r, "trained");
-    ASSERT_NE(trained, nullptr) << training << "\n" << why(r);
-    EXPECT_FALSE(trained->passed) << trained->observed;
-    EXPECT_LT(r.param_movement, kMovedAtAllInFloat32);
-  }
+  ScenarioResult f = run_scenario(parse_scenario_text(sgd("steps: 5, lr: 0.0", rest), "frozen.yaml"));
+  EXPECT_EQ(f.outcome(), "broke") << why(f);
+  const ExpectationCheck* trained = find_check(f, "trained");
+  ASSERT_NE(trained, nullptr) << why(f);
+  EXPECT_FALSE(trained->passed) << trained->observed;
+  EXPECT_EQ(f.param_movement, 0.0);
+  // A loss weighted 1e-30: its gradients underflow to norm 0, steps that train nothing.
+  f = run_scenario(parse_scenario_text(sgd("steps: 5, lr: 0.1, loss_weight: 1.0e-30", rest), "frozen.yaml"));
+  EXPECT_EQ(f.outcome(), "broke") << why(f);
+  EXPECT_EQ(f.applied_from_fault, 0) << why(f);
   const ScenarioResult r = run_scenario(parse_scenario_text(sgd("steps: 5, lr: 0.1", rest), "trains.yaml"));
   EXPECT_TRUE(r.passed) << why(r);
   EXPECT_EQ(r.outcome(), "held");

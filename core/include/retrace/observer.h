@@ -71,6 +71,11 @@ struct ActiveSegment {
   SegmentPhase phase = SegmentPhase::kForward;
 };
 bool current_segment(ActiveSegment* out);
+// The segment whose event (its forward's or recompute's outputs) the attached observers are
+// handling on the calling thread, outside the segment itself: an injector replacing its output,
+// the recorder digesting it. Empty otherwise. Replay's op-level instrumentation names such an op
+// as the observer's, not the segment's own code.
+bool observed_segment(ActiveSegment* out);
 
 namespace detail {
 // True when at least one observer is attached. Cost: one relaxed atomic load.

@@ -55,6 +55,9 @@ struct TensorStats {
 struct NonFiniteOrigin {
   std::int64_t step = -1;
   std::string segment;  // "" outside checkpointed segments
+  // The op ran in an observer of the segment's output (an injector replacing it), after the
+  // segment's own code: the value is the observer's doing, not the segment's.
+  bool by_observer = false;
   // forward | recompute | backward (checkpointed segments and autograd), post-backward (after
   // autograd's backward, before the program hands its gradients to StepMonitor::after_backward:
   // gradient faults, gradient post-processing), optimizer (after that call: loss-scaler unscale,

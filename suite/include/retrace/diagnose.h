@@ -47,6 +47,9 @@ struct Classification {
   std::string kind = "none";
   std::int64_t step = -1;
   std::string detail;
+  // persistent by the scenario's own injection, which is due again on later steps of the run (a
+  // NaN injected on steps 3..10): no rollback, retry or earlier start gets past it.
+  bool injected_fault_repeats = false;
 };
 
 struct Diagnosis {

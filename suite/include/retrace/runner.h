@@ -258,7 +258,10 @@ struct ScenarioResult {
                                         // when there is none: then the configuration is the fault)
   std::int64_t last_step = 0;           // the last step the run reached (the one that raised included)
   std::int64_t raised_at_step = 0;      // the step in progress when it raised; 0: did not, or before any
-  std::int64_t applied_from_fault = 0;  // applied steps from fault_step to the end
+  std::int64_t applied_from_fault = 0;  // applied steps from fault_step to the end, with a gradient
+  // Steps from fault_step on applied with a gradient of norm 0 (clipped by 0, underflowed): they
+  // train nothing of their own, and the progress rule does not count them as applied.
+  std::int64_t zero_gradient_steps = 0;
   bool last_step_applied = false;
   std::int64_t final_window_first = 0;          // final_loss averages the applied steps of
                                                 // max(fault_step, last_step - 2) .. last_step
