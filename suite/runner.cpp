@@ -92,6 +92,12 @@ std::string final_window(const ScenarioResult& r) {
                    std::to_string(r.last_step) + ")";
 }
 
+// Whether some step of the final window was applied (not skipped): else it has no final loss.
+bool applied_in_final_window(const ScenarioResult& r) {
+  return std::any_of(r.steps.begin(), r.steps.end(),
+                     [&](const StepPoint& p) { return p.step >= r.final_window_first && !p.skipped; });
+}
+
 // Each expectation of the scenario against what the run did: r.checks.
 void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
   const ExpectSpec& e = spec.expect;
@@ -129,9 +135,7 @@ void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
   }
   if (e.final_loss_below) {
     // NaN is the mean of no step, or of steps one of which applied a NaN loss: said apart.
-    const bool any_applied = std::any_of(r.steps.begin(), r.steps.end(), [&](const StepPoint& p) {
-      return p.step >= r.final_window_first && !p.skipped;
-    });
+    const bool any_applied = applied_in_final_window(r);
     // Digits enough to show the two apart where 6 print them alike (a loss just at its bound).
     const int digits = digits_apart(r.final_loss, *e.final_loss_below);
     check(r, CheckKind::kFinalLossBelow, "< " + number_text(*e.final_loss_below, digits) + " (" + window + ")",
@@ -254,9 +258,7 @@ void find_breakage(const ExpectSpec& e, ScenarioResult& r) {
         "step " + std::to_string(r.first_nonfinite_loss_step) + " applied a non-finite loss", true);
   }
   if (failed(CheckKind::kFinalLossBelow)) {
-    const bool any_applied = std::any_of(r.steps.begin(), r.steps.end(), [&](const StepPoint& p) {
-      return p.step >= r.final_window_first && !p.skipped;
-    });
+    const bool any_applied = applied_in_final_window(r);
     // With no applied step in the window there is no final loss: for a control, that is the
     // defenses refusing every step of it (a validated batch skipped), not the fault raising the loss.
     add(BreakKind::kFinalLoss, r.last_step,
