@@ -50,8 +50,8 @@ ClipResult GradClipper::clip(const std::vector<NamedTensor>& grads, const std::v
   if (!std::isfinite(total) && !overflow_only) {
     r.coef = std::numeric_limits<double>::quiet_NaN();
     if (options_.error_if_nonfinite && !overflow_is_handled) {
-      throw Error("step " + std::to_string(step) + ": the total gradient norm is non-finite (" + number_text(total) +
-                  "); clipping refuses it (error_if_nonfinite)");
+      throw DefenseRefusal("step " + std::to_string(step) + ": the total gradient norm is non-finite (" +
+                           number_text(total) + "); clipping refuses it (error_if_nonfinite)");
     }
     return r;
   }
@@ -475,9 +475,15 @@ DefendedStep::DefendedStep(Defenses& d, std::int64_t step, StepMonitor* monitor)
     const double own = group.options().get_lr();
     own_lrs_.push_back(own);
     group.options().set_lr(d.schedule_.lr(own) * spike);
+    set_lrs_.push_back(group.options().get_lr());
   }
   out_.lr = d.optimizer_->param_groups().empty() ? 0.0 : d.optimizer_->param_groups()[0].options().get_lr();
   out_.loss_scale = d.loss_scale();
+  for (const NamedTensor& n : d.program_->state()) {
+    if (n.kind != TensorKind::kBuffer || !n.tensor.defined()) continue;
+    buffers_.push_back(n.tensor);
+    buffer_versions_.push_back(n.tensor._version());
+  }
 }
 
 DefendedStep::~DefendedStep() {
@@ -608,7 +614,26 @@ void DefendedStep::backward(const at::Tensor& loss) {
   const double w = d.traits_.loss_weight;
   at::Tensor objective = d.injector_->on_loss(w != 1.0 ? this_loss * w : this_loss);
   if (d.scaler_) objective = d.scaler_->scale(objective);
+  // A buffer the forward wrote is written again by a checkpointed segment's recompute, which runs
+  // the forward once more in training mode: BatchNorm would update its running statistics twice a
+  // step (num_batches_tracked counting 2). Put back what backward wrote into those.
+  struct Written {
+    std::size_t index;
+    std::uint32_t version;  // before backward
+    at::Tensor value;
+  };
+  std::vector<Written> written;
+  for (std::size_t i = 0; i < buffers_.size(); ++i) {
+    const std::uint32_t v = buffers_[i]._version();
+    if (v != buffer_versions_[i]) written.push_back({i, v, buffers_[i].detach().clone()});
+  }
   objective.backward();
+  {
+    const torch::NoGradGuard no_grad;
+    for (const Written& w : written) {
+      if (buffers_[w.index]._version() != w.version) buffers_[w.index].copy_(w.value);
+    }
+  }
   detach_observers();
   backward_done_ = true;
 }
@@ -619,6 +644,19 @@ StepOutcome DefendedStep::finish() {
   if (!done_ && !backward_done_)
     throw Error("retrace::DefendedStep::finish: step " + std::to_string(step_) + " has no backward()");
   if (!done_) {
+    // The LR begin() set is the one the optimizer must step with: a program that sets its own
+    // after begin() overrides the schedule and an injected spike (which would count as fired), and
+    // finish() puts its LR back to the one before the step.
+    const auto& groups = d.optimizer_->param_groups();
+    for (std::size_t i = 0; i < groups.size() && i < set_lrs_.size(); ++i) {
+      const double now = groups[i].options().get_lr();
+      if (now == set_lrs_[i] || (std::isnan(now) && std::isnan(set_lrs_[i]))) continue;
+      throw Error("retrace::DefendedStep::finish: step " + std::to_string(step_) + ": the optimizer's LR (group " +
+                  std::to_string(i) + ") is " + number_text(now) + ", but begin() set it to " +
+                  number_text(set_lrs_[i]) +
+                  ": the program changed it inside the step, over the defenses' schedule and any injected LR "
+                  "spike; set the program's own LR before begin() (it is the base the schedule scales)");
+    }
     std::vector<NamedTensor> grads;
     for (std::size_t i = 0; i < d.parameters_.size(); ++i) {
       const at::Tensor& g = d.parameters_[i].tensor.grad();

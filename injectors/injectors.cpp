@@ -160,6 +160,17 @@ bool Injector::scheduled(std::size_t index, std::int64_t step) const {
   return uniform01(gen) < s.probability;
 }
 
+std::vector<std::int64_t> Injector::due_steps(std::size_t index, std::int64_t first, std::int64_t last) const {
+  const InjectionSpec& s = specs_.at(index);
+  std::vector<std::int64_t> due;
+  // Only the entry's own window is drawn: a duration may be far longer than the run.
+  const std::int64_t to = s.duration > last - s.step ? last : s.step + s.duration - 1;
+  for (std::int64_t step = std::max(first, s.step); step <= to; ++step) {
+    if (scheduled(index, step)) due.push_back(step);
+  }
+  return due;
+}
+
 bool Injector::fires(std::size_t index) const { return scheduled(index, step_); }
 
 void Injector::note(const InjectionSpec& spec, std::string where, std::string detail) {

@@ -134,6 +134,8 @@ nlohmann::json ReplayResult::to_json() const {
   return {{"reproduced", reproduced},
           {"from_step", from_step},
           {"to_step", to_step},
+          {"target_step", target_step},
+          {"ended_early", ended_early},
           {"first_divergence", first_divergence ? first_divergence->to_json() : nlohmann::json()},
           {"first_nonfinite", first_nonfinite ? first_nonfinite->to_json() : nlohmann::json()},
           {"raised", raised ? raised->to_json() : nlohmann::json()},
@@ -926,11 +928,19 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
                            " (injected by the scenario, not real ones; where a non-finite value came from, the "
                            "first non-finite op says)");
   }
-  bool params_ok = scan.finite;
-  for (const NamedTensor& st : state_after) {  // device tensors, on the program's stream
-    if (!params_ok) break;
-    if (st.tensor.defined() && !st.tensor.is_cpu() && !retrace::all_finite(st.tensor)) params_ok = false;
+  // The first non-finite tensor of the state after the step, in state() order, and the first
+  // non-finite parameter: device tensors are checked here, on the program's stream.
+  const NamedTensor* bad = nullptr;
+  const NamedTensor* bad_param = nullptr;
+  for (const NamedTensor& st : state_after) {
+    if (bad_param) break;
+    if (!st.tensor.defined() || (scan.finite && st.tensor.is_cpu()) || retrace::all_finite(st.tensor)) continue;
+    if (!bad) bad = &st;
+    if (st.kind == TensorKind::kParameter) bad_param = &st;
   }
+  const bool params_ok = bad_param == nullptr;
+  // A buffer or the optimizer's state non-finite with the loss and parameters finite does not end
+  // the replay (it is said at a skipped step and at the last).
   const bool nonfinite = !outcome.finite() || !params_ok;
   // A non-finite step that a defense skipped (parameters still finite) does not end the run:
   // the replay goes on checking the steps after it.
@@ -940,14 +950,44 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
   // ring), so a handled step is only noted -- unless it is the last step replayed, which nothing
   // follows (the step a run that never recovered ended on, or the one asked for with --step).
   const bool last = s == result.to_step;
+  // What is non-finite after the step, for the notes.
+  const std::string left = bad ? std::string(to_string(bad->kind)) + " '" + bad->name + "' is non-finite after it"
+                               : std::string();
   if (handled) {
-    result.notes.push_back("step " + std::to_string(s) + " went non-finite and a defense skipped it (" +
-                           outcome.skip_reason + (last ? ")" : "); the replay goes on"));
+    result.notes.push_back(
+        "step " + std::to_string(s) + " went non-finite and a defense skipped it (" + outcome.skip_reason + ")" +
+        (bad ? "; its parameters are finite, but its " + left + " (a skip does not undo what the step's forward wrote)"
+             : std::string()) +
+        (last ? "" : "; the replay goes on"));
+  }
+  if (!nonfinite && bad && last) {
+    result.notes.push_back("step " + std::to_string(s) + ", the last replayed: its loss and parameters are finite, " +
+                           "but its " + left);
   }
   if (nonfinite && (!handled || last) && options.provenance && !result.first_nonfinite) {
     find_provenance(trace, recs, program, s, state_before(), rng, batch, /*known_nonfinite=*/true, result);
+    if (!result.first_nonfinite && bad) {
+      result.notes.push_back("step " + std::to_string(s) + ": no op's output was non-finite, yet its " + left +
+                             ": written in place by an op that does not return it (BatchNorm's running statistics, "
+                             "an optimizer's update)");
+    }
   }
-  return !result.first_divergence && !(nonfinite && !handled);
+  const bool go_on = !result.first_divergence && !(nonfinite && !handled);
+  if (!go_on && !last && result.ended_early.empty()) {
+    std::string why;
+    if (result.first_divergence) why = "diverged";
+    else {
+      why = "went non-finite (";
+      if (!outcome.finite())
+        why += "loss " + number_text(outcome.loss) + ", gradient norm " + number_text(outcome.grad_norm);
+      if (bad) why += std::string(outcome.finite() ? "" : "; ") + left;
+      why += outcome.skipped ? ") and a defense skipped it, but its parameters are non-finite"
+                             : ") and no defense skipped it";
+      why += ": a replay ends at such a step";
+    }
+    result.ended_early = "step " + std::to_string(s) + " " + why;
+  }
+  return go_on;
 }
 
 }  // namespace
@@ -972,6 +1012,7 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
   Anchor anchor = find_anchor(trace_, steps, options.from.value_or(target), program_);
   result.from_step = StepBeginRecord::decode(anchor.begin, trace_.path()).step;
   result.to_step = target;
+  result.target_step = target;
   // The decoded snapshot is given to the program (its moments kept, not cloned): provenance
   // decodes the anchor's state again from its record when it needs it.
   program_.adopt_state(std::move(anchor.state));
@@ -987,6 +1028,11 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
         s == result.from_step ? &anchor.stored() : nullptr, start, options, result, stopped_before);
     if (!go_on) {
       result.to_step = stopped_before ? s - 1 : s;
+      if (result.to_step < target && result.ended_early.empty()) {
+        result.ended_early = stopped_before  ? "the recorded run stopped in step " + std::to_string(s)
+                             : result.raised ? "step " + std::to_string(s) + " raised"
+                                             : "step " + std::to_string(s) + " ended the replay";
+      }
       break;
     }
   }

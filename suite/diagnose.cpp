@@ -29,6 +29,10 @@ struct Window {
   std::int64_t start = 1;
   std::vector<NamedTensor> state;
   RngState rng;
+  // The run's first finite loss (step 1's as a rule), what a variant's loss that ran away is
+  // measured against; NaN where none is known (then the window's own first applied loss).
+  double first_loss = std::numeric_limits<double>::quiet_NaN();
+  std::int64_t first_loss_step = 0;
 };
 
 
@@ -73,10 +77,14 @@ class ThreadsGuard {
   int old_;
 };
 
+// A variant whose final loss ends more than this many times above its window's first loss has not
+// fixed the blow-up: its loss runs away without going non-finite.
+constexpr double kLossRunsAway = 2.0;
+
 // What still fails in a run, or "" when it held. The scenario's expectations about the outcome
 // count; those about a defense's mechanics (skips, backoffs, rollbacks, replay) do not, since a
 // variant may avoid the failure by other means.
-std::string judge(const ScenarioResult& r, const ExpectSpec& e) {
+std::string judge(const ScenarioResult& r, const ExpectSpec& e, double first_loss, std::int64_t first_step) {
   if (r.raised) return "raised: " + r.error;
   if (!r.params_finite) return "non-finite parameters";
   if (r.applied_nonfinite_steps > 0) return std::to_string(r.applied_nonfinite_steps) + " non-finite step(s) applied";
@@ -93,6 +101,21 @@ std::string judge(const ScenarioResult& r, const ExpectSpec& e) {
   }
   if (e.final_loss_below && !(std::isfinite(r.final_loss) && r.final_loss < *e.final_loss_below)) {
     return "final loss " + fmt(r.final_loss) + ", expected below " + fmt(*e.final_loss_below);
+  }
+  // A loss that ends far above the run's first one avoided the non-finite numbers, not the blow-up
+  // (outsider findings: clipping at 1.0 of SGD at LR 40, loss 2.4 -> 110-173, ranked first; from a
+  // window that starts after the loss has climbed, 1.5e12 at the end was "held").
+  if (!(std::isfinite(first_loss) && first_loss > 0)) {
+    const auto first = std::find_if(r.steps.begin(), r.steps.end(),
+                                    [](const StepPoint& p) { return !p.skipped && std::isfinite(p.loss); });
+    first_loss = first == r.steps.end() ? std::numeric_limits<double>::quiet_NaN() : first->loss;
+    first_step = first == r.steps.end() ? 0 : first->step;
+  }
+  if (std::isfinite(first_loss) && first_loss > 0 && std::isfinite(r.final_loss) &&
+      r.final_loss > kLossRunsAway * first_loss) {
+    return "the loss ran away: " + fmt(r.final_loss) + " at the end (steps " + std::to_string(r.final_window_first) +
+           ".." + std::to_string(r.last_step) + "), more than " + fmt(kLossRunsAway) + " times the run's " +
+           fmt(first_loss) + " at step " + std::to_string(first_step);
   }
   return "";
 }
@@ -231,9 +254,9 @@ VariantResult run_variant(const Variant& v, const Window& w, std::int64_t last, 
   out.name = v.name;
   out.change = v.change;
   out.caveat = v.caveat;
-  const std::string failed = judge(r, expect);
+  const std::string failed = judge(r, expect, w.first_loss, w.first_loss_step);
   out.fixes = failed.empty();
-  out.outcome = failed.empty() ? "held" : failed;
+  out.outcome = failed.empty() ? "held (final loss " + fmt(r.final_loss) + ")" : failed;
   out.seconds_per_step_runs.push_back(cpu_per_step(r));
   out.seconds_per_step = out.seconds_per_step_runs.front();
   out.skipped_steps = r.skipped_steps;
@@ -306,11 +329,9 @@ Classification classify(const ScenarioSpec& spec, const Window& w, double origin
         for (std::size_t i = 0; i < spec.injections.size(); ++i) {
           data = data || (spec.injections[i].type == InjectionType::kCorruptBatch && schedule.scheduled(i, w.start));
           if (spec.injections[i].type == InjectionType::kCorruptBatch) continue;
-          for (std::int64_t s = w.start + 1; s <= spec.training.steps; ++s) {
-            if (!schedule.scheduled(i, s)) continue;
-            ++again;
-            last_again = std::max(last_again, s);
-          }
+          const std::vector<std::int64_t> due = schedule.due_steps(i, w.start + 1, spec.training.steps);
+          again += static_cast<std::int64_t>(due.size());
+          if (!due.empty()) last_again = std::max(last_again, due.back());
         }
         c.injected_fault_repeats = !fails_clean && !data && again > 0;
         c.detail = "re-executing the step from its state fails again" +
@@ -438,6 +459,8 @@ Diagnosis diagnose_scenario(const ScenarioSpec& spec, const DiagnoseOptions& opt
   // step, or a raise.
   std::deque<Window> recent;
   double loss = 0, norm = 0;
+  double first_loss = std::numeric_limits<double>::quiet_NaN();
+  std::int64_t first_loss_step = 0;
   {
     const std::unique_ptr<Program> p = make_scenario_program(spec);
     for (std::int64_t s = 1; s <= spec.training.steps; ++s) {
@@ -453,6 +476,10 @@ Diagnosis diagnose_scenario(const ScenarioSpec& spec, const DiagnoseOptions& opt
           d.failure = failure_text(s, d.failure_kind);
           break;
         }
+        if (first_loss_step == 0 && !o.skipped && std::isfinite(o.loss)) {
+          first_loss = o.loss;
+          first_loss_step = s;
+        }
       } catch (const std::exception& e) {
         d.failing_step = s;
         loss = norm = std::numeric_limits<double>::quiet_NaN();
@@ -464,6 +491,8 @@ Diagnosis diagnose_scenario(const ScenarioSpec& spec, const DiagnoseOptions& opt
   }
   if (d.failing_step < 0) return diagnose_whole_run(spec, options, std::move(d));
   d.classification = classify(spec, recent.back(), loss, norm);
+  recent.front().first_loss = first_loss;
+  recent.front().first_loss_step = first_loss_step;
   return diagnose_window(spec, recent.front(), options, std::move(d));
 }
 
@@ -565,7 +594,15 @@ Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options
     d.classification = classify(spec, at_failure, loss, norm);
   }
   const std::int64_t start = std::max<std::int64_t>(1, d.failing_step - options.lookback);
-  return diagnose_window(spec, start == d.failing_step ? at_failure : state_before(start), options, std::move(d));
+  Window w = start == d.failing_step ? std::move(at_failure) : state_before(start);
+  for (std::size_t i = 0; i < trace.records().size() && w.first_loss_step == 0; ++i) {
+    if (trace.records()[i].type != RecordType::kStepEnd) continue;
+    const StepEndRecord rec = StepEndRecord::decode(trace.read_table(i), path);
+    if (rec.skipped || !std::isfinite(rec.loss)) continue;
+    w.first_loss = rec.loss;
+    w.first_loss_step = rec.step;
+  }
+  return diagnose_window(spec, std::move(w), options, std::move(d));
 }
 
 std::string Diagnosis::report() const {

@@ -142,11 +142,22 @@ void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
           any_applied ? number_text(r.final_loss, digits) : "no applied step in " + window,
           std::isfinite(r.final_loss) && r.final_loss < *e.final_loss_below);
   }
+  // A fault due on the run's last step leaves no step after it, where progress and trained are
+  // judged: a defense that skips the fault's step and every one after it for good would pass as
+  // one that skips the fault's step alone. Not held, and not broke: not shown.
+  const bool nothing_after = r.fault_last_step > 0 && r.fault_last_step >= r.last_step;
+  if (!e.diverges && !r.raised && !r.harness_error && nothing_after) {
+    const std::string n = std::to_string(r.fault_last_step);
+    check(r, CheckKind::kStepAfterFault, "a step after step " + n + ", the fault's last, to show training going on",
+          "none: the run ends on step " + n + ", which an injection is due on; make training.steps larger than " + n +
+              ", or end the injection before the run's last step",
+          false);
+  }
   // Progress: a defense that skips or rolls back (almost) every step after the fault did not let
   // training go on. Not for a run that raised (that is its verdict, expected or not), nor (unless
-  // asked) for a control.
+  // asked) for a control, nor for a fault that lasts to the end (step_after_fault says so).
   const std::int64_t after = r.last_step - r.fault_step + 1;
-  if (!r.raised && after > 0 && (e.min_applied_steps || !e.diverges)) {
+  if (!r.raised && after > 0 && (e.min_applied_steps || (!e.diverges && !nothing_after))) {
     const std::string span = "of steps " + std::to_string(r.fault_step) + ".." + std::to_string(r.last_step);
     std::string observed = std::to_string(r.applied_from_fault) + " applied";
     if (r.zero_gradient_steps > 0)
@@ -227,14 +238,32 @@ void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
   }
   if (e.raises) {
     const bool matches = e.raises_match.empty() || r.error.find(e.raises_match) != std::string::npos;
+    // Holding by raising is a defense's refusal; a control breaks by the fault's own raise (a crash).
+    const bool whose = !*e.raises || (e.diverges ? !r.raised_by_defense : r.raised_by_defense);
+    std::string observed = r.raised ? "raised: " + r.error : "did not raise";
+    if (r.raised && !whose) {
+      observed += e.diverges ? " -- a defense's refusal (DefenseRefusal): the defense held the fault, which a "
+                               "control must break through"
+                             : " -- not a defense's refusal (retrace::DefenseRefusal): the fault crashed the run";
+    }
     check(r, CheckKind::kRaises, b(*e.raises) + (e.raises_match.empty() ? "" : " with '" + e.raises_match + "'"),
-          r.raised ? "raised: " + r.error : "did not raise", r.raised == *e.raises && (!r.raised || matches));
+          observed, r.raised == *e.raises && (!r.raised || (matches && whose)));
   }
 }
 
-std::string optimizer_state_detail(const ScenarioResult& r) {
-  return "optimizer state non-finite at the end (" + r.nonfinite_optimizer_state +
-         "): the updates of the parameters it covers are 0 or non-finite from then on";
+// State besides the parameters that is non-finite at the end, with finite parameters: what breaks.
+std::string nonfinite_state_detail(const ScenarioResult& r) {
+  if (r.nonfinite_state_kind == TensorKind::kOptimizerState) {
+    return "optimizer state non-finite at the end (" + r.nonfinite_state +
+           "): the updates of the parameters it covers are 0 or non-finite from then on";
+  }
+  return "a buffer non-finite at the end (" + r.nonfinite_state +
+         "): what reads it -- BatchNorm's running statistics in eval mode -- computes non-finite values";
+}
+
+BreakKind nonfinite_state_break(const ScenarioResult& r) {
+  return r.nonfinite_state_kind == TensorKind::kOptimizerState ? BreakKind::kNonFiniteOptimizerState
+                                                               : BreakKind::kNonFiniteBuffers;
 }
 
 // What broke, and when: r.breakage, from the run and its failed checks.
@@ -251,8 +280,8 @@ void find_breakage(const ExpectSpec& e, ScenarioResult& r) {
     add(BreakKind::kNonFiniteParams, r.nonfinite_params_since,
         "parameters non-finite from step " + std::to_string(r.nonfinite_params_since) + " on", true);
   }
-  if (!r.optimizer_state_finite && r.params_finite)
-    add(BreakKind::kNonFiniteOptimizerState, r.last_step, optimizer_state_detail(r), true);
+  if (!r.nonfinite_state.empty() && r.params_finite)
+    add(nonfinite_state_break(r), r.last_step, nonfinite_state_detail(r), true);
   if (failed(CheckKind::kLossFinite) && r.first_nonfinite_loss_step > 0) {
     add(BreakKind::kNonFiniteLoss, r.first_nonfinite_loss_step,
         "step " + std::to_string(r.first_nonfinite_loss_step) + " applied a non-finite loss", true);
@@ -305,14 +334,14 @@ void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
     // A harness error never got to its fault: what its checks of what breaks say (loss_finite: no
     // applied step) is no breakage, and its outcome is "not exercised".
     r.broke = !r.harness_error && ((r.raised && !raise_expected) || wrong_raise || !r.params_finite ||
-                                   (!r.optimizer_state_finite && r.params_finite) ||
+                                   (!r.nonfinite_state.empty() && r.params_finite) ||
                                    std::any_of(r.checks.begin(), r.checks.end(), [](const ExpectationCheck& c) {
                                      return !c.passed && role_of(c.kind) == CheckRole::kBreakage;
                                    }));
     if (r.raised && !raise_expected && !r.harness_error)
       reason("raised at step " + std::to_string(r.raised_at_step) + ": " + r.error);
     if (!r.params_finite && !e.params_finite) reason("non-finite parameters at the end");
-    if (!r.optimizer_state_finite && r.params_finite && !r.harness_error) reason(optimizer_state_detail(r));
+    if (!r.nonfinite_state.empty() && r.params_finite && !r.harness_error) reason(nonfinite_state_detail(r));
     for (const ExpectationCheck& c : r.checks) {
       if (!c.passed) reason(reason_of(c));
     }
@@ -403,6 +432,7 @@ const char* to_string(CheckKind kind) {
     case CheckKind::kFaultBites: return "fault_bites";
     case CheckKind::kFaultCaused: return "fault_caused";
     case CheckKind::kTrained: return "trained";
+    case CheckKind::kStepAfterFault: return "step_after_fault";
   }
   return "?";
 }
@@ -422,7 +452,8 @@ CheckRole role_of(CheckKind kind) {
     case CheckKind::kMinScaleGrowths:
     case CheckKind::kMinRollbacks:
     case CheckKind::kRaises:
-    case CheckKind::kFaultBites: return CheckRole::kExercise;
+    case CheckKind::kFaultBites:
+    case CheckKind::kStepAfterFault: return CheckRole::kExercise;
     case CheckKind::kFaultCaused: return CheckRole::kCause;
     case CheckKind::kMaxSkippedSteps:
     case CheckKind::kReplayBitwise: return CheckRole::kOther;
@@ -440,6 +471,7 @@ const char* to_string(BreakKind kind) {
     case BreakKind::kRaised: return "raised";
     case BreakKind::kRanksSplit: return "ranks_split";
     case BreakKind::kNonFiniteOptimizerState: return "non_finite_optimizer_state";
+    case BreakKind::kNonFiniteBuffers: return "non_finite_buffers";
   }
   return "?";
 }
@@ -479,9 +511,9 @@ StepNoteKind parse_step_note_kind(const std::string& name) {
 }
 
 BreakKind parse_break_kind(const std::string& name) {
-  for (BreakKind k :
-       {BreakKind::kNonFiniteParams, BreakKind::kNonFiniteLoss, BreakKind::kFinalLoss, BreakKind::kSilentRecompute,
-        BreakKind::kNoProgress, BreakKind::kRaised, BreakKind::kRanksSplit, BreakKind::kNonFiniteOptimizerState}) {
+  for (BreakKind k : {BreakKind::kNonFiniteParams, BreakKind::kNonFiniteLoss, BreakKind::kFinalLoss,
+                      BreakKind::kSilentRecompute, BreakKind::kNoProgress, BreakKind::kRaised, BreakKind::kRanksSplit,
+                      BreakKind::kNonFiniteOptimizerState, BreakKind::kNonFiniteBuffers}) {
     if (name == to_string(k)) return k;
   }
   throw Error("unknown breakage kind '" + name + "' in a scenario result");
@@ -493,7 +525,7 @@ constexpr CheckKind kCheckKinds[] = {
     CheckKind::kMinRollbacks,     CheckKind::kFinalLossBelow,   CheckKind::kMinAppliedSteps,
     CheckKind::kRecomputeBitwise, CheckKind::kReplayBitwise,    CheckKind::kInjectionsFired,
     CheckKind::kInjectionFired,   CheckKind::kRaises,           CheckKind::kFaultBites,
-    CheckKind::kFaultCaused,      CheckKind::kTrained,
+    CheckKind::kFaultCaused,      CheckKind::kTrained,          CheckKind::kStepAfterFault,
 };
 
 CounterfactualKind parse_counterfactual_kind(const std::string& name) {
@@ -595,6 +627,28 @@ std::string defense_label(const ScenarioSpec& spec) {
 
 namespace {
 
+// The last step in first..last that an injection is due on, on any rank (0: none): a data-parallel
+// run's ranks share their parameters, so a fault on rank 1 is rank 0's fault too.
+std::int64_t fault_last_step(const ScenarioSpec& spec, std::int64_t first, std::int64_t last) {
+  std::vector<InjectionSpec> any_rank = spec.injections;
+  for (InjectionSpec& in : any_rank) in.rank = -1;
+  const Injector schedule(any_rank);
+  std::int64_t latest = 0;
+  for (std::size_t i = 0; i < any_rank.size(); ++i) {
+    const std::vector<std::int64_t> due = schedule.due_steps(i, first, last);
+    if (!due.empty()) latest = std::max(latest, due.back());
+  }
+  return latest;
+}
+
+// Where trained measures from: the step after the fault's last (what moved on the fault's own
+// steps -- a clipped spike -- says nothing of whether training went on after it); `first` without
+// injections. Past `last` when the fault lasts to the end.
+std::int64_t after_the_fault(const ScenarioSpec& spec, std::int64_t first, std::int64_t last) {
+  const std::int64_t latest = fault_last_step(spec, first, last);
+  return latest == 0 ? first : latest + 1;
+}
+
 // The result's identity and the fault's window, before anything runs.
 ScenarioResult start_result(const ScenarioSpec& spec, const RunOptions& options, std::int64_t fault_step) {
   ScenarioResult r;
@@ -611,6 +665,8 @@ ScenarioResult start_result(const ScenarioSpec& spec, const RunOptions& options,
     r.fault_step = std::max(first, options.first_step);
   }
   if (fault_step > 0) r.fault_step = fault_step;  // a control's fault-free run: the control's window
+  r.fault_last_step =
+      fault_last_step(spec, options.first_step, options.last_step > 0 ? options.last_step : spec.training.steps);
   r.last_step = options.first_step - 1;
   r.nonfinite_params_since = options.first_step - 1;
   for (std::size_t i = 0; i < spec.injections.size(); ++i)
@@ -697,6 +753,7 @@ class ScenarioRun {
 
   void on_exception(const std::exception& e) {
     r_.raised = true;
+    r_.raised_by_defense = dynamic_cast<const DefenseRefusal*>(&e) != nullptr;
     r_.error = e.what();
     const auto nl = r_.error.find('\n');  // c10::Error appends a C++ backtrace; keep the message
     if (nl != std::string::npos) r_.error = r_.error.substr(0, nl);
@@ -729,12 +786,15 @@ class ScenarioRun {
     if (!program_) return;
     if (defenses_) defenses_->observe(nullptr);
     r_.params_finite = params_finite();
-    for (const NamedTensor& n : program_->state()) {
-      if (n.kind == TensorKind::kOptimizerState && n.tensor.is_floating_point() && !all_finite(n.tensor)) {
-        r_.optimizer_state_finite = false;
-        r_.nonfinite_optimizer_state = n.name;
-        break;
-      }
+    const std::vector<NamedTensor> state = program_->state();
+    for (TensorKind kind : {TensorKind::kOptimizerState, TensorKind::kBuffer}) {
+      const auto bad = std::find_if(state.begin(), state.end(), [&](const NamedTensor& n) {
+        return n.kind == kind && n.tensor.is_floating_point() && !all_finite(n.tensor);
+      });
+      if (bad == state.end()) continue;
+      r_.nonfinite_state = bad->name;
+      r_.nonfinite_state_kind = kind;
+      break;
     }
     if (r_.params_finite) r_.nonfinite_params_since = first_step - 1;
     else if (params_were_finite_) r_.nonfinite_params_since = r_.last_step;  // the step that raised broke them
@@ -805,21 +865,6 @@ class ScenarioRun {
   }
   std::size_t seen_mismatches_ = 0;
 };
-
-// Where trained measures from: the step after the last one in first..last that an injection is due
-// on (what moved on the fault's own steps -- a clipped spike -- says nothing of whether training
-// went on after it); `first` without injections. Past `last` when the fault lasts to the end.
-std::int64_t after_the_fault(const ScenarioSpec& spec, std::int64_t first, std::int64_t last) {
-  if (spec.injections.empty()) return first;
-  const Injector schedule(spec.injections);
-  std::int64_t latest = 0;
-  for (std::size_t i = 0; i < spec.injections.size(); ++i) {
-    for (std::int64_t s = first; s <= last; ++s) {
-      if (schedule.scheduled(i, s)) latest = std::max(latest, s);
-    }
-  }
-  return latest == 0 ? first : latest + 1;
-}
 
 // The final loss: the mean of the applied steps among the last three, none before the fault.
 void set_final_loss(ScenarioResult& r) {
@@ -1032,18 +1077,28 @@ std::string later(const Breakage& with, const Breakage& without) {
          " later";
 }
 
-// The breakage of a run compared against (`c`: without the fault), plus its final loss where the
-// fault moved the final loss less than kFinalLossEdge of the threshold `below` (`with_fault`: the
-// final loss with it). A fault that only nudges the final loss across a threshold proves nothing
-// (an LR lowered by 0.1% for one step took the tiny GPT's final loss from 4.08486 to 4.08489, across
-// 4.08487): then the final loss without it counts as breaking too.
-std::vector<Breakage> with_edge(const ScenarioResult& c, const std::optional<double>& below, double with_fault) {
+// The breakage of a run compared against (`c`: without the fault), as the run with the fault
+// (final loss `with_fault`) is weighed against it:
+// - with `nudge`, plus its final loss where the fault moved it less than kFinalLossEdge of the
+//   threshold `below`: a fault that only nudges the final loss across a threshold proves nothing
+//   (an LR lowered by 0.1% for one step took the tiny GPT's final loss from 4.08486 to 4.08489,
+//   across 4.08487), so the final loss without it counts as breaking too;
+// - less its final-loss breakage where the fault made the final loss worse by more than that run's
+//   own miss of the threshold (3.46 without the fault against a bound of 3.4, 96.5 with it): the
+//   run without the fault misses the bound too, but the breakage with it is the fault's.
+std::vector<Breakage> against(const ScenarioResult& c, const std::optional<double>& below, double with_fault,
+                              bool nudge) {
   std::vector<Breakage> out = c.breakage;
-  const bool broke_so =
-      std::any_of(out.begin(), out.end(), [](const Breakage& x) { return x.kind == BreakKind::kFinalLoss; });
-  if (!below || broke_so || !std::isfinite(c.final_loss) || !std::isfinite(with_fault)) return out;
+  const auto final_loss =
+      std::find_if(out.begin(), out.end(), [](const Breakage& x) { return x.kind == BreakKind::kFinalLoss; });
+  if (!below || !std::isfinite(c.final_loss)) return out;
   const double least = kFinalLossEdge * std::abs(*below);
-  if (std::abs(with_fault - c.final_loss) >= least) return out;
+  if (final_loss != out.end()) {
+    const double own_miss = std::max(c.final_loss - *below, least);
+    if (!std::isfinite(with_fault) || with_fault - c.final_loss > own_miss) out.erase(final_loss);
+    return out;
+  }
+  if (!nudge || !std::isfinite(with_fault) || std::abs(with_fault - c.final_loss) >= least) return out;
   out.push_back({BreakKind::kFinalLoss, c.last_step,
                  "final loss " + fmt(c.final_loss) + " (" + final_window(c) + "), less than " + fmt(least) + " (" +
                      fmt(kFinalLossEdge) + " of the threshold " + fmt(*below) +
@@ -1064,14 +1119,24 @@ void weigh_fault_free(const ExpectSpec& e, const CounterfactualPlan& plan, const
   }
   // The nudge rule is a control's: a run that expected to hold and whose final loss the fault
   // nudged across did not break without it.
-  const std::vector<Breakage> without = e.diverges ? with_edge(c, e.final_loss_below, r.final_loss) : c.breakage;
+  const std::vector<Breakage> without = against(c, e.final_loss_below, r.final_loss, /*nudge=*/e.diverges);
   const auto [kept, anyway, anyway_there] = date_against(r.breakage, without, /*raise_must_count=*/true);
   const std::string ran = "steps " + std::to_string(plan.first_step) + ".." + std::to_string(c.last_step);
   std::string observed;
+  // The run without the fault missed the final-loss bound too, by less than the fault made it worse.
+  const auto final_loss = [](const std::vector<Breakage>& b) {
+    return std::any_of(b.begin(), b.end(), [](const Breakage& x) { return x.kind == BreakKind::kFinalLoss; });
+  };
+  const bool made_worse = final_loss(c.breakage) && !final_loss(without);
   if (kept) {
     observed = anyway ? "it broke too, but not so: " + anyway->detail + " without the fault as well" +
                             later(*anyway, *anyway_there) + "; " + kept->detail + " only with it"
-                      : "it did not break (" + ran + ")";
+               : made_worse ? "it broke too, but not so: final loss " + fmt(c.final_loss) + " (" + final_window(c) +
+                                  ") without the fault, " + fmt(r.final_loss) +
+                                  " with it: the fault made it worse by more than the run without it misses " +
+                                  fmt(*e.final_loss_below) + " by (" + fmt(c.final_loss - *e.final_loss_below) + "); " +
+                                  kept->detail + " only with it"
+                            : "it did not break (" + ran + ")";
   } else if (anyway) {
     const std::string sooner = later(*anyway, *anyway_there);
     observed = "it broke too" + sooner + ": " + anyway_there->detail + " (with the fault: " + anyway->detail +
@@ -1185,7 +1250,7 @@ void weigh_bare(const ScenarioSpec& spec, const ScenarioResult& c0, ScenarioResu
   const std::string expected = bites_expected(spec);
   // Any of the undefended run's, a raise too -- but none from before the fault fired.
   for (Breakage& x : cf.breakage) x.counts = x.step >= r.fault_step;
-  const std::vector<Breakage> without = with_edge(c0, spec.expect.final_loss_below, cf.final_loss);
+  const std::vector<Breakage> without = against(c0, spec.expect.final_loss_below, cf.final_loss, /*nudge=*/true);
   const auto [kept, anyway, anyway_there] = date_against(cf.breakage, without, /*raise_must_count=*/false);
   cf.broke = kept != nullptr;
   std::string observed;
@@ -1405,12 +1470,13 @@ nlohmann::json ScenarioResult::to_json() const {
   j["silent_recompute_mismatches"] = silent_recompute_mismatches;
   j["caught_recompute_mismatches"] = caught_recompute_mismatches;
   j["params_finite"] = params_finite;
-  j["optimizer_state_finite"] = optimizer_state_finite;
-  j["nonfinite_optimizer_state"] = nonfinite_optimizer_state;
+  j["nonfinite_state"] = nonfinite_state;
+  j["nonfinite_state_kind"] = to_string(nonfinite_state_kind);
   j["all_losses_finite"] = all_losses_finite;
   j["final_loss"] = num(final_loss);
   j["param_movement"] = num(param_movement);
   j["param_movement_from"] = param_movement_from;
+  j["fault_last_step"] = fault_last_step;
   for (double v : losses) j["losses"].push_back(num(v));
   for (double v : scales) j["scales"].push_back(num(v));
   for (double v : lrs) j["lrs"].push_back(num(v));
@@ -1450,6 +1516,7 @@ nlohmann::json ScenarioResult::to_json() const {
   j["fault_step"] = fault_step;
   j["last_step"] = last_step;
   j["raised_at_step"] = raised_at_step;
+  j["raised_by_defense"] = raised_by_defense;
   j["applied_from_fault"] = applied_from_fault;
   j["zero_gradient_steps"] = zero_gradient_steps;
   j["last_step_applied"] = last_step_applied;
@@ -1509,12 +1576,13 @@ ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
   r.silent_recompute_mismatches = j.at("silent_recompute_mismatches");
   r.caught_recompute_mismatches = j.at("caught_recompute_mismatches");
   r.params_finite = j.at("params_finite");
-  r.optimizer_state_finite = j.at("optimizer_state_finite");
-  r.nonfinite_optimizer_state = j.at("nonfinite_optimizer_state");
+  r.nonfinite_state = j.at("nonfinite_state");
+  r.nonfinite_state_kind = tensor_kind_from_string(j.at("nonfinite_state_kind"));
   r.all_losses_finite = j.at("all_losses_finite");
   r.final_loss = from_num(j.at("final_loss"));
   r.param_movement = from_num(j.at("param_movement"));
   r.param_movement_from = j.at("param_movement_from");
+  r.fault_last_step = j.at("fault_last_step");
   if (j.contains("losses"))
     for (const auto& v : j["losses"]) r.losses.push_back(from_num(v));
   if (j.contains("scales"))
@@ -1550,6 +1618,7 @@ ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
   r.fault_step = j.at("fault_step");
   r.last_step = j.at("last_step");
   r.raised_at_step = j.at("raised_at_step");
+  r.raised_by_defense = j.at("raised_by_defense");
   r.applied_from_fault = j.at("applied_from_fault");
   r.zero_gradient_steps = j.at("zero_gradient_steps");
   r.last_step_applied = j.at("last_step_applied");

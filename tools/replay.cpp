@@ -40,8 +40,14 @@ void print_result(std::ostream& out, const ReplayResult& result, const std::stri
   for (const std::string& note : result.notes) out << "note: " << note << "\n";
   for (const auto& d : result.environment)
     out << "warning: forced despite " << d.field << " " << d.recorded << " -> " << d.current << "\n";
-  out << who << "replayed steps " << result.from_step << ".." << result.to_step << ": "
-      << (result.reproduced ? "reproduced bitwise" : "DIVERGED") << "\n";
+  out << who << "replayed steps " << result.from_step << ".." << result.to_step;
+  if (result.to_step < result.target_step) out << " of " << result.from_step << ".." << result.target_step;
+  out << ": " << (result.reproduced ? "reproduced bitwise" : "DIVERGED") << "\n";
+  if (!result.ended_early.empty()) {
+    out << "the replay ended before step " << result.target_step << ": " << result.ended_early << "; ";
+    if (result.to_step + 1 == result.target_step) out << "step " << result.target_step << " was not replayed\n";
+    else out << "steps " << result.to_step + 1 << ".." << result.target_step << " were not replayed\n";
+  }
   if (result.first_divergence) out << "first divergence: " << result.first_divergence->message() << "\n";
   if (result.first_nonfinite) out << result.first_nonfinite->message() << "\n";
 }

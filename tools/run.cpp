@@ -13,8 +13,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -88,6 +90,7 @@ std::optional<RunFlags> parse_flags(const std::vector<std::string>& args) {
   for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--report", f.report_path},
                                    {"--json", f.json_path},
                                    {"--junit", f.junit_path}}) {
+    if (path.empty() && vm.count(flag + 2)) throw Error(std::string(flag) + ": the path is empty; name a file");
     if (path.empty() || path == "-") continue;
     const fs::path parent = fs::path(path).parent_path();
     std::error_code ec;
@@ -143,6 +146,18 @@ std::vector<ScenarioJob> load_jobs(const std::vector<std::string>& paths) {
   return jobs;
 }
 
+// `path` with its folder resolved (links, "." and ".."): two spellings of one output file compare
+// equal. POSIX realpath: std::filesystem's weakly_canonical left "./" in (LibTorch's copy of it).
+std::string resolved(const std::string& path) {
+  const fs::path p(path);
+  const std::string folder = p.has_parent_path() ? p.parent_path().string() : ".";
+  char* real = ::realpath(folder.c_str(), nullptr);
+  if (!real) return path;
+  std::string out = std::string(real) + "/" + p.filename().string();
+  std::free(real);
+  return out;
+}
+
 // A reporter that renders into memory, and how its text is written when the run is over.
 struct FileReport {
   std::ostringstream text;
@@ -158,6 +173,26 @@ int run_run(const std::vector<std::string>& args) {
   if (!flags->child.empty())
     return run_child(flags->child, flags->result_path, flags->pool.threads, flags->pool.bench, flags->counterfactual);
   const std::vector<ScenarioJob> jobs = load_jobs(flags->paths);
+  // An output onto a scenario it runs, or two outputs onto one file, would lose one of them.
+  std::vector<std::pair<std::string, std::string>> inputs;
+  for (const ScenarioJob& j : jobs) inputs.emplace_back(j.source, "the scenario file " + j.source);
+  std::map<std::string, const char*> outputs;
+  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--report", flags->report_path},
+                                   {"--json", flags->json_path},
+                                   {"--junit", flags->junit_path}}) {
+    if (path.empty() || path == "-") continue;
+    refuse_output_path(path, flag, inputs);
+    std::error_code ec;
+    const std::string ext = fs::path(path).extension().string();
+    if ((ext == ".yaml" || ext == ".yml") && fs::exists(path, ec)) {
+      throw Error(std::string(flag) + " '" + path +
+                  "' is a scenario file (a scenario passed after the flag is read as its path); "
+                  "choose another path");
+    }
+    const auto [at, added] = outputs.emplace(resolved(path), flag);
+    if (!added)
+      throw Error(std::string(flag) + " '" + path + "' is the " + at->second + " file too; choose another path");
+  }
   if (flags->list) {
     for (const ScenarioJob& j : jobs) {
       std::cout << j.source << "  fault: " << fault_label(j.spec) << "  defense: " << defense_label(j.spec)

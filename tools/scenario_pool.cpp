@@ -148,13 +148,17 @@ ScenarioResult merge_ranks(const ScenarioSpec& spec, const std::string& source,
         if (q.step == p.step && q.injected) p.injected = true;
       }
     }
-    if (x.raised && !r.raised) r.raised_at_step = x.raised_at_step;
+    if (x.raised && !r.raised) {
+      r.raised_at_step = x.raised_at_step;
+      r.raised_by_defense = x.raised_by_defense;
+    }
     r.raised = r.raised || x.raised;
     r.harness_error = r.harness_error || x.harness_error;
     r.params_finite = r.params_finite && x.params_finite;
-    if (r.optimizer_state_finite && !x.optimizer_state_finite)
-      r.nonfinite_optimizer_state = who + ": " + x.nonfinite_optimizer_state;
-    r.optimizer_state_finite = r.optimizer_state_finite && x.optimizer_state_finite;
+    if (r.nonfinite_state.empty() && !x.nonfinite_state.empty()) {
+      r.nonfinite_state = who + ": " + x.nonfinite_state;
+      r.nonfinite_state_kind = x.nonfinite_state_kind;
+    }
     if (r.error.empty() && !x.error.empty()) r.error = who + ": " + x.error;
   }
   std::stable_sort(r.notes.begin(), r.notes.end(), [](const StepNote& a, const StepNote& b) {

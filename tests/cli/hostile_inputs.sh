@@ -201,10 +201,16 @@ case_ "a clip setting with clip mode off" 2 -- run "$dir/clipoff.yaml"
 case_ "a LayerNorm guard on an LSTM" 2 -- run "$dir/lstmln.yaml"
 # A valid scenario and its trace: without the refusals these would record and replay (exit 0).
 w own.yaml "$m\ntraining: {steps: 1}\n"
+mkdir "$dir/ownfolder" && cp "$dir/own.yaml" "$dir/ownfolder/"
 "$retrace" record "$dir/own.yaml" -o "$dir/own.trace" >/dev/null 2>&1
 case_ "record -o onto its own scenario file" 2 -- record "$dir/own.yaml" -o "$dir/own.yaml"
 case_ "record -o a folder" 2 -- record "$dir/own.yaml" -o "$dir/emptydir"
 case_ "replay --json onto the trace" 2 -- replay "$dir/own.trace" --json "$dir/own.trace"
+case_ "run --json onto the scenario it runs" 2 -- run "$dir/own.yaml" --json "$dir/own.yaml"
+case_ "run --report onto a scenario of the folder it runs" 2 -- run "$dir/ownfolder" --report "$dir/ownfolder/own.yaml"
+case_ "run --junit onto a scenario file (the scenario read as its path)" 2 -- run --junit "$dir/own.yaml"
+case_ "run --junit with an empty path" 2 -- run "$dir/own.yaml" --junit ''
+case_ "run --json and --junit onto one file" 2 -- run "$dir/own.yaml" --json "$dir/r.out" --junit "$dir/./r.out"
 case_ "--json into a folder that does not exist" 2 -- run builtin:bf16-clean --json "$dir/no/such/r.json"
 case_ "--junit into a folder that does not exist" 2 -- run builtin:bf16-clean --junit "$dir/no/such/r.xml"
 case_ "selective recompute with segments" 2 -- run "$dir/selseg.yaml"

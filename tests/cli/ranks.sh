@@ -119,7 +119,9 @@ sigkill)
   grep -q "rank 1 died by signal 9" "$work/out" || fail "the launcher did not name the killed rank: $(cat "$work/out")"
   [[ -f "$work/kill.rank0.trace" ]] || fail "rank 0's trace was not closed"
   timeout 120 "$bin" replay "$work/kill.rank0.trace" --from 1 >"$work/replay" 2>&1 || fail "survivor replay: $(cat "$work/replay")"
-  grep -q "replayed steps 1..2: reproduced bitwise" "$work/replay" || fail "survivor: $(cat "$work/replay")"
+  grep -q "replayed steps 1..2 of 1..3: reproduced bitwise" "$work/replay" &&
+    grep -q "the replay ended before step 3: the recorded run stopped in step 3; step 3 was not replayed" \
+      "$work/replay" || fail "survivor: $(cat "$work/replay")"
   timeout 120 "$bin" replay "$work/kill.rank1.trace.incomplete" --from 1 >"$work/replay1" 2>&1 || fail "killed rank replay: $(cat "$work/replay1")"
   grep -q "reproduced bitwise" "$work/replay1" || fail "killed rank: $(cat "$work/replay1")"
   timeout 60 "$bin" inspect "$work/kill.rank0.trace" "$work/kill.rank1.trace.incomplete" >"$work/inspect"
@@ -216,6 +218,13 @@ injections: [{type: grad_nonfinite, step: 2, mode: nan, rank: 1}]
 expect: {params_finite: true}"
   got=$(outcome nan)
   [[ $got == "held undefended fault_bites=True" ]] || fail "nan: $got, $(cat "$work/nan.out")"
+  # trained measures from the step after rank 1's fault on every rank: the ranks share their
+  # parameters (was rank 0: from step 1, the fault being another rank's).
+  python3 - "$work/nan.json" <<'PY' || fail "nan: trained not measured after rank 1's fault: $(cat "$work/nan.json")"
+import json, sys
+r = json.load(open(sys.argv[1]))["scenarios"][0]
+sys.exit(0 if (r["fault_last_step"], r["param_movement_from"]) == (2, 3) else 1)
+PY
   # A negative control whose configuration breaks it anyway (SGD at lr 1e12): the fault-free ranks
   # break as early, so the flip did not.
   scenario config "injections: [{type: bit_flip, target: gradients, bit: 0, step: 2, rank: 1}]

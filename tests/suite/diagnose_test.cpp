@@ -142,6 +142,30 @@ TEST(Diagnose, RollbackInsteadOfSkippingIsAVariantWhereSkippingStopsTraining) {
   EXPECT_FALSE(has(fixes, "rollback")) << d.report();
 }
 
+// A variant that keeps the numbers finite while the loss climbs far above the run's first one has
+// not fixed the blow-up: SGD at LR 40 goes non-finite at step 7, and clipping keeps it finite at a
+// loss of 1.5e12 (outsider finding: "fixes", ranked first). The window starts after the loss has
+// climbed, so the run's first loss (step 1), not the window's, is the measure. Control: clipping
+// an LR spike (NamesTheFixForFp16OverflowLrSpikeAndRngDesync) still fixes it.
+TEST(Diagnose, AVariantWhoseLossRunsAwayDoesNotFixIt) {
+  const Diagnosis d = diagnose_scenario(
+      parse_scenario_text("name: sgd-lr40\n"
+                          "model: {type: tiny_gpt, layers: 2, d_model: 16, heads: 2, vocab: 32, seq_len: 8}\n"
+                          "data: {batch: 4}\ntraining: {steps: 10, optimizer: sgd, lr: 40.0, segments: 2}\n"
+                          "expect: {params_finite: true}\n",
+                          "sgd-lr40.yaml"),
+      untimed());
+  EXPECT_EQ(d.failing_step, 7) << d.report();
+  EXPECT_GT(d.from_step, 1) << d.report();
+  EXPECT_TRUE(fixing(d).empty()) << d.report();
+  const auto clip =
+      std::find_if(d.variants.begin(), d.variants.end(), [](const VariantResult& v) { return v.name == "clip 1.0"; });
+  ASSERT_NE(clip, d.variants.end()) << d.report();
+  EXPECT_TRUE(std::isfinite(clip->final_loss)) << d.report();
+  EXPECT_NE(clip->outcome.find("the loss ran away: "), std::string::npos) << clip->outcome;
+  EXPECT_NE(clip->outcome.find("more than 2 times the run's 3.445 at step 1"), std::string::npos) << clip->outcome;
+}
+
 TEST(Diagnose, NothingToDiagnoseInAHealthyRun) {
   const Diagnosis d = diagnose_scenario(load_scenario("builtin:bf16-clean"));
   EXPECT_TRUE(d.variants.empty());

@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <string>
@@ -186,6 +187,121 @@ TEST(ProgramScenario, DefensesHoldAndTheirControlsBreakOnAUsersProgram) {
   // And the same control claimed to hold fails: the verdict is earned, not assumed.
   const ScenarioResult claimed = run_scenario(program_scenario(fault + "expect: {params_finite: true}\n"));
   EXPECT_FALSE(claimed.passed) << why(claimed);
+}
+
+// A buffer the forward updates (BatchNorm's running statistics) takes a skipped step's NaN batch
+// before the skip: parameters and momentum finite, the buffer Inf to the end -- the model's eval
+// forward reads it (outsider finding: 'held'). Control: the same run without the buffer held.
+TEST(ProgramScenario, ABufferLeftNonFiniteBreaksARunThatSkippedItsFault) {
+  const std::string rest = "defenses: {skip_nonfinite: true}\n"
+                           "injections: [{type: corrupt_batch, step: 3, mode: nan_features}]\n"
+                           "expect: {params_finite: true}\n";
+  const ScenarioResult r = run_scenario(program_scenario("config: {buffer: true}\n" + rest));
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  EXPECT_TRUE(r.params_finite);
+  EXPECT_EQ(r.nonfinite_state, "running_mean");
+  EXPECT_EQ(r.nonfinite_state_kind, TensorKind::kBuffer);
+  ASSERT_FALSE(r.breakage.empty()) << why(r);
+  EXPECT_EQ(r.breakage.front().kind, BreakKind::kNonFiniteBuffers);
+  EXPECT_NE(r.breakage.front().detail.find("a buffer non-finite at the end (running_mean)"), std::string::npos)
+      << r.breakage.front().detail;
+  EXPECT_EQ(ScenarioResult::from_json(r.to_json()).nonfinite_state_kind, TensorKind::kBuffer);
+  const ScenarioResult control = run_scenario(program_scenario(rest));
+  EXPECT_TRUE(control.passed) << why(control);
+  EXPECT_EQ(control.nonfinite_state, "");
+}
+
+// A skipped step whose forward left a buffer non-finite (parameters finite): the replay goes on
+// past it, as past any skipped step, and says what is left non-finite (outsider finding: it ended
+// there, said 'reproduced bitwise' for the steps before and nothing of why). Without the skip the
+// replay ends at the step and says why, and that it did not reach the step asked for.
+TEST(ProgramScenario, AReplayGoesOnPastASkippedStepThatLeftABufferNonFiniteAndSaysWhyItEnds) {
+  register_builtin_programs();
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("buffer-" + std::to_string(::getpid()) + ".trace")).string();
+  auto replay = [&](const std::string& defenses) {
+    const ScenarioSpec spec = program_scenario("config: {buffer: true}\n" + defenses +
+                                               "injections: [{type: corrupt_batch, step: 3, mode: nan_features}]\n");
+    {
+      std::unique_ptr<Program> program = make_scenario_program(spec);
+      Recorder recorder(path, *program);
+      record_run(*program, recorder, 6, /*stop_on_nonfinite=*/false);
+      recorder.close();
+    }
+    const TraceReader trace(path);
+    std::unique_ptr<Program> again = program_from_trace(trace);
+    const ReplayResult rr = Replayer(trace, *again).run();
+    std::filesystem::remove(path);
+    return rr;
+  };
+  auto noted = [](const ReplayResult& rr, const std::string& text) {
+    return std::any_of(rr.notes.begin(), rr.notes.end(),
+                       [&](const std::string& n) { return n.find(text) != std::string::npos; });
+  };
+  ReplayResult rr = replay("defenses: {skip_nonfinite: true}\n");
+  EXPECT_TRUE(rr.reproduced);
+  EXPECT_EQ(rr.to_step, 6);
+  EXPECT_EQ(rr.ended_early, "");
+  EXPECT_TRUE(noted(rr, "step 3 went non-finite and a defense skipped it (")) << rr.to_json();
+  EXPECT_TRUE(noted(rr, "its parameters are finite, but its buffer 'running_mean' is non-finite after it (a skip "
+                        "does not undo what the step's forward wrote); the replay goes on"))
+      << rr.to_json();
+  EXPECT_TRUE(noted(rr, "step 6, the last replayed: its loss and parameters are finite, but its buffer "
+                        "'running_mean' is non-finite after it"))
+      << rr.to_json();
+  rr = replay("");
+  EXPECT_TRUE(rr.reproduced);
+  EXPECT_EQ(rr.to_step, 3);
+  EXPECT_EQ(rr.target_step, 6);
+  EXPECT_NE(rr.ended_early.find("step 3 went non-finite (loss nan"), std::string::npos) << rr.ended_early;
+  EXPECT_NE(rr.ended_early.find(") and no defense skipped it: a replay ends at such a step"), std::string::npos)
+      << rr.ended_early;
+  EXPECT_TRUE(rr.first_nonfinite.has_value());
+}
+
+// A buffer updated inside a checkpointed segment (a BatchNorm's running statistics) is updated
+// again by the segment's recompute in backward: twice a step (outsider finding: num_batches_tracked
+// 22 after 11 steps, running_var 30% off). DefendedStep::backward puts back what the recompute
+// wrote: the same bits as the update outside the segment, over steps and micro-batches. Control:
+// the update outside the segment is once a step whatever backward does.
+TEST(ProgramScenario, ARecomputeDoesNotUpdateABufferTwice) {
+  for (const std::string micro : {"", ", micro_batches: 2"}) {
+    Regressor outside("buffer: true" + micro), inside("buffer: segment" + micro);
+    for (std::int64_t s = 1; s <= 4; ++s) {
+      outside.step(s, outside.batch(s), nullptr);
+      inside.step(s, inside.batch(s), nullptr);
+    }
+    auto running_mean = [](Regressor& p) {
+      for (const NamedTensor& n : p.state()) {
+        if (n.name == "running_mean") return n.tensor.clone();
+      }
+      return at::Tensor();
+    };
+    const at::Tensor a = running_mean(outside), b = running_mean(inside);
+    ASSERT_TRUE(a.defined() && b.defined());
+    EXPECT_TRUE(a.equal(b)) << micro << "\n" << a << "\n" << b;
+    EXPECT_GT(a.abs().sum().item<double>(), 0.0);
+  }
+}
+
+// A program that sets its LR after begin() overrode an injected spike, which counted as fired
+// (outsider finding: a control 'held: the fault did not bite' for a fault that never happened).
+// finish() refuses it at the first step whose LR it changed, naming the fix; the spike did not
+// fire. Control: the same spike on the program that leaves the LR to begin() breaks the run.
+TEST(ProgramScenario, AProgramThatSetsItsLrInsideTheStepIsRefused) {
+  const std::string rest = "injections: [{type: lr_spike, step: 3, factor: 1.0e30}]\n"
+                           "expect: {params_finite: true, diverges: true}\n";
+  const ScenarioResult r = run_scenario(program_scenario("config: {lr_in_step: true}\n" + rest));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_EQ(r.raised_at_step, 3) << why(r);
+  EXPECT_NE(r.error.find("step 3: the optimizer's LR (group 0) is 0.05, but begin() set it to 5e+28"),
+            std::string::npos)
+      << r.error;
+  EXPECT_NE(r.error.find("set the program's own LR before begin()"), std::string::npos) << r.error;
+  ASSERT_FALSE(r.injections.empty());
+  EXPECT_TRUE(r.injections[0].fired.empty()) << why(r);
+  const ScenarioResult control = run_scenario(program_scenario(rest));
+  EXPECT_TRUE(control.passed) << why(control);
 }
 
 TEST(ProgramScenario, RollbackAndLossScalingReachTheProgram) {

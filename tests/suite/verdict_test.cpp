@@ -296,6 +296,44 @@ TEST(Verdict, AFaultThatOnlyNudgesTheFinalLossAcrossItsThresholdDoesNotPass) {
   EXPECT_EQ(r.outcome(), "broke");
 }
 
+// A final-loss bound the run without the fault misses by a little, and the fault misses by far (an
+// LR spike x20 under SGD that a clip at 1e6 does not touch: 96.5 against 3.46, a bound of 3.4): the
+// breakage is the fault's, not the configuration's (red-team finding: 'broke without the fault ...
+// the configuration breaks it, not the fault'). A control with the same fault passes. Control: a
+// spike of 1.01, which moves the final loss less than the run without it misses by, broke without
+// the fault.
+TEST(Verdict, AFinalLossTheFaultMadeFarWorseIsTheFaultsThoughTheBoundIsOutOfReachWithoutIt) {
+  const std::string run = "model: {type: tiny_gpt, layers: 4, d_model: 32, heads: 4, vocab: 64, seq_len: 16}\n"
+                          "data: {batch: 8, seed: 1}\ntraining: {steps: 14, optimizer: sgd, lr: 1.0, segments: 2}\n"
+                          "defenses: {clip: {mode: global, max_norm: 1.0e6}}\n";
+  auto scenario = [&](const std::string& extra) { return parse_scenario_text(run + extra, "worse.yaml"); };
+  RunOptions plain;
+  plain.counterfactual = false;
+  const double clean = run_scenario(scenario("expect: {final_loss_below: 100}\n"), plain).final_loss;
+  const std::string bound = std::to_string(clean * 0.99);
+  const std::string spike = "injections: [{type: lr_spike, step: 3, duration: 2, factor: 20}]\n";
+  ScenarioResult r = run_scenario(scenario(spike + "expect: {params_finite: true, final_loss_below: " + bound + "}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  EXPECT_GT(r.final_loss, 2 * clean) << why(r);
+  const ExpectationCheck* caused = find_check(r, "fault_caused");
+  ASSERT_NE(caused, nullptr) << why(r);
+  EXPECT_TRUE(caused->passed) << why(r);
+  EXPECT_NE(caused->observed.find("it broke too, but not so: final loss "), std::string::npos) << why(r);
+  EXPECT_NE(caused->observed.find(" with it: the fault made it worse by more than the run without it misses "),
+            std::string::npos)
+      << why(r);
+  r = run_scenario(
+      scenario(spike + "expect: {params_finite: true, final_loss_below: " + bound + ", diverges: true}\n"));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.evidence()->kind, BreakKind::kFinalLoss) << why(r);
+  r = run_scenario(scenario("injections: [{type: lr_spike, step: 3, factor: 1.01}]\n"
+                            "expect: {params_finite: true, final_loss_below: " +
+                            bound + "}\n"));
+  EXPECT_EQ(r.outcome_kind(), Outcome::kBrokeWithoutFault) << why(r);
+  EXPECT_LT(std::abs(r.final_loss - clean), clean * 0.01) << why(r);
+}
+
 // The same for a run that held: clipping and skip_nonfinite hold SGD at LR 20 and a NaN gradient at
 // step 5, but without them the run breaks at step 8 by itself -- within an eight-step window the
 // fault's own bite is not shown (not exercised); within seven steps it is (held).
@@ -465,15 +503,15 @@ std::string sgd(const std::string& training, const std::string& rest) {
 // held; an LR scaled by 0.1 held.
 TEST(Verdict, TrainedIsMeasuredAfterTheFaultAndZeroGradientsTrainNothing) {
   const std::string clip = "defenses: {clip: {mode: global, max_norm: 1.0}}\nexpect: {params_finite: true}\n";
-  for (const char* training : {"steps: 8, lr: 0.1", "steps: 8, lr: 0.1, momentum: 0.9"}) {
+  // Steps 3..8 of 9 zeroed, step 9 applied: 1 of 7 applied.
+  for (const char* training : {"steps: 9, lr: 0.1", "steps: 9, lr: 0.1, momentum: 0.9"}) {
     const ScenarioResult r = run_scenario(parse_scenario_text(
         sgd(training, clip + "injections: [{type: loss_spike, step: 3, duration: 6, factor: 1.0e30}]\n"),
         "zeroed.yaml"));
     EXPECT_EQ(r.outcome(), "broke") << training << "\n" << why(r);
     EXPECT_EQ(r.zero_gradient_steps, 6) << why(r);
-    EXPECT_TRUE(has_reason(r, "min_applied_steps: expected >= 3 applied of steps 3..8, the last among them, got 0 "
-                              "applied (and 6 with a gradient of norm 0, which train nothing), the last with a "
-                              "gradient of norm 0"))
+    EXPECT_TRUE(has_reason(r, "min_applied_steps: expected >= 4 applied of steps 3..9, the last among them, got 1 "
+                              "applied (and 6 with a gradient of norm 0, which train nothing)"))
         << why(r);
   }
   ScenarioResult r;
@@ -531,18 +569,18 @@ TEST(Verdict, AModelThatHoldsWithoutDefensesMustTrainOnAndKeepItsOptimizerStateF
   ScenarioResult r =
       run_scenario(with("injections: [{type: loss_spike, step: 2, factor: 1.0e30}]\nexpect: {params_finite: true}\n"));
   EXPECT_EQ(r.outcome(), "broke") << why(r);
-  EXPECT_FALSE(r.optimizer_state_finite);
-  EXPECT_NE(r.nonfinite_optimizer_state.find("exp_avg_sq"), std::string::npos) << r.nonfinite_optimizer_state;
+  EXPECT_EQ(r.nonfinite_state_kind, TensorKind::kOptimizerState);
+  EXPECT_NE(r.nonfinite_state.find("exp_avg_sq"), std::string::npos) << r.nonfinite_state;
   EXPECT_TRUE(has_reason(r, "optimizer state non-finite at the end")) << why(r);
   EXPECT_TRUE(r.params_finite);
   const ScenarioResult back = ScenarioResult::from_json(r.to_json());
-  EXPECT_FALSE(back.optimizer_state_finite);
-  EXPECT_EQ(back.nonfinite_optimizer_state, r.nonfinite_optimizer_state);
+  EXPECT_EQ(back.nonfinite_state_kind, TensorKind::kOptimizerState);
+  EXPECT_EQ(back.nonfinite_state, r.nonfinite_state);
 
   r = run_scenario(with("injections: [{type: bit_flip, step: 2, target: weights, bit: 2}]\n"
                         "expect: {params_finite: true}\n"));
   EXPECT_TRUE(r.passed) << why(r);
-  EXPECT_TRUE(r.optimizer_state_finite);
+  EXPECT_EQ(r.nonfinite_state, "");
   EXPECT_EQ(r.counterfactual.kind, CounterfactualKind::kBare);
   const ExpectationCheck* trained = find_check(r, "trained");
   ASSERT_NE(trained, nullptr) << why(r);
@@ -597,41 +635,41 @@ TEST(Verdict, AHeldScenarioThatBrokeIsWeighedAgainstTheRunWithoutItsFault) {
   EXPECT_TRUE(caused->passed) << caused->observed;
 }
 
-// A run that held by raising as it expected, and raises the same without its defenses: the
-// defense did not make the raise (an out-of-range token raises in the embedding with or without
-// skip_nonfinite). Control: grad-inf-clip-error's raise is its clipping's (error_if_nonfinite);
-// without it the run goes non-finite instead.
-TEST(Verdict, AHeldRaiseThatTheUndefendedRunRaisesTooIsNotExercised) {
-  ScenarioResult r = run_scenario(with("defenses: {skip_nonfinite: true}\n"
-                                       "injections: [{type: corrupt_batch, step: 2}]\n"
-                                       "expect: {params_finite: true, raises: true}\n"));
-  EXPECT_FALSE(r.passed) << why(r);
-  EXPECT_TRUE(r.raised);
-  EXPECT_EQ(r.outcome_kind(), Outcome::kNotExercised) << why(r);
-  EXPECT_TRUE(has_reason(r, "got raised the same: step 2 raised: index out of range in self; the defenses did not "
-                            "make the raise"))
-      << why(r);
-  // The same with a NaN gradient a step before, which leaves the undefended run's parameters
-  // non-finite: it still runs on to the step that raised (outsider finding: it stopped at the NaN,
-  // and the embedding's raise was credited to skip_nonfinite).
-  r = run_scenario(with("defenses: {skip_nonfinite: true}\n"
-                        "injections: [{type: grad_nonfinite, step: 2}, {type: corrupt_batch, step: 3}]\n"
-                        "expect: {params_finite: true, raises: true}\n"));
-  EXPECT_EQ(r.outcome_kind(), Outcome::kNotExercised) << why(r);
-  EXPECT_TRUE(has_reason(r, "got raised the same: step 3 raised: index out of range in self")) << why(r);
-
-  r = run_scenario(load_scenario("builtin:grad-inf-clip-error"));
+// Holding by raising is a defense refusing to go on (DefenseRefusal: clip.error_if_nonfinite), and
+// a control never breaks by one. An out-of-range token makes the embedding raise with or without
+// skip_nonfinite, or without any defense: the fault crashed the run (red-team finding: with no
+// defense that was 'held, ok'). grad-inf-clip-error's raise is its clipping's: held; claimed as a
+// control, it fails (red-team finding: 'broke, ok' on the defense's own refusal).
+TEST(Verdict, AHeldRaiseMustBeADefensesRefusalAndAControlsMustNot) {
+  for (const std::string defenses : {"defenses: {skip_nonfinite: true}\n", ""}) {
+    const ScenarioResult r = run_scenario(
+        with(defenses + "injections: [{type: corrupt_batch, step: 2}]\nexpect: {params_finite: true, raises: true}\n"));
+    EXPECT_FALSE(r.passed) << why(r);
+    EXPECT_TRUE(r.raised);
+    EXPECT_FALSE(r.raised_by_defense);
+    EXPECT_EQ(r.outcome(), "broke") << defenses << why(r);
+    EXPECT_TRUE(has_reason(r, "raises: expected true, got raised: index out of range in self -- not a defense's "
+                              "refusal (retrace::DefenseRefusal): the fault crashed the run"))
+        << why(r);
+  }
+  ScenarioSpec clip = load_scenario("builtin:grad-inf-clip-error");
+  ScenarioResult r = run_scenario(clip);
   EXPECT_TRUE(r.passed) << why(r);
   EXPECT_EQ(r.outcome(), "held");
+  EXPECT_TRUE(r.raised_by_defense);
+  EXPECT_TRUE(ScenarioResult::from_json(r.to_json()).raised_by_defense);
   const ExpectationCheck* bites = find_check(r, "fault_bites");
   ASSERT_NE(bites, nullptr) << why(r);
   EXPECT_TRUE(bites->passed) << bites->observed;
+  clip.expect.diverges = true;
+  r = run_scenario(clip);
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_NE(r.outcome(), "broke") << why(r);
+  EXPECT_TRUE(has_reason(r, "a defense's refusal (DefenseRefusal): the defense held the fault, which a control "
+                            "must break through"))
+      << why(r);
 }
 
-// No defense to take away: the scenario claims the model itself holds (the built-in
-// bitflip-mantissa-benign), and its counterfactual is only the run without the fault, for trained:
-// no fault_bites. None runs when the caller turns it off (RunOptions::counterfactual, diagnose's
-// variants).
 TEST(Verdict, AScenarioWithoutDefensesOrWithTheCounterfactualOffRunsNone) {
   const std::string flip = "injections: [{type: bit_flip, step: 3, target: weights, bit: 2}]\n";
   ScenarioResult r = run_scenario(with(flip + "expect: {params_finite: true}\n"));
@@ -720,19 +758,58 @@ TEST(Verdict, HeldNeedsTrainingToGoOnAfterTheFault) {
 }
 
 TEST(Verdict, TheLastStepMustBeApplied) {
-  // skip_nonfinite holds a NaN gradient at steps 3 and 4: half the steps from the fault were
-  // applied? None were, and the last was skipped.
-  ScenarioResult r =
-      run_scenario(with("defenses: {skip_nonfinite: true}\n"
-                        "injections: [{type: grad_nonfinite, step: 3, duration: 2}]\nexpect: {params_finite: true}\n"));
+  // An exponent flip of a weight at step 3 leaves it huge: skip_nonfinite skips step 3 and every
+  // step after it (skipping does not mend the weight). None of steps 3..4 applied, the last skipped.
+  ScenarioResult r = run_scenario(with("defenses: {skip_nonfinite: true}\n"
+                                       "injections: [{type: bit_flip, target: weights, bit: 30, step: 3}]\n"
+                                       "expect: {params_finite: true}\n"));
   EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_TRUE(r.broke) << why(r);
   EXPECT_EQ(r.applied_from_fault, 0);
   EXPECT_FALSE(r.last_step_applied);
-  // Control: one step skipped at step 3, step 4 applied: held.
+  const ExpectationCheck* c = find_check(r, "min_applied_steps");
+  ASSERT_NE(c, nullptr) << why(r);
+  EXPECT_EQ(c->observed, "0 applied, the last skipped") << why(r);
+  // Control: one NaN gradient skipped at step 3, step 4 applied: held.
   r = run_scenario(with("defenses: {skip_nonfinite: true}\n"
                         "injections: [{type: grad_nonfinite, step: 3}]\nexpect: {params_finite: true}\n"));
   EXPECT_TRUE(r.passed) << why(r);
   EXPECT_EQ(r.applied_from_fault, 1);
+}
+
+TEST(Verdict, AFaultDueOnTheLastStepLeavesNoStepToShowTrainingGoingOn) {
+  // A NaN gradient at step 4 of 4, skipped: the defense did what it should on that step, but a
+  // defense that skips it and every later step for good would look the same. Neither held nor
+  // broke (the progress rule, "the last applied", does not speak): not exercised.
+  for (const std::string fault : {"{type: grad_nonfinite, step: 4}", "{type: grad_nonfinite, step: 3, duration: 2}"}) {
+    const ScenarioResult r = run_scenario(
+        with("defenses: {skip_nonfinite: true}\ninjections: [" + fault + "]\nexpect: {params_finite: true}\n"));
+    EXPECT_FALSE(r.passed) << fault << why(r);
+    EXPECT_FALSE(r.broke) << fault << why(r);
+    EXPECT_EQ(r.outcome_kind(), Outcome::kNotExercised) << fault << why(r);
+    EXPECT_EQ(r.fault_last_step, 4);
+    EXPECT_EQ(find_check(r, "min_applied_steps"), nullptr) << fault << why(r);
+    const ExpectationCheck* c = find_check(r, "step_after_fault");
+    ASSERT_NE(c, nullptr) << fault << why(r);
+    EXPECT_FALSE(c->passed);
+    EXPECT_EQ(c->observed,
+              "none: the run ends on step 4, which an injection is due on; make training.steps larger than 4, or "
+              "end the injection before the run's last step");
+    EXPECT_EQ(ScenarioResult::from_json(r.to_json()).fault_last_step, 4);
+  }
+  // Control: one more step, and the same fault held, earned.
+  ScenarioSpec five = with("defenses: {skip_nonfinite: true}\ninjections: [{type: grad_nonfinite, step: 4}]\n"
+                           "expect: {params_finite: true}\n");
+  five.training.steps = 5;
+  const ScenarioResult r = run_scenario(five);
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(find_check(r, "step_after_fault"), nullptr) << why(r);
+  EXPECT_EQ(r.param_movement_from, 5);
+  // A control (diverges) is judged by its breakage, which a fault on its last step can show.
+  const ScenarioResult control = run_scenario(
+      with("injections: [{type: grad_nonfinite, step: 4}]\nexpect: {params_finite: true, diverges: true}\n"));
+  EXPECT_TRUE(control.passed) << why(control);
+  EXPECT_EQ(find_check(control, "step_after_fault"), nullptr) << why(control);
 }
 
 TEST(Verdict, FinalLossAndLossFiniteLookAtAppliedStepsAtTheEndOnly) {

@@ -14,6 +14,15 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A defense refusing to go on, on purpose: clip.error_if_nonfinite on a non-finite gradient norm.
+// The run stops, and that is the defense holding, not the fault breaking the run: a scenario that
+// expects to hold by raising (expect.raises) holds only on one of these, and a negative control
+// never breaks by one. A program's own guard throws it to be judged the same.
+class DefenseRefusal : public Error {
+ public:
+  using Error::Error;
+};
+
 // A checkpointed segment was used in a way that cannot work (bad outputs, mixed devices,
 // reentrant backward through torch::autograd::grad with inputs=, ...). segment() names it.
 class CheckpointError : public Error {

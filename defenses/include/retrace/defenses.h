@@ -298,6 +298,12 @@ class DefendedStep {
   StepMonitor* monitor_;
   StepOutcome out_;
   std::vector<double> own_lrs_;  // the optimizer's LR per group before the step
+  std::vector<double> set_lrs_;  // ... as begin() set it: the schedule's, times a spike
+  // The program's buffers (kind buffer in state()) and their versions as the step began: those a
+  // forward wrote (BatchNorm's running statistics) are put back after backward() when its
+  // recompute of a checkpointed segment wrote them again.
+  std::vector<at::Tensor> buffers_;
+  std::vector<std::uint32_t> buffer_versions_;
   bool batch_done_ = false, done_ = false, finished_ = false, backward_done_ = false;
   at::Tensor loss_;
   std::size_t mismatches_before_ = 0;

@@ -97,6 +97,8 @@ class Injector : public SegmentObserver {
   // Being due is not firing: a hook may find nothing to hit (no optimizer state yet, a segment
   // that does not run, a bit past the element's width).
   bool scheduled(std::size_t index, std::int64_t step) const;
+  // The steps in first..last that spec `index` is due on (scheduled), in order.
+  std::vector<std::int64_t> due_steps(std::size_t index, std::int64_t first, std::int64_t last) const;
 
  private:
   bool fires(std::size_t index) const;  // spec `index` fires on the current step

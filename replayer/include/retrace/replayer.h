@@ -102,6 +102,11 @@ struct ReplayOptions {
 struct ReplayResult {
   bool reproduced = false;
   std::int64_t from_step = -1, to_step = -1;  // replayed range
+  std::int64_t target_step = -1;              // the step asked for (--step, else the trace's last)
+  // Why the replay ended before target_step ("" when it reached it): a step that went non-finite
+  // and was not skipped with its parameters finite (named: its loss, or the first non-finite
+  // state() tensor and its kind), a divergence, a raise.
+  std::string ended_early;
   std::optional<Divergence> first_divergence;
   std::optional<NonFiniteOrigin> first_nonfinite;
   std::optional<RaisedStep> raised;

@@ -29,8 +29,9 @@ struct DiagnoseOptions {
 struct VariantResult {
   std::string name;             // "clip 1.0"
   std::string change;           // the config change, e.g. "defenses.clip: global, max_norm 1"
-  bool fixes = false;           // the failure does not occur
-  std::string outcome;          // "held" or what still fails
+  bool fixes = false;           // the failure does not occur, training goes on and the loss did
+                                // not run away (above 2x the run's first loss)
+  std::string outcome;          // "held (final loss X)" or what still fails
   std::string caveat;           // e.g. an injected segment fault that cannot fire without checkpointing
   double seconds_per_step = 0;  // CPU seconds per step (the process's), median over the repeats
   double cost = 0;              // seconds per step relative to the baseline (the run as it was)

@@ -49,14 +49,17 @@ enum class CheckKind {
   kInjectionsFired,
   kInjectionFired,
   kRaises,
-  kFaultBites,   // automatic, a scenario that expects to hold: its fault breaks the run without its
-                 // defenses (Counterfactual)
-  kFaultCaused,  // automatic, a negative control, or a run that expected to hold and broke: the run
-                 // without its injections does not break so within the window (Counterfactual)
-  kTrained,      // automatic, a scenario that held: from the fault's step on, its parameters moved
-                 // at least kTrainedFraction as far as in the run with neither the fault nor the
-                 // defenses (kRunsAway, kMovedAtAll, kMovedAtAllInFloat32) -- defenses that hold
-                 // by freezing training (an LR scaled to nothing) held nothing
+  kFaultBites,      // automatic, a scenario that expects to hold: its fault breaks the run without its
+                    // defenses (Counterfactual)
+  kFaultCaused,     // automatic, a negative control, or a run that expected to hold and broke: the run
+                    // without its injections does not break so within the window (Counterfactual)
+  kTrained,         // automatic, a scenario that held: from the fault's step on, its parameters moved
+                    // at least kTrainedFraction as far as in the run with neither the fault nor the
+                    // defenses (kRunsAway, kMovedAtAll, kMovedAtAllInFloat32) -- defenses that hold
+                    // by freezing training (an LR scaled to nothing) held nothing
+  kStepAfterFault,  // automatic, a scenario that expects to hold: a step after the fault's last
+                    // (fault_last_step), where progress and trained are judged -- a fault due on
+                    // the last step leaves a skip that stops training for good unseen
 };
 // trained's bar, from the start of the fault's step to the end: a run that held moved its parameters
 // at least kTrainedFraction as far as the run with neither the fault nor the defenses (an LR / 10
@@ -113,6 +116,9 @@ enum class BreakKind {
   kNonFiniteOptimizerState,  // the optimizer's state non-finite at the end, the parameters finite
                              // (step: the run's last): an Adam second moment of Inf makes every
                              // later update of its parameters 0, a silent freeze
+  kNonFiniteBuffers,         // a buffer non-finite at the end, the parameters and the optimizer's
+                             // state finite (step: the run's last): BatchNorm's running statistics,
+                             // which eval mode reads
 };
 const char* to_string(BreakKind kind);  // "non_finite_params", ...
 
@@ -233,8 +239,11 @@ struct ScenarioResult {
   bool params_finite = true;
   // Every floating-point tensor of kind optimizer_state in state() finite at the end; else the
   // first that is not, by name.
-  bool optimizer_state_finite = true;
-  std::string nonfinite_optimizer_state;
+  // The first floating-point tensor of state() besides the parameters -- optimizer state first,
+  // then buffers (BatchNorm's running statistics) -- that is non-finite at the end, by name; ""
+  // where all are finite. Defense state is not looked at (a best loss so far may start at +inf).
+  std::string nonfinite_state;
+  TensorKind nonfinite_state_kind = TensorKind::kOther;
   bool all_losses_finite = true;  // over applied (not skipped) steps
   double final_loss = 0;          // mean loss of the applied steps in the final window
                                   // (final_window_first .. last_step); NaN: none
@@ -244,6 +253,9 @@ struct ScenarioResult {
   // known (a parameter's shape changed, the run never reached that step, all parameters zero).
   double param_movement = std::numeric_limits<double>::quiet_NaN();
   std::int64_t param_movement_from = 1;
+  // The last step of the window an injection is due on, on any rank (0: none). At the run's last
+  // step, no step after the fault shows training going on (kStepAfterFault).
+  std::int64_t fault_last_step = 0;
   std::vector<double> losses, scales, lrs;  // per step
   std::vector<StepPoint> steps;             // per step, all of it (the report's curves)
   std::vector<StepNote> notes;              // in step order; per step, its injections before its skip
@@ -258,6 +270,7 @@ struct ScenarioResult {
                                         // when there is none: then the configuration is the fault)
   std::int64_t last_step = 0;           // the last step the run reached (the one that raised included)
   std::int64_t raised_at_step = 0;      // the step in progress when it raised; 0: did not, or before any
+  bool raised_by_defense = false;       // what it raised was a defense's refusal (DefenseRefusal)
   std::int64_t applied_from_fault = 0;  // applied steps from fault_step to the end, with a gradient
   // Steps from fault_step on applied with a gradient of norm 0 (clipped by 0, underflowed): they
   // train nothing of their own, and the progress rule does not count them as applied.
