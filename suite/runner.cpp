@@ -811,6 +811,16 @@ class ScenarioRun {
       for (const NamedTensor& n : program_->state()) r_.state_digests.emplace_back(n.name, digest(n.tensor).hex());
     }
     r_.param_movement = param_movement();
+    for (const NamedTensor& n : state) {
+      if (n.kind != TensorKind::kOptimizerState || !n.tensor.is_floating_point() || n.tensor.numel() == 0) continue;
+      const at::Tensor a = n.tensor.detach().abs().to(at::kDouble);
+      const at::Tensor finite = a.masked_select(a.isfinite());
+      const double peak = finite.numel() > 0 ? finite.max().item<double>() : 0.0;
+      if (!(peak <= r_.optimizer_state_peak)) {
+        r_.optimizer_state_peak = peak;
+        r_.optimizer_state_peak_name = n.name;
+      }
+    }
   }
 
  private:
@@ -1021,6 +1031,7 @@ Counterfactual summary_of(CounterfactualKind kind, const ScenarioResult& c) {
   out.params_finite = c.params_finite;
   out.final_loss = c.final_loss;
   out.param_movement = c.param_movement;
+  out.optimizer_state_peak = c.optimizer_state_peak;
   out.breakage = c.breakage;
   return out;
 }
@@ -1163,6 +1174,19 @@ void weigh_fault_free(const ExpectSpec& e, const CounterfactualPlan& plan, const
 // or, where that run runs away (non-finite, or moving more than kRunsAway of their norm), at least
 // kMovedAtAll of their own norm; and at least kMovedAtAllInFloat32 of it in any case (a
 // configuration that does not train, an LR of 0, shows nothing held either).
+// Against a run with neither that trains (its state is the scale; an fp16 run whose gradients all
+// underflow leaves its state at 0, and any other state "saturated").
+bool saturated(double peak, const ScenarioResult& c0) {
+  const double p0 = c0.optimizer_state_peak;
+  return c0.params_finite && std::isfinite(c0.param_movement) && c0.param_movement >= kMovedAtAllInFloat32 &&
+         std::isfinite(peak) && std::isfinite(p0) && p0 > 0 && peak > kSaturatedState * p0;
+}
+
+std::string peaks_text(double peak, const std::string& name, double p0) {
+  return "its optimizer's state peaks at " + fmt(peak) + (name.empty() ? "" : " ('" + name + "')") + ", " +
+         fmt(peak / p0) + " times the run's with neither the fault nor the defenses (" + fmt(p0) + ")";
+}
+
 void weigh_training(const ScenarioResult& c0, ScenarioResult& r) {
   // Not weighed for a run that held by raising, as it expected (it stops there by design), for one
   // that applied no step from the fault's on (its defenses skipped them all, or applied gradients of
@@ -1173,15 +1197,22 @@ void weigh_training(const ScenarioResult& c0, ScenarioResult& r) {
   const double m = r.param_movement, m0 = c0.param_movement;
   const bool runs_away = !c0.params_finite || !std::isfinite(m0) || m0 > kRunsAway;
   const double ratio = m / m0;
-  const bool trained = std::isfinite(m) && m >= kMovedAtAllInFloat32 &&
-                       (runs_away ? m >= kMovedAtAll : ratio >= kTrainedFraction);
+  const bool moved = std::isfinite(m) && m >= kMovedAtAllInFloat32 &&
+                     (runs_away ? m >= kMovedAtAll : ratio >= kTrainedFraction);
+  // Where both runs report optimizer state and that run's stayed finite: the fault's numbers must
+  // not stay in it (runs_away: a run whose parameters go non-finite has no state to measure by).
+  const bool saturated_state = !runs_away && saturated(r.optimizer_state_peak, c0);
+  const std::string peaks = peaks_text(r.optimizer_state_peak, r.optimizer_state_peak_name, c0.optimizer_state_peak);
+  const bool trained = moved && !saturated_state;
   check(r, CheckKind::kTrained,
         "after the fault (" + window + "), the parameters move at least " + fmt(kTrainedFraction) +
             " as far as in the run with neither the fault nor the defenses (where that run runs away, " +
-            fmt(kMovedAtAll) + " of their norm), and at least " + fmt(kMovedAtAllInFloat32) + " of their norm",
+            fmt(kMovedAtAll) + " of their norm), and at least " + fmt(kMovedAtAllInFloat32) +
+            " of their norm; and the optimizer's state ends below " + fmt(kSaturatedState) + " times that run's",
         "they moved " + fmt(m) + ", that run's " +
             (c0.params_finite ? fmt(m0) + (runs_away ? " (it runs away)" : " (" + fmt(ratio) + " as far)")
-                              : std::string("non-finite (it runs away)")),
+                              : std::string("non-finite (it runs away)")) +
+            (saturated_state ? "; " + peaks : std::string()),
         trained);
   if (trained) return;
   r.reasons.push_back(reason_of(r.checks.back()));
@@ -1189,7 +1220,11 @@ void weigh_training(const ScenarioResult& c0, ScenarioResult& r) {
   r.broke = true;
   std::string why =
       "the parameters moved " + fmt(m) + " of their norm from step " + std::to_string(r.param_movement_from) + " on";
-  if (!runs_away && m0 < kMovedAtAllInFloat32) {
+  if (moved) {
+    why = peaks + ": the fault's numbers stay in it and rule the updates while it keeps them (the parameters moved " +
+          fmt(m) + " of their norm from step " + std::to_string(r.param_movement_from) + " on, " + fmt(ratio) +
+          " as far: moving is not training)";
+  } else if (!runs_away && m0 < kMovedAtAllInFloat32) {
     why += ", and " + fmt(m0) + " without the fault and the defenses: the configuration does not train";
   } else if (!runs_away) {
     why += ", " + fmt(ratio) + " as far as without the fault and the defenses";
@@ -1200,6 +1235,14 @@ void weigh_training(const ScenarioResult& c0, ScenarioResult& r) {
 // fault_bites' expectation, as the undefended and the bare run state it.
 std::string bites_expected(const ScenarioSpec& spec) {
   return "the run without its defenses (" + defense_label(spec) + ") breaks, and not without the fault";
+}
+
+std::string held_too(const ScenarioSpec& spec, std::int64_t first, std::int64_t last, double final_loss) {
+  std::string observed = "held too (steps " + std::to_string(first) + ".." + std::to_string(last) +
+                         ", parameters finite, final loss " + fmt(final_loss) + ")";
+  if (!spec.expect.final_loss_below && !spec.expect.loss_finite)
+    observed += "; expect.final_loss_below or loss_finite would say what breaking means here";
+  return observed;
 }
 
 // A run that held, against the same run without its defenses: a fault that does not break that
@@ -1216,11 +1259,14 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
     // The run held by raising as it expected, and raises the same without its defenses.
     observed = "raised the same: step " + std::to_string(c.raised_at_step) + " raised: " + c.error +
                "; the defenses did not make the raise";
+  } else if (c.breakage.empty() && !spec.injections.empty() && std::isfinite(c.optimizer_state_peak)) {
+    // It held, by every rule of its own: whether the fault left its optimizer's state saturated
+    // (training frozen, the numbers finite) the run with neither says.
+    CounterfactualPlan next = plan;
+    next.kind = CounterfactualKind::kBare;
+    return next;
   } else if (c.breakage.empty()) {
-    observed = "held too (steps " + std::to_string(plan.first_step) + ".." + std::to_string(c.last_step) +
-               ", parameters finite, final loss " + fmt(c.final_loss) + ")";
-    if (!spec.expect.final_loss_below && !spec.expect.loss_finite)
-      observed += "; expect.final_loss_below or loss_finite would say what breaking means here";
+    observed = held_too(spec, plan.first_step, c.last_step, c.final_loss);
   } else if (std::none_of(c.breakage.begin(), c.breakage.end(),
                           [&](const Breakage& x) { return x.step >= r.fault_step; })) {
     // It broke, but before the fault fired: what broke it is the defenses' absence, not the fault
@@ -1245,11 +1291,26 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
 // The undefended run's breakage against the run with neither the fault nor the defenses: breakage
 // of a kind that run shows too, at or before the same step, is the configuration's (the defenses
 // hold it, but not against this fault). The undefended run broke by the fault when some is left.
-void weigh_bare(const ScenarioSpec& spec, const ScenarioResult& c0, ScenarioResult& r) {
+void weigh_bare(const ScenarioSpec& spec, const CounterfactualPlan& plan, const ScenarioResult& c0, ScenarioResult& r) {
   Counterfactual& cf = r.counterfactual;
   const std::string expected = bites_expected(spec);
   // Any of the undefended run's, a raise too -- but none from before the fault fired.
   for (Breakage& x : cf.breakage) x.counts = x.step >= r.fault_step;
+  // An optimizer's state the fault left saturated, against the run with neither (trained's bar):
+  // a run that trains no more, though its numbers stay finite.
+  if (saturated(cf.optimizer_state_peak, c0) && cf.params_finite &&
+      std::none_of(cf.breakage.begin(), cf.breakage.end(), [](const Breakage& x) { return x.counts; })) {
+    cf.breakage.push_back(
+        {BreakKind::kNoProgress, cf.last_step,
+         "training did not go on: " + peaks_text(cf.optimizer_state_peak, "", c0.optimizer_state_peak) +
+             ": the fault's numbers stay in it and rule the updates while it keeps them",
+         true});
+  }
+  if (cf.breakage.empty()) {  // it held (weigh_undefended asked for the saturation rule alone)
+    settle_counterfactual(CheckKind::kFaultBites, expected,
+                          held_too(spec, plan.first_step, cf.last_step, cf.final_loss), false, r, false);
+    return;
+  }
   const std::vector<Breakage> without = against(c0, spec.expect.final_loss_below, cf.final_loss, /*nudge=*/true);
   const auto [kept, anyway, anyway_there] = date_against(cf.breakage, without, /*raise_must_count=*/false);
   cf.broke = kept != nullptr;
@@ -1365,7 +1426,7 @@ CounterfactualPlan weigh_counterfactual(const ScenarioSpec& spec, const Counterf
     case CounterfactualKind::kFaultFree: weigh_fault_free(spec.expect, plan, c, r); break;
     case CounterfactualKind::kUndefended: return weigh_undefended(spec, plan, c, r);
     case CounterfactualKind::kBare:
-      if (defended(spec)) weigh_bare(spec, c, r);
+      if (defended(spec)) weigh_bare(spec, plan, c, r);
       else weigh_undefended_model(c, r);
       break;
     case CounterfactualKind::kNone: break;
@@ -1477,6 +1538,8 @@ nlohmann::json ScenarioResult::to_json() const {
   j["param_movement"] = num(param_movement);
   j["param_movement_from"] = param_movement_from;
   j["fault_last_step"] = fault_last_step;
+  j["optimizer_state_peak"] = num(optimizer_state_peak);
+  j["optimizer_state_peak_name"] = optimizer_state_peak_name;
   for (double v : losses) j["losses"].push_back(num(v));
   for (double v : scales) j["scales"].push_back(num(v));
   for (double v : lrs) j["lrs"].push_back(num(v));
@@ -1537,6 +1600,7 @@ nlohmann::json ScenarioResult::to_json() const {
                          {"params_finite", counterfactual.params_finite},
                          {"final_loss", num(counterfactual.final_loss)},
                          {"param_movement", num(counterfactual.param_movement)},
+                         {"optimizer_state_peak", num(counterfactual.optimizer_state_peak)},
                          {"breakage", breakage_json(counterfactual.breakage)}};
   j["reasons"] = reasons;
   j["checks"] = nlohmann::json::array();
@@ -1583,6 +1647,8 @@ ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
   r.param_movement = from_num(j.at("param_movement"));
   r.param_movement_from = j.at("param_movement_from");
   r.fault_last_step = j.at("fault_last_step");
+  r.optimizer_state_peak = from_num(j.at("optimizer_state_peak"));
+  r.optimizer_state_peak_name = j.at("optimizer_state_peak_name");
   if (j.contains("losses"))
     for (const auto& v : j["losses"]) r.losses.push_back(from_num(v));
   if (j.contains("scales"))
@@ -1641,6 +1707,7 @@ ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
   r.counterfactual.params_finite = cf.at("params_finite");
   r.counterfactual.final_loss = from_num(cf.at("final_loss"));
   r.counterfactual.param_movement = from_num(cf.at("param_movement"));
+  r.counterfactual.optimizer_state_peak = from_num(cf.at("optimizer_state_peak"));
   r.counterfactual.breakage = breakage_from_json(cf.at("breakage"));
   r.reasons = j.at("reasons").get<std::vector<std::string>>();
   for (const auto& c : j.at("checks")) {

@@ -538,6 +538,48 @@ TEST(Verdict, TrainedIsMeasuredAfterTheFaultAndZeroGradientsTrainNothing) {
   EXPECT_TRUE(trained->passed) << trained->observed;
 }
 
+// A fault whose numbers stay in the optimizer's state holds nothing, though the parameters stay
+// finite and move (red-team finding: "held, ok"): a loss x 1e18 at step 3, unclipped, leaves
+// AdamW's second moment 1e32 times the run's without it, its updates scaled down for ~1000 steps,
+// while the spike's momentum and the weight decay still move the parameters about half as far.
+// Controls: clipping the same spike holds it, and the undefended run it is weighed against breaks
+// by the same rule (fault_bites); a spike of x10 leaves the state as it was and held.
+TEST(Verdict, AFaultThatSaturatesTheOptimizersStateHeldNothing) {
+  const std::string gpt =
+      "name: t\nmodel: {type: tiny_gpt, layers: 2, d_model: 16, heads: 2, vocab: 32, seq_len: 8}\n"
+      "data: {batch: 4}\nexpect: {params_finite: true}\ntraining: {steps: 40, optimizer: adamw, lr: 0.003, "
+      "segments: 2";
+  const std::string spike = "injections: [{type: loss_spike, step: 3, factor: 1.0e18}]\n";
+  ScenarioResult r = run_scenario(parse_scenario_text(gpt + "}\n" + spike, "saturated.yaml"));
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  EXPECT_FALSE(r.passed) << why(r);
+  const ExpectationCheck* trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_FALSE(trained->passed) << trained->observed;
+  EXPECT_NE(trained->observed.find("its optimizer's state peaks at "), std::string::npos) << trained->observed;
+  EXPECT_NE(r.optimizer_state_peak_name.find("exp_avg_sq"), std::string::npos) << r.optimizer_state_peak_name;
+  EXPECT_GT(r.param_movement, 0.1 * r.counterfactual.param_movement) << why(r);  // movement alone passes it
+  ASSERT_FALSE(r.breakage.empty()) << why(r);
+  EXPECT_EQ(r.breakage.back().kind, BreakKind::kNoProgress);
+  EXPECT_EQ(ScenarioResult::from_json(r.to_json()).to_json(), r.to_json());
+
+  r = run_scenario(parse_scenario_text(gpt + ", clip_grad_norm: 1.0}\n" + spike, "clipped.yaml"));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "held") << why(r);
+  EXPECT_EQ(r.counterfactual.kind, CounterfactualKind::kUndefended);
+  EXPECT_TRUE(r.counterfactual.broke) << why(r);
+  ASSERT_NE(find_check(r, "fault_bites"), nullptr) << why(r);
+  EXPECT_NE(find_check(r, "fault_bites")->observed.find("broke: training did not go on: its optimizer's state"),
+            std::string::npos)
+      << why(r);
+
+  r = run_scenario(
+      parse_scenario_text(gpt + "}\ninjections: [{type: loss_spike, step: 3, factor: 10.0}]\n", "small.yaml"));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "held") << why(r);
+  ASSERT_NE(find_check(r, "trained"), nullptr) << why(r);
+}
+
 // A configuration that does not train shows no defense holding, whatever the run without the fault
 // and the defenses did: an LR of 0 moved the parameters 0 in both runs (the check was skipped), a
 // loss weighted 1e-30 moved them 4e-34 against 5e-34 (it passed, a ratio of 0.88). Both are below
@@ -868,9 +910,10 @@ TEST(Verdict, EveryInjectionEntryMustFireNotJustOneOfItsType) {
                         "expect: {params_finite: true, min_applied_steps: 0}\n"));
   EXPECT_FALSE(has_reason(r, "injections[")) << why(r);
   EXPECT_EQ(r.injections[0].fired, std::vector<std::int64_t>{2});
-  // (Neither flip breaks this model even without rollback, and the verdict says so -- fault_bites
-  // -- which is not what this test is about.)
-  EXPECT_TRUE(has_reason(r, "fault_bites")) << why(r);
+  // (Neither flip makes anything non-finite; each leaves Adam's first moment at 2e35, which rollback,
+  // acting on non-finite parameters, does not undo: trained's saturation rule says so -- which is
+  // not what this test is about.)
+  EXPECT_TRUE(has_reason(r, "trained")) << why(r);
 }
 
 TEST(Verdict, AnInjectionDueOnNoStepFails) {

@@ -55,8 +55,9 @@ enum class CheckKind {
                     // without its injections does not break so within the window (Counterfactual)
   kTrained,         // automatic, a scenario that held: from the fault's step on, its parameters moved
                     // at least kTrainedFraction as far as in the run with neither the fault nor the
-                    // defenses (kRunsAway, kMovedAtAll, kMovedAtAllInFloat32) -- defenses that hold
-                    // by freezing training (an LR scaled to nothing) held nothing
+                    // defenses (kRunsAway, kMovedAtAll, kMovedAtAllInFloat32), and its optimizer's
+                    // state does not end saturated (kSaturatedState) -- defenses that hold by
+                    // freezing training (an LR scaled to nothing) held nothing
   kStepAfterFault,  // automatic, a scenario that expects to hold: a step after the fault's last
                     // (fault_last_step), where progress and trained are judged -- a fault due on
                     // the last step leaves a skip that stops training for good unseen
@@ -71,6 +72,12 @@ inline constexpr double kTrainedFraction = 0.01;
 inline constexpr double kMovedAtAll = 1e-4;
 inline constexpr double kRunsAway = 1.0;
 inline constexpr double kMovedAtAllInFloat32 = 1.1920928955078125e-07;  // FLT_EPSILON
+// trained's other bar: the optimizer's state at the end peaks at less than kSaturatedState times
+// the run's with neither the fault nor the defenses (ScenarioResult::optimizer_state_peak). Adam's
+// second moment 1e6 times larger scales its updates 1e3 times down; a loss spike of 1e18 that
+// passes unclipped leaves it 1e30 times larger, and training frozen for ~1/(1-beta2) steps while the
+// parameters still drift on the spike's momentum and the weight decay.
+inline constexpr double kSaturatedState = 1e6;
 // The least change of the final loss, as a fraction of final_loss_below, that a fault must make for
 // its final-loss breakage to be its own: one that moves it less only nudged it across the threshold
 // (the run without it then counts as breaking too).
@@ -194,8 +201,9 @@ struct Counterfactual {
                                // within the window: counts, without_fault_step 0)
   bool params_finite = true;
   double final_loss = std::numeric_limits<double>::quiet_NaN();
-  double param_movement = std::numeric_limits<double>::quiet_NaN();  // ScenarioResult's, from the
-                                                                     // same step as the run's
+  double param_movement = std::numeric_limits<double>::quiet_NaN();        // ScenarioResult's, from the
+                                                                           // same step as the run's
+  double optimizer_state_peak = std::numeric_limits<double>::quiet_NaN();  // ScenarioResult's
   std::vector<Breakage> breakage;  // what broke in it (undefended: without_fault_step set where the
                                    // run with neither fault nor defenses showed it too, at any step)
 };
@@ -253,6 +261,14 @@ struct ScenarioResult {
   // known (a parameter's shape changed, the run never reached that step, all parameters zero).
   double param_movement = std::numeric_limits<double>::quiet_NaN();
   std::int64_t param_movement_from = 1;
+  // The largest magnitude in the optimizer's state at the end (every finite element of a
+  // floating-point tensor of kind optimizer_state in state()) and its tensor's name; NaN where the
+  // program reports none. A fault that leaves it kSaturatedState times the run's without the fault
+  // and the defenses holds nothing: its numbers stay in the state and rule the optimizer's updates
+  // for as long (Adam's second moment after a loss x 1e18 scales them down; its first moment with
+  // an exponent bit flipped, 2e35, drives them).
+  double optimizer_state_peak = std::numeric_limits<double>::quiet_NaN();
+  std::string optimizer_state_peak_name;
   // The last step of the window an injection is due on, on any rank (0: none). At the run's last
   // step, no step after the fault shows training going on (kStepAfterFault).
   std::int64_t fault_last_step = 0;
