@@ -227,7 +227,9 @@ std::unique_ptr<Program> make_scenario_program(const ScenarioSpec& spec) {
   try {
     inner = make_program(spec.program, spec.program_config);
   } catch (const Error& e) {  // the program refuses its config: say which file and key
-    throw Error(spec.origin + ": key 'config': " + e.what());
+    throw Error(spec.origin +
+                (spec.program_config_line > 0 ? ":" + std::to_string(spec.program_config_line) : std::string()) +
+                ": key 'config': " + e.what());
   }
   // Launched as a rank, a program that joins no group trains alone, as rank 0: a data-parallel
   // scenario's verdict would rest on runs that synced nothing (and an injection for rank 1 would

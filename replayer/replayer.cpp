@@ -136,6 +136,7 @@ nlohmann::json ReplayResult::to_json() const {
           {"to_step", to_step},
           {"target_step", target_step},
           {"ended_early", ended_early},
+          {"batch_draws_rng_from", batch_draws_rng_from},
           {"first_divergence", first_divergence ? first_divergence->to_json() : nlohmann::json()},
           {"first_nonfinite", first_nonfinite ? first_nonfinite->to_json() : nlohmann::json()},
           {"raised", raised ? raised->to_json() : nlohmann::json()},
@@ -777,10 +778,10 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
                                    "): the steps replay from the recorded RNG state, but a batch must be "
                                    "deterministic in (config, step) -- draw it from a generator of its own seeded "
                                    "from the step, or a rerun from a snapshot (diagnose) trains on other batches";
-          const bool noted = std::any_of(result.notes.begin(), result.notes.end(), [](const std::string& n) {
-            return n.rfind("Program::batch() draws from the global generator", 0) == 0;
-          });
-          if (!noted) result.notes.push_back(note);
+          if (result.batch_draws_rng_from == 0) {
+            result.batch_draws_rng_from = s;
+            result.notes.push_back(note);
+          }
         } else {
           comparer.diverge("", "step_begin", std::string(tensor_names::kRng),
                            "the RNG state differs from the recorded one (" + differ + ")");

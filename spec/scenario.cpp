@@ -498,6 +498,7 @@ ScenarioSpec parse_program_scenario(const Parser& p, const YAML::Node& root, Sce
   if (const YAML::Node c = root["config"]; c.IsDefined() && !c.IsNull()) {
     if (!c.IsMap()) p.fail(c, "config", "must be a mapping (handed to the program's factory as YAML text)");
     s.program_config = config_text(c);
+    if (c.Mark().line >= 0) s.program_config_line = c.Mark().line + 1;
   }
   if (const YAML::Node t = root["training"]; t.IsDefined()) {
     if (!t.IsMap()) p.fail(t, "training", "must be a mapping");

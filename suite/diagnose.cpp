@@ -29,11 +29,25 @@ struct Window {
   std::int64_t start = 1;
   std::vector<NamedTensor> state;
   RngState rng;
-  // The run's first finite loss (step 1's as a rule), what a variant's loss that ran away is
-  // measured against; NaN where none is known (then the window's own first applied loss).
-  double first_loss = std::numeric_limits<double>::quiet_NaN();
-  std::int64_t first_loss_step = 0;
+  // What a variant's loss that ran away is measured against: the run's finite applied losses before
+  // the window, whose median is the level it trained at (one step's loss is noisy -- a batch of 1
+  // drew 0.22 at step 1 of a run that trains at 0.46 -- and the last ones may have climbed already);
+  // empty where the window starts at step 1 (then the variant's own first kReferenceSteps).
+  std::vector<double> before;
+  void reference(std::int64_t step, double loss) {
+    if (step < start && std::isfinite(loss)) before.push_back(loss);
+  }
 };
+
+constexpr std::size_t kReferenceSteps = 3;
+
+// The upper median: of an even count the larger middle one (the reference errs high: a run-away
+// loss is called so only when it clearly is).
+double upper_median(std::vector<double> v) {
+  if (v.empty()) return std::numeric_limits<double>::quiet_NaN();
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
 
 
 std::string fmt(double v, int precision = 4) {
@@ -84,7 +98,7 @@ constexpr double kLossRunsAway = 2.0;
 // What still fails in a run, or "" when it held. The scenario's expectations about the outcome
 // count; those about a defense's mechanics (skips, backoffs, rollbacks, replay) do not, since a
 // variant may avoid the failure by other means.
-std::string judge(const ScenarioResult& r, const ExpectSpec& e, double first_loss, std::int64_t first_step) {
+std::string judge(const ScenarioResult& r, const ExpectSpec& e, const Window& w) {
   if (r.raised) return "raised: " + r.error;
   if (!r.params_finite) return "non-finite parameters";
   if (r.applied_nonfinite_steps > 0) return std::to_string(r.applied_nonfinite_steps) + " non-finite step(s) applied";
@@ -105,17 +119,18 @@ std::string judge(const ScenarioResult& r, const ExpectSpec& e, double first_los
   // A loss that ends far above the run's first one avoided the non-finite numbers, not the blow-up
   // (outsider findings: clipping at 1.0 of SGD at LR 40, loss 2.4 -> 110-173, ranked first; from a
   // window that starts after the loss has climbed, 1.5e12 at the end was "held").
-  if (!(std::isfinite(first_loss) && first_loss > 0)) {
-    const auto first = std::find_if(r.steps.begin(), r.steps.end(),
-                                    [](const StepPoint& p) { return !p.skipped && std::isfinite(p.loss); });
-    first_loss = first == r.steps.end() ? std::numeric_limits<double>::quiet_NaN() : first->loss;
-    first_step = first == r.steps.end() ? 0 : first->step;
+  std::vector<double> own;
+  std::string whose = "the median of the run's losses before step " + std::to_string(w.start) + ", ";
+  if (w.before.empty()) {
+    whose = "the median of its own first " + std::to_string(kReferenceSteps) + " losses, ";
+    for (const StepPoint& p : r.steps) {
+      if (!p.skipped && std::isfinite(p.loss) && own.size() < kReferenceSteps) own.push_back(p.loss);
+    }
   }
-  if (std::isfinite(first_loss) && first_loss > 0 && std::isfinite(r.final_loss) &&
-      r.final_loss > kLossRunsAway * first_loss) {
+  const double level = upper_median(w.before.empty() ? own : w.before);
+  if (level > 0 && std::isfinite(r.final_loss) && r.final_loss > kLossRunsAway * level) {
     return "the loss ran away: " + fmt(r.final_loss) + " at the end (steps " + std::to_string(r.final_window_first) +
-           ".." + std::to_string(r.last_step) + "), more than " + fmt(kLossRunsAway) + " times the run's " +
-           fmt(first_loss) + " at step " + std::to_string(first_step);
+           ".." + std::to_string(r.last_step) + "), more than " + fmt(kLossRunsAway) + " times " + whose + fmt(level);
   }
   return "";
 }
@@ -254,7 +269,7 @@ VariantResult run_variant(const Variant& v, const Window& w, std::int64_t last, 
   out.name = v.name;
   out.change = v.change;
   out.caveat = v.caveat;
-  const std::string failed = judge(r, expect, w.first_loss, w.first_loss_step);
+  const std::string failed = judge(r, expect, w);
   out.fixes = failed.empty();
   out.outcome = failed.empty() ? "held (final loss " + fmt(r.final_loss) + ")" : failed;
   out.seconds_per_step_runs.push_back(cpu_per_step(r));
@@ -459,8 +474,7 @@ Diagnosis diagnose_scenario(const ScenarioSpec& spec, const DiagnoseOptions& opt
   // step, or a raise.
   std::deque<Window> recent;
   double loss = 0, norm = 0;
-  double first_loss = std::numeric_limits<double>::quiet_NaN();
-  std::int64_t first_loss_step = 0;
+  std::vector<std::pair<std::int64_t, double>> applied;  // (step, loss) of the applied steps
   {
     const std::unique_ptr<Program> p = make_scenario_program(spec);
     for (std::int64_t s = 1; s <= spec.training.steps; ++s) {
@@ -476,10 +490,7 @@ Diagnosis diagnose_scenario(const ScenarioSpec& spec, const DiagnoseOptions& opt
           d.failure = failure_text(s, d.failure_kind);
           break;
         }
-        if (first_loss_step == 0 && !o.skipped && std::isfinite(o.loss)) {
-          first_loss = o.loss;
-          first_loss_step = s;
-        }
+        if (!o.skipped) applied.emplace_back(s, o.loss);
       } catch (const std::exception& e) {
         d.failing_step = s;
         loss = norm = std::numeric_limits<double>::quiet_NaN();
@@ -491,8 +502,7 @@ Diagnosis diagnose_scenario(const ScenarioSpec& spec, const DiagnoseOptions& opt
   }
   if (d.failing_step < 0) return diagnose_whole_run(spec, options, std::move(d));
   d.classification = classify(spec, recent.back(), loss, norm);
-  recent.front().first_loss = first_loss;
-  recent.front().first_loss_step = first_loss_step;
+  for (const auto& [s, l] : applied) recent.front().reference(s, l);
   return diagnose_window(spec, recent.front(), options, std::move(d));
 }
 
@@ -595,12 +605,10 @@ Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options
   }
   const std::int64_t start = std::max<std::int64_t>(1, d.failing_step - options.lookback);
   Window w = start == d.failing_step ? std::move(at_failure) : state_before(start);
-  for (std::size_t i = 0; i < trace.records().size() && w.first_loss_step == 0; ++i) {
-    if (trace.records()[i].type != RecordType::kStepEnd) continue;
+  for (std::size_t i = 0; i < trace.records().size(); ++i) {
+    if (trace.records()[i].type != RecordType::kStepEnd || trace.records()[i].step >= w.start) continue;
     const StepEndRecord rec = StepEndRecord::decode(trace.read_table(i), path);
-    if (rec.skipped || !std::isfinite(rec.loss)) continue;
-    w.first_loss = rec.loss;
-    w.first_loss_step = rec.step;
+    if (!rec.skipped) w.reference(rec.step, rec.loss);
   }
   return diagnose_window(spec, std::move(w), options, std::move(d));
 }

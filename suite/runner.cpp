@@ -536,6 +536,12 @@ CounterfactualKind parse_counterfactual_kind(const std::string& name) {
   throw Error("unknown counterfactual kind '" + name + "' in a scenario result");
 }
 
+nlohmann::json scale_json(const std::map<std::string, double>& scale) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto& [name, v] : scale) j[name] = num(v);
+  return j;
+}
+
 nlohmann::json breakage_json(const std::vector<Breakage>& breakage) {
   nlohmann::json out = nlohmann::json::array();
   for (const Breakage& x : breakage) {
@@ -815,11 +821,7 @@ class ScenarioRun {
       if (n.kind != TensorKind::kOptimizerState || !n.tensor.is_floating_point() || n.tensor.numel() == 0) continue;
       const at::Tensor a = n.tensor.detach().abs().to(at::kDouble);
       const at::Tensor finite = a.masked_select(a.isfinite());
-      const double peak = finite.numel() > 0 ? finite.max().item<double>() : 0.0;
-      if (!(peak <= r_.optimizer_state_peak)) {
-        r_.optimizer_state_peak = peak;
-        r_.optimizer_state_peak_name = n.name;
-      }
+      if (finite.numel() > 0) r_.optimizer_state_scale[n.name] = finite.median().item<double>();
     }
   }
 
@@ -1031,7 +1033,7 @@ Counterfactual summary_of(CounterfactualKind kind, const ScenarioResult& c) {
   out.params_finite = c.params_finite;
   out.final_loss = c.final_loss;
   out.param_movement = c.param_movement;
-  out.optimizer_state_peak = c.optimizer_state_peak;
+  out.optimizer_state_scale = c.optimizer_state_scale;
   out.breakage = c.breakage;
   return out;
 }
@@ -1174,17 +1176,30 @@ void weigh_fault_free(const ExpectSpec& e, const CounterfactualPlan& plan, const
 // or, where that run runs away (non-finite, or moving more than kRunsAway of their norm), at least
 // kMovedAtAll of their own norm; and at least kMovedAtAllInFloat32 of it in any case (a
 // configuration that does not train, an LR of 0, shows nothing held either).
-// Against a run with neither that trains (its state is the scale; an fp16 run whose gradients all
-// underflow leaves its state at 0, and any other state "saturated").
-bool saturated(double peak, const ScenarioResult& c0) {
-  const double p0 = c0.optimizer_state_peak;
-  return c0.params_finite && std::isfinite(c0.param_movement) && c0.param_movement >= kMovedAtAllInFloat32 &&
-         std::isfinite(peak) && std::isfinite(p0) && p0 > 0 && peak > kSaturatedState * p0;
-}
+// The optimizer-state tensor that grew most against the same tensor of a run with neither the
+// fault nor the defenses that trains and stays finite (its state is the scale: an fp16 run whose
+// gradients all underflow leaves its state at 0, and any other "saturated"); "" where none grew
+// kSaturatedState times or more.
+struct Saturation {
+  std::string name;
+  double scale = 0, scale0 = 0;
+  explicit operator bool() const { return !name.empty(); }
+  std::string text() const {
+    return "its optimizer's state '" + name + "' ends with a median magnitude of " + fmt(scale) + ", " +
+           fmt(scale / scale0) + " times the run's with neither the fault nor the defenses (" + fmt(scale0) + ")";
+  }
+};
 
-std::string peaks_text(double peak, const std::string& name, double p0) {
-  return "its optimizer's state peaks at " + fmt(peak) + (name.empty() ? "" : " ('" + name + "')") + ", " +
-         fmt(peak / p0) + " times the run's with neither the fault nor the defenses (" + fmt(p0) + ")";
+Saturation saturation(const std::map<std::string, double>& scale, const ScenarioResult& c0) {
+  Saturation worst;
+  if (!c0.params_finite || !std::isfinite(c0.param_movement) || c0.param_movement < kMovedAtAllInFloat32) return worst;
+  for (const auto& [name, s] : scale) {
+    const auto it = c0.optimizer_state_scale.find(name);
+    if (it == c0.optimizer_state_scale.end() || !(it->second > 0) || !std::isfinite(s)) continue;
+    if (s > kSaturatedState * it->second && (worst.name.empty() || s / it->second > worst.scale / worst.scale0))
+      worst = {name, s, it->second};
+  }
+  return worst;
 }
 
 void weigh_training(const ScenarioResult& c0, ScenarioResult& r) {
@@ -1200,9 +1215,9 @@ void weigh_training(const ScenarioResult& c0, ScenarioResult& r) {
   const bool moved = std::isfinite(m) && m >= kMovedAtAllInFloat32 &&
                      (runs_away ? m >= kMovedAtAll : ratio >= kTrainedFraction);
   // Where both runs report optimizer state and that run's stayed finite: the fault's numbers must
-  // not stay in it (runs_away: a run whose parameters go non-finite has no state to measure by).
-  const bool saturated_state = !runs_away && saturated(r.optimizer_state_peak, c0);
-  const std::string peaks = peaks_text(r.optimizer_state_peak, r.optimizer_state_peak_name, c0.optimizer_state_peak);
+  // not stay in it -- whether or not that run moves more than its norm (a model initialised small
+  // does, training as it should).
+  const Saturation saturated_state = saturation(r.optimizer_state_scale, c0);
   const bool trained = moved && !saturated_state;
   check(r, CheckKind::kTrained,
         "after the fault (" + window + "), the parameters move at least " + fmt(kTrainedFraction) +
@@ -1212,7 +1227,7 @@ void weigh_training(const ScenarioResult& c0, ScenarioResult& r) {
         "they moved " + fmt(m) + ", that run's " +
             (c0.params_finite ? fmt(m0) + (runs_away ? " (it runs away)" : " (" + fmt(ratio) + " as far)")
                               : std::string("non-finite (it runs away)")) +
-            (saturated_state ? "; " + peaks : std::string()),
+            (saturated_state ? "; " + saturated_state.text() : std::string()),
         trained);
   if (trained) return;
   r.reasons.push_back(reason_of(r.checks.back()));
@@ -1221,7 +1236,8 @@ void weigh_training(const ScenarioResult& c0, ScenarioResult& r) {
   std::string why =
       "the parameters moved " + fmt(m) + " of their norm from step " + std::to_string(r.param_movement_from) + " on";
   if (moved) {
-    why = peaks + ": the fault's numbers stay in it and rule the updates while it keeps them (the parameters moved " +
+    why = saturated_state.text() +
+          ": the fault's numbers stay in it and scale the updates down while it keeps them (the parameters moved " +
           fmt(m) + " of their norm from step " + std::to_string(r.param_movement_from) + " on, " + fmt(ratio) +
           " as far: moving is not training)";
   } else if (!runs_away && m0 < kMovedAtAllInFloat32) {
@@ -1259,7 +1275,7 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
     // The run held by raising as it expected, and raises the same without its defenses.
     observed = "raised the same: step " + std::to_string(c.raised_at_step) + " raised: " + c.error +
                "; the defenses did not make the raise";
-  } else if (c.breakage.empty() && !spec.injections.empty() && std::isfinite(c.optimizer_state_peak)) {
+  } else if (c.breakage.empty() && !spec.injections.empty() && !c.optimizer_state_scale.empty()) {
     // It held, by every rule of its own: whether the fault left its optimizer's state saturated
     // (training frozen, the numbers finite) the run with neither says.
     CounterfactualPlan next = plan;
@@ -1298,13 +1314,13 @@ void weigh_bare(const ScenarioSpec& spec, const CounterfactualPlan& plan, const 
   for (Breakage& x : cf.breakage) x.counts = x.step >= r.fault_step;
   // An optimizer's state the fault left saturated, against the run with neither (trained's bar):
   // a run that trains no more, though its numbers stay finite.
-  if (saturated(cf.optimizer_state_peak, c0) && cf.params_finite &&
+  if (const Saturation s = saturation(cf.optimizer_state_scale, c0);
+      s && cf.params_finite &&
       std::none_of(cf.breakage.begin(), cf.breakage.end(), [](const Breakage& x) { return x.counts; })) {
-    cf.breakage.push_back(
-        {BreakKind::kNoProgress, cf.last_step,
-         "training did not go on: " + peaks_text(cf.optimizer_state_peak, "", c0.optimizer_state_peak) +
-             ": the fault's numbers stay in it and rule the updates while it keeps them",
-         true});
+    cf.breakage.push_back({BreakKind::kNoProgress, cf.last_step,
+                           "training did not go on: " + s.text() +
+                               ": the fault's numbers stay in it and scale the updates down while it keeps them",
+                           true});
   }
   if (cf.breakage.empty()) {  // it held (weigh_undefended asked for the saturation rule alone)
     settle_counterfactual(CheckKind::kFaultBites, expected,
@@ -1538,8 +1554,7 @@ nlohmann::json ScenarioResult::to_json() const {
   j["param_movement"] = num(param_movement);
   j["param_movement_from"] = param_movement_from;
   j["fault_last_step"] = fault_last_step;
-  j["optimizer_state_peak"] = num(optimizer_state_peak);
-  j["optimizer_state_peak_name"] = optimizer_state_peak_name;
+  j["optimizer_state_scale"] = scale_json(optimizer_state_scale);
   for (double v : losses) j["losses"].push_back(num(v));
   for (double v : scales) j["scales"].push_back(num(v));
   for (double v : lrs) j["lrs"].push_back(num(v));
@@ -1600,7 +1615,7 @@ nlohmann::json ScenarioResult::to_json() const {
                          {"params_finite", counterfactual.params_finite},
                          {"final_loss", num(counterfactual.final_loss)},
                          {"param_movement", num(counterfactual.param_movement)},
-                         {"optimizer_state_peak", num(counterfactual.optimizer_state_peak)},
+                         {"optimizer_state_scale", scale_json(counterfactual.optimizer_state_scale)},
                          {"breakage", breakage_json(counterfactual.breakage)}};
   j["reasons"] = reasons;
   j["checks"] = nlohmann::json::array();
@@ -1647,8 +1662,7 @@ ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
   r.param_movement = from_num(j.at("param_movement"));
   r.param_movement_from = j.at("param_movement_from");
   r.fault_last_step = j.at("fault_last_step");
-  r.optimizer_state_peak = from_num(j.at("optimizer_state_peak"));
-  r.optimizer_state_peak_name = j.at("optimizer_state_peak_name");
+  for (const auto& [name, s] : j.at("optimizer_state_scale").items()) r.optimizer_state_scale[name] = from_num(s);
   if (j.contains("losses"))
     for (const auto& v : j["losses"]) r.losses.push_back(from_num(v));
   if (j.contains("scales"))
@@ -1707,7 +1721,8 @@ ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
   r.counterfactual.params_finite = cf.at("params_finite");
   r.counterfactual.final_loss = from_num(cf.at("final_loss"));
   r.counterfactual.param_movement = from_num(cf.at("param_movement"));
-  r.counterfactual.optimizer_state_peak = from_num(cf.at("optimizer_state_peak"));
+  for (const auto& [name, s] : cf.at("optimizer_state_scale").items())
+    r.counterfactual.optimizer_state_scale[name] = from_num(s);
   r.counterfactual.breakage = breakage_from_json(cf.at("breakage"));
   r.reasons = j.at("reasons").get<std::vector<std::string>>();
   for (const auto& c : j.at("checks")) {

@@ -160,11 +160,8 @@ ScenarioResult merge_ranks(const ScenarioSpec& spec, const std::string& source,
       r.nonfinite_state_kind = x.nonfinite_state_kind;
     }
     if (r.error.empty() && !x.error.empty()) r.error = who + ": " + x.error;
-    if (!std::isnan(x.optimizer_state_peak) &&
-        (std::isnan(r.optimizer_state_peak) || x.optimizer_state_peak > r.optimizer_state_peak)) {
-      r.optimizer_state_peak = x.optimizer_state_peak;
-      r.optimizer_state_peak_name = who + ": " + x.optimizer_state_peak_name;
-    }
+    // The ranks' state is one (replicated; a split is judged below): rank 0's, or the first's that has one.
+    if (r.optimizer_state_scale.empty()) r.optimizer_state_scale = x.optimizer_state_scale;
   }
   std::stable_sort(r.notes.begin(), r.notes.end(), [](const StepNote& a, const StepNote& b) {
     return a.step != b.step ? a.step < b.step : a.kind < b.kind;  // a step's injections before its skip

@@ -579,6 +579,7 @@ TEST(ReplayStateCheck, ABatchDrawnFromTheGlobalGeneratorIsNotedAndTheStepsReplay
   const ReplayResult r = replay(bad.path, from1);
   EXPECT_TRUE(r.reproduced) << (r.first_divergence ? r.first_divergence->message() : "");
   EXPECT_EQ(r.to_step, 3);
+  EXPECT_EQ(r.batch_draws_rng_from, 2);  // noted once, at the first step it shows before
   ASSERT_EQ(r.notes.size(), 1u);
   EXPECT_NE(r.notes[0].find("Program::batch() draws from the global generator (the CPU generator's; first between "
                             "steps 1 and 2)"),
@@ -589,6 +590,7 @@ TEST(ReplayStateCheck, ABatchDrawnFromTheGlobalGeneratorIsNotedAndTheStepsReplay
       record(own, "loop_draws", {}, 3, [](std::int64_t, const StepOutcome&) { (void)at::rand({4}); });
   EXPECT_EQ(loop.stats.batch_drew_rng_step, 0);
   const ReplayResult d = replay(loop.path, from1);
+  EXPECT_EQ(d.batch_draws_rng_from, 0);
   ASSERT_TRUE(d.first_divergence);
   EXPECT_EQ(d.first_divergence->step, 2);
   EXPECT_EQ(d.first_divergence->phase, "step_begin");

@@ -73,7 +73,7 @@ TEST(ProgramScenario, AFactoryThatThrowsOnItsConfigIsNamedWithTheFileAndKey) {
     make_scenario_program(program_scenario("config: {lr: abc}\n"));
     ADD_FAILURE() << "a config the factory throws on was accepted";
   } catch (const Error& e) {
-    EXPECT_EQ(std::string(e.what()), "program.yaml: key 'config': program 'test.regressor' refuses its config: stod");
+    EXPECT_EQ(std::string(e.what()), "program.yaml:4: key 'config': program 'test.regressor' refuses its config: stod");
   }
   EXPECT_NE(make_scenario_program(program_scenario("config: {lr: 0.5}\n")), nullptr);
 }

@@ -542,6 +542,8 @@ TEST(Verdict, TrainedIsMeasuredAfterTheFaultAndZeroGradientsTrainNothing) {
 // finite and move (red-team finding: "held, ok"): a loss x 1e18 at step 3, unclipped, leaves
 // AdamW's second moment 1e32 times the run's without it, its updates scaled down for ~1000 steps,
 // while the spike's momentum and the weight decay still move the parameters about half as far.
+// Measured per tensor, on its median magnitude against the same tensor's: one flipped element of
+// 2048 stalls that element only (EveryInjectionEntryMustFireNotJustOneOfItsType's control).
 // Controls: clipping the same spike holds it, and the undefended run it is weighed against breaks
 // by the same rule (fault_bites); a spike of x10 leaves the state as it was and held.
 TEST(Verdict, AFaultThatSaturatesTheOptimizersStateHeldNothing) {
@@ -556,8 +558,9 @@ TEST(Verdict, AFaultThatSaturatesTheOptimizersStateHeldNothing) {
   const ExpectationCheck* trained = find_check(r, "trained");
   ASSERT_NE(trained, nullptr) << why(r);
   EXPECT_FALSE(trained->passed) << trained->observed;
-  EXPECT_NE(trained->observed.find("its optimizer's state peaks at "), std::string::npos) << trained->observed;
-  EXPECT_NE(r.optimizer_state_peak_name.find("exp_avg_sq"), std::string::npos) << r.optimizer_state_peak_name;
+  EXPECT_NE(trained->observed.find("exp_avg_sq' ends with a median magnitude of "), std::string::npos)
+      << trained->observed;
+  EXPECT_FALSE(r.optimizer_state_scale.empty());
   EXPECT_GT(r.param_movement, 0.1 * r.counterfactual.param_movement) << why(r);  // movement alone passes it
   ASSERT_FALSE(r.breakage.empty()) << why(r);
   EXPECT_EQ(r.breakage.back().kind, BreakKind::kNoProgress);
@@ -572,6 +575,25 @@ TEST(Verdict, AFaultThatSaturatesTheOptimizersStateHeldNothing) {
   EXPECT_NE(find_check(r, "fault_bites")->observed.find("broke: training did not go on: its optimizer's state"),
             std::string::npos)
       << why(r);
+
+  // Outsider findings: the default spike of x1e4 leaves the second moment ~1e6 times larger (its
+  // largest element was measured against the other run's largest, a first moment: 5e3 times, "held");
+  // a model initialised small moves more than its norm training as it should, which exempted it
+  // ("held", beside fault_bites' "broke" of the same run).
+  r = run_scenario(parse_scenario_text(
+      "name: t\nmodel: {type: tiny_gpt, layers: 1, d_model: 32, heads: 4, vocab: 64, seq_len: 16, dropout: 0.0}\n"
+      "data: {batch: 8, seed: 1}\ntraining: {steps: 60, optimizer: adamw, lr: 0.003}\n"
+      "injections: [{type: loss_spike, step: 3, factor: 1.0e4}]\nexpect: {params_finite: true}\n",
+      "x1e4.yaml"));
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  r = run_scenario(parse_scenario_text(
+      "name: t\nmodel: {type: mlp, layers: 2, hidden: 32, in_features: 16, out_features: 4, dropout: 0.0, "
+      "init_gain: 0.001}\ndata: {batch: 64, seed: 1}\ntraining: {steps: 40, optimizer: adamw, lr: 0.02}\n"
+      "defenses: {skip_nonfinite: true}\ninjections: [{type: loss_spike, step: 2, factor: 1.0e18}]\n"
+      "expect: {params_finite: true}\n",
+      "small-init.yaml"));
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  EXPECT_GT(r.counterfactual.param_movement, kRunsAway) << why(r);
 
   r = run_scenario(
       parse_scenario_text(gpt + "}\ninjections: [{type: loss_spike, step: 3, factor: 10.0}]\n", "small.yaml"));
@@ -910,10 +932,10 @@ TEST(Verdict, EveryInjectionEntryMustFireNotJustOneOfItsType) {
                         "expect: {params_finite: true, min_applied_steps: 0}\n"));
   EXPECT_FALSE(has_reason(r, "injections[")) << why(r);
   EXPECT_EQ(r.injections[0].fired, std::vector<std::int64_t>{2});
-  // (Neither flip makes anything non-finite; each leaves Adam's first moment at 2e35, which rollback,
-  // acting on non-finite parameters, does not undo: trained's saturation rule says so -- which is
-  // not what this test is about.)
-  EXPECT_TRUE(has_reason(r, "trained")) << why(r);
+  // (Neither flip breaks this model even without rollback -- one element of Adam's first moment at
+  // 2e35 stalls that element only, and trained's saturation rule, on each tensor's median, leaves
+  // it out -- and the verdict says so -- fault_bites -- which is not what this test is about.)
+  EXPECT_TRUE(has_reason(r, "fault_bites")) << why(r);
 }
 
 TEST(Verdict, AnInjectionDueOnNoStepFails) {

@@ -107,6 +107,10 @@ struct ReplayResult {
   // and was not skipped with its parameters finite (named: its loss, or the first non-finite
   // state() tensor and its kind), a divergence, a raise.
   std::string ended_early;
+  // The first step before which the recorded run's Program::batch() drew from a global generator
+  // (the program's contract broken; the replay goes on from the recorded RNG state and notes it
+  // once); 0: none seen.
+  std::int64_t batch_draws_rng_from = 0;
   std::optional<Divergence> first_divergence;
   std::optional<NonFiniteOrigin> first_nonfinite;
   std::optional<RaisedStep> raised;

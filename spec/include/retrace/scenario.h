@@ -102,6 +102,8 @@ struct ScenarioSpec {
   // built-in model.
   std::string program;
   std::string program_config;
+  int program_config_line = 0;  // the line of `config:` in `origin` (0: not known), for the
+                                // program's refusal of it
   // Data-parallel ranks (`world_size:`): the run is this many processes on c10d (retrace/dist.h),
   // each on its own shard of the data, gradients averaged. 1: one process.
   int world_size = 1;

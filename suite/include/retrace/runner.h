@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -72,12 +73,13 @@ inline constexpr double kTrainedFraction = 0.01;
 inline constexpr double kMovedAtAll = 1e-4;
 inline constexpr double kRunsAway = 1.0;
 inline constexpr double kMovedAtAllInFloat32 = 1.1920928955078125e-07;  // FLT_EPSILON
-// trained's other bar: the optimizer's state at the end peaks at less than kSaturatedState times
-// the run's with neither the fault nor the defenses (ScenarioResult::optimizer_state_peak). Adam's
-// second moment 1e6 times larger scales its updates 1e3 times down; a loss spike of 1e18 that
-// passes unclipped leaves it 1e30 times larger, and training frozen for ~1/(1-beta2) steps while the
-// parameters still drift on the spike's momentum and the weight decay.
-inline constexpr double kSaturatedState = 1e6;
+// trained's other bar: no tensor of the optimizer's state ends with a typical (median) magnitude
+// kSaturatedState times the same tensor's in the run with neither the fault nor the defenses
+// (ScenarioResult::optimizer_state_scale). Adam's second moment 1e4 times larger scales its updates
+// 100 times down, for ~1/(1-beta2) steps; an unclipped loss x 1e4 leaves it ~1e6 times larger, x 1e18
+// 1e32 times, while the spike's momentum and the weight decay still move the parameters. The median
+// leaves out a single element (a bit flip in one of 2048 stalls that one only).
+inline constexpr double kSaturatedState = 1e4;
 // The least change of the final loss, as a fraction of final_loss_below, that a fault must make for
 // its final-loss breakage to be its own: one that moves it less only nudged it across the threshold
 // (the run without it then counts as breaking too).
@@ -201,9 +203,9 @@ struct Counterfactual {
                                // within the window: counts, without_fault_step 0)
   bool params_finite = true;
   double final_loss = std::numeric_limits<double>::quiet_NaN();
-  double param_movement = std::numeric_limits<double>::quiet_NaN();        // ScenarioResult's, from the
-                                                                           // same step as the run's
-  double optimizer_state_peak = std::numeric_limits<double>::quiet_NaN();  // ScenarioResult's
+  double param_movement = std::numeric_limits<double>::quiet_NaN();  // ScenarioResult's, from the
+                                                                     // same step as the run's
+  std::map<std::string, double> optimizer_state_scale;               // ScenarioResult's
   std::vector<Breakage> breakage;  // what broke in it (undefended: without_fault_step set where the
                                    // run with neither fault nor defenses showed it too, at any step)
 };
@@ -261,14 +263,11 @@ struct ScenarioResult {
   // known (a parameter's shape changed, the run never reached that step, all parameters zero).
   double param_movement = std::numeric_limits<double>::quiet_NaN();
   std::int64_t param_movement_from = 1;
-  // The largest magnitude in the optimizer's state at the end (every finite element of a
-  // floating-point tensor of kind optimizer_state in state()) and its tensor's name; NaN where the
-  // program reports none. A fault that leaves it kSaturatedState times the run's without the fault
-  // and the defenses holds nothing: its numbers stay in the state and rule the optimizer's updates
-  // for as long (Adam's second moment after a loss x 1e18 scales them down; its first moment with
-  // an exponent bit flipped, 2e35, drives them).
-  double optimizer_state_peak = std::numeric_limits<double>::quiet_NaN();
-  std::string optimizer_state_peak_name;
+  // Each floating-point tensor of kind optimizer_state in state() at the end, by name: the median
+  // magnitude of its finite elements (empty where the program reports none). A fault that leaves one
+  // kSaturatedState times the same tensor's in the run without the fault and the defenses held
+  // nothing: its numbers stay in the state and scale the optimizer's updates down for as long.
+  std::map<std::string, double> optimizer_state_scale;
   // The last step of the window an injection is due on, on any rank (0: none). At the run's last
   // step, no step after the fault shows training going on (kStepAfterFault).
   std::int64_t fault_last_step = 0;
