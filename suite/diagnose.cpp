@@ -34,6 +34,9 @@ struct Window {
   // drew 0.22 at step 1 of a run that trains at 0.46 -- and the last ones may have climbed already);
   // empty where the window starts at step 1 (then the variant's own first kReferenceSteps).
   std::vector<double> before;
+  // The run with neither the scenario's injections nor its defenses over the same steps, from the
+  // same state: what a variant's optimizer state is measured against (saturated_state).
+  std::optional<ScenarioResult> neither;
   void reference(std::int64_t step, double loss) {
     if (step < start && std::isfinite(loss)) before.push_back(loss);
   }
@@ -119,6 +122,9 @@ std::string judge(const ScenarioResult& r, const ExpectSpec& e, const Window& w)
   // A loss that ends far above the run's first one avoided the non-finite numbers, not the blow-up
   // (outsider findings: clipping at 1.0 of SGD at LR 40, loss 2.4 -> 110-173, ranked first; from a
   // window that starts after the loss has climbed, 1.5e12 at the end was "held").
+  if (w.neither) {
+    if (const std::optional<std::string> s = saturated_state(r, *w.neither)) return "training did not go on: " + *s;
+  }
   std::vector<double> own;
   std::string whose = "the median of the run's losses before step " + std::to_string(w.start) + ", ";
   if (w.before.empty()) {
@@ -409,6 +415,10 @@ Diagnosis diagnose_window(const ScenarioSpec& spec, Window w, const DiagnoseOpti
                 std::to_string(d.failing_step - d.from_step + 1) + " or more (retrace diagnose --steps)");
   }
   const Variant as_recorded{"as recorded", "none", spec, false, ""};
+  {
+    const Variant neither{"neither", "", counterfactual_spec(spec, CounterfactualKind::kBare), false, ""};
+    w.neither = run_scenario(variant_spec(neither), window_options(neither, w, d.to_step));
+  }
   d.baseline = run_variant(as_recorded, w, d.to_step, spec.expect);
   if (d.baseline.fixes) {
     d.failure += " -- but it does not come back when steps " + std::to_string(d.from_step) + ".." +
@@ -435,6 +445,10 @@ Diagnosis diagnose_whole_run(const ScenarioSpec& spec, const DiagnoseOptions& op
   {
     const std::unique_ptr<Program> p = make_scenario_program(spec);  // seeds the generators as the run did
     start = {1, clone_all(p->state()), RngState::capture_all()};
+  }
+  {
+    const Variant neither{"neither", "", counterfactual_spec(spec, CounterfactualKind::kBare), false, ""};
+    start.neither = run_scenario(variant_spec(neither), window_options(neither, start, spec.training.steps));
   }
   const VariantResult r =
       run_variant(Variant{"as is", "none", spec, false, ""}, start, spec.training.steps, spec.expect);

@@ -1361,6 +1361,12 @@ void weigh_undefended_model(const ScenarioResult& c, ScenarioResult& r) {
 
 }  // namespace
 
+std::optional<std::string> saturated_state(const ScenarioResult& r, const ScenarioResult& without) {
+  const Saturation s = saturation(r.optimizer_state_scale, without);
+  if (!s) return std::nullopt;
+  return s.text();
+}
+
 CounterfactualPlan plan_counterfactual(const ScenarioSpec& spec, const RunOptions& options, ScenarioResult& r) {
   CounterfactualPlan plan;
   plan.first_step = options.first_step;

@@ -183,6 +183,27 @@ TEST(Diagnose, AVariantWhoseLossRunsAwayDoesNotFixIt) {
   EXPECT_EQ(noisy.report().find("ran away"), std::string::npos) << noisy.report();
 }
 
+// A loss x 1e18 that passes unclipped leaves AdamW's second moment 1e34 times larger, finite: the
+// run trains no more (retrace run: broke, trained). diagnose said "none that a variant could fix
+// ... and training went on" (outsider finding), and would have called any variant that freezes so
+// a fix. Its variants' optimizer state is now measured against the run with neither the fault nor
+// the defenses over the same steps: clipping fixes it, skipping non-finite steps does not (the
+// spike is finite). Control: the healthy run (NothingToDiagnoseInAHealthyRun) has nothing to fix.
+TEST(Diagnose, AFrozenOptimizerIsAFailureAndClippingFixesIt) {
+  const Diagnosis d = diagnose_scenario(
+      parse_scenario_text(
+          "name: frozen\nmodel: {type: tiny_gpt, layers: 2, d_model: 32, heads: 4, vocab: 64, seq_len: 16}\n"
+          "data: {batch: 8, seed: 1}\ntraining: {steps: 12, optimizer: adamw, lr: 0.003, segments: 1}\n"
+          "injections: [{type: loss_spike, step: 3, factor: 1.0e18}]\nexpect: {params_finite: true}\n",
+          "frozen.yaml"),
+      untimed());
+  EXPECT_EQ(d.failure_kind, "expectation") << d.report();
+  EXPECT_NE(d.failure.find("training did not go on: its optimizer's state '"), std::string::npos) << d.report();
+  const auto fixes = fixing(d);
+  EXPECT_TRUE(has(fixes, "clip 1.0")) << d.report();
+  EXPECT_FALSE(has(fixes, "skip non-finite")) << d.report();
+}
+
 TEST(Diagnose, NothingToDiagnoseInAHealthyRun) {
   const Diagnosis d = diagnose_scenario(load_scenario("builtin:bf16-clean"));
   EXPECT_TRUE(d.variants.empty());

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <limits>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -398,6 +399,11 @@ CounterfactualPlan plan_counterfactual(const ScenarioSpec& spec, const RunOption
 // off, training.clip_grad_norm 0, preserve_rng_state off against an rng_desync fault -- judged by
 // its expectations of what breaks (kUndefended).
 ScenarioSpec counterfactual_spec(const ScenarioSpec& spec, CounterfactualKind kind);
+// trained's second bar: the optimizer-state tensor of `r` whose median magnitude ended
+// kSaturatedState times or more the same tensor's in `without` -- a run with neither the fault nor
+// the defenses over the same steps, that trains and stays finite -- said in a line; nullopt where
+// none did. diagnose judges its variants by it too.
+std::optional<std::string> saturated_state(const ScenarioResult& r, const ScenarioResult& without);
 // Runs the plan's counterfactual in this process (one rank of it, for a data-parallel scenario):
 // counterfactual_spec over the plan's window, no replay, no counterfactual of its own.
 ScenarioResult run_counterfactual(const ScenarioSpec& spec, const CounterfactualPlan& plan,
