@@ -94,8 +94,8 @@ class ThreadsGuard {
   int old_;
 };
 
-// A variant whose final loss ends more than this many times above its window's first loss has not
-// fixed the blow-up: its loss runs away without going non-finite.
+// A variant whose final loss ends more than this many times above the run's level (Window::before)
+// has not fixed the blow-up: its loss runs away without going non-finite.
 constexpr double kLossRunsAway = 2.0;
 
 // What still fails in a run, or "" when it held. The scenario's expectations about the outcome
@@ -119,7 +119,7 @@ std::string judge(const ScenarioResult& r, const ExpectSpec& e, const Window& w)
   if (e.final_loss_below && !(std::isfinite(r.final_loss) && r.final_loss < *e.final_loss_below)) {
     return "final loss " + fmt(r.final_loss) + ", expected below " + fmt(*e.final_loss_below);
   }
-  // A loss that ends far above the run's first one avoided the non-finite numbers, not the blow-up
+  // A loss that ends far above the run's level avoided the non-finite numbers, not the blow-up
   // (outsider findings: clipping at 1.0 of SGD at LR 40, loss 2.4 -> 110-173, ranked first; from a
   // window that starts after the loss has climbed, 1.5e12 at the end was "held").
   if (w.neither) {
@@ -285,6 +285,12 @@ VariantResult run_variant(const Variant& v, const Window& w, std::int64_t last, 
   return out;
 }
 
+// The window run with neither the scenario's injections nor its defenses (Window::neither).
+ScenarioResult run_neither(const ScenarioSpec& spec, const Window& w, std::int64_t last) {
+  const Variant neither{"neither", "", counterfactual_spec(spec, CounterfactualKind::kBare), false, ""};
+  return run_scenario(variant_spec(neither), window_options(neither, w, last));
+}
+
 // Another timing of the variant (every run starts from the same state and RNG: same outcome).
 // The first timing, taken cold (allocations, first-touch), is dropped once there are others.
 void time_again(const Variant& v, const Window& w, std::int64_t last, VariantResult& out, bool first_round) {
@@ -415,10 +421,7 @@ Diagnosis diagnose_window(const ScenarioSpec& spec, Window w, const DiagnoseOpti
                 std::to_string(d.failing_step - d.from_step + 1) + " or more (retrace diagnose --steps)");
   }
   const Variant as_recorded{"as recorded", "none", spec, false, ""};
-  {
-    const Variant neither{"neither", "", counterfactual_spec(spec, CounterfactualKind::kBare), false, ""};
-    w.neither = run_scenario(variant_spec(neither), window_options(neither, w, d.to_step));
-  }
+  if (!w.neither || w.neither->last_step != d.to_step) w.neither = run_neither(spec, w, d.to_step);
   d.baseline = run_variant(as_recorded, w, d.to_step, spec.expect);
   if (d.baseline.fixes) {
     d.failure += " -- but it does not come back when steps " + std::to_string(d.from_step) + ".." +
@@ -446,10 +449,7 @@ Diagnosis diagnose_whole_run(const ScenarioSpec& spec, const DiagnoseOptions& op
     const std::unique_ptr<Program> p = make_scenario_program(spec);  // seeds the generators as the run did
     start = {1, clone_all(p->state()), RngState::capture_all()};
   }
-  {
-    const Variant neither{"neither", "", counterfactual_spec(spec, CounterfactualKind::kBare), false, ""};
-    start.neither = run_scenario(variant_spec(neither), window_options(neither, start, spec.training.steps));
-  }
+  start.neither = run_neither(spec, start, spec.training.steps);
   const VariantResult r =
       run_variant(Variant{"as is", "none", spec, false, ""}, start, spec.training.steps, spec.expect);
   if (r.fixes) {
