@@ -153,6 +153,17 @@ void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
               ", or end the injection before the run's last step",
           false);
   }
+  // The same where the run's last step rolled back after the fault: trained measures from the
+  // restored state on (a rollback's jump back is no training), and no step is left to measure.
+  const bool rolled_back_last = !nothing_after && !r.steps.empty() && r.steps.back().step == r.last_step &&
+                                r.steps.back().rolled_back && r.last_step >= r.fault_step;
+  if (!e.diverges && !r.raised && !r.harness_error && rolled_back_last) {
+    const std::string n = std::to_string(r.last_step);
+    check(r, CheckKind::kStepAfterFault, "a step after the last rollback to show training going on after it",
+          "none: step " + n + ", the run's last, rolled back; make training.steps larger than " + n +
+              " to show training going on after the recovery",
+          false);
+  }
   // Progress: a defense that skips or rolls back (almost) every step after the fault did not let
   // training go on. Not for a run that raised (that is its verdict, expected or not), nor (unless
   // asked) for a control, nor for a fault that lasts to the end (step_after_fault says so).
@@ -754,7 +765,17 @@ class ScenarioRun {
     const bool finite = params_finite();
     if (!finite && params_were_finite_) r_.nonfinite_params_since = step;
     params_were_finite_ = finite;
-    if (step + 1 == movement_from_) keep_movement_start();
+    if (o.rolled_back && step >= movement_from_) {
+      // A rollback after the movement's start put back a state from before this step: the jump
+      // back (a fault's numbers undone, ~1.0 of the norm they had grown to) is no training. How far
+      // training moves is measured from the restored state on, the counterfactual's over the same
+      // steps (CounterfactualPlan::movement_from).
+      movement_from_ = step + 1;
+      r_.param_movement_from = movement_from_;
+      keep_movement_start();
+    } else if (step + 1 == movement_from_) {
+      keep_movement_start();
+    }
   }
 
   void on_exception(const std::exception& e) {
@@ -1208,7 +1229,15 @@ void weigh_training(const ScenarioResult& c0, ScenarioResult& r) {
   // norm 0: the progress rule, min_applied_steps, speaks of that), nor where the fault lasts to the
   // end (no step after it to show training going on).
   if (r.raised || r.applied_from_fault == 0 || r.param_movement_from > r.last_step) return;
-  const std::string window = "steps " + std::to_string(r.param_movement_from) + ".." + std::to_string(r.last_step);
+  // After a rollback from the fault's last step on, measured from the restored state (ScenarioRun).
+  const std::int64_t rolled_back = r.param_movement_from - 1;
+  const bool after_rollback = rolled_back >= std::max(r.fault_step, r.fault_last_step) &&
+                              std::any_of(r.steps.begin(), r.steps.end(),
+                                          [&](const StepPoint& p) { return p.step == rolled_back && p.rolled_back; });
+  const std::string window = (after_rollback ? "after the fault and the rollback on step " + std::to_string(rolled_back)
+                                             : std::string("after the fault")) +
+                             " (steps " + std::to_string(r.param_movement_from) + ".." + std::to_string(r.last_step) +
+                             ")";
   const double m = r.param_movement, m0 = c0.param_movement;
   const bool runs_away = !c0.params_finite || !std::isfinite(m0) || m0 > kRunsAway;
   const double ratio = m / m0;
@@ -1220,7 +1249,7 @@ void weigh_training(const ScenarioResult& c0, ScenarioResult& r) {
   const Saturation saturated_state = saturation(r.optimizer_state_scale, c0);
   const bool trained = moved && !saturated_state;
   check(r, CheckKind::kTrained,
-        "after the fault (" + window + "), the parameters move at least " + fmt(kTrainedFraction) +
+        window + ", the parameters move at least " + fmt(kTrainedFraction) +
             " as far as in the run with neither the fault nor the defenses (where that run runs away, " +
             fmt(kMovedAtAll) + " of their norm), and at least " + fmt(kMovedAtAllInFloat32) +
             " of their norm; and the optimizer's state ends below " + fmt(kSaturatedState) + " times that run's",
@@ -1371,6 +1400,7 @@ CounterfactualPlan plan_counterfactual(const ScenarioSpec& spec, const RunOption
   CounterfactualPlan plan;
   plan.first_step = options.first_step;
   plan.fault_step = r.fault_step;
+  plan.movement_from = r.param_movement_from;
   const bool control = spec.expect.diverges;
   // Without injections the configuration is the fault: a control has none to take away; a held
   // run's defenses can still be taken away.
@@ -1430,8 +1460,11 @@ ScenarioResult run_counterfactual(const ScenarioSpec& spec, const Counterfactual
   o.counterfactual = false;
   o.first_step = plan.first_step;
   o.last_step = plan.last_step;
-  // The run's: the movements compared cover the same steps.
-  o.movement_from = after_the_fault(spec, plan.first_step, plan.last_step > 0 ? plan.last_step : spec.training.steps);
+  // The run's: the movements compared cover the same steps (from after the fault's last, or after
+  // the run's last rollback).
+  o.movement_from = plan.movement_from > 0 ? plan.movement_from
+                                           : after_the_fault(spec, plan.first_step,
+                                                             plan.last_step > 0 ? plan.last_step : spec.training.steps);
   // Undefended, it has shown what it was run for once the parameters are non-finite -- unless the
   // scenario held by raising: then whether it raises the same, later, is what it was run for (a
   // raise no defense made). Not for the ranks of a data-parallel run: one rank stopping alone would

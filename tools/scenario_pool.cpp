@@ -199,19 +199,20 @@ ScenarioResult merge_ranks(const ScenarioSpec& spec, const std::string& source,
   return r;
 }
 
-// A counterfactual plan on the command line of the ranks that run it: "KIND:FIRST:LAST:FAULT".
+// A counterfactual plan on the command line of the ranks that run it: "KIND:FIRST:LAST:FAULT:MOVEMENT_FROM".
 std::string plan_flag(const CounterfactualPlan& p) {
   return std::string(to_string(p.kind)) + ":" + std::to_string(p.first_step) + ":" + std::to_string(p.last_step) + ":" +
-         std::to_string(p.fault_step);
+         std::to_string(p.fault_step) + ":" + std::to_string(p.movement_from);
 }
 
 CounterfactualPlan parse_plan_flag(const std::string& text) {
   CounterfactualPlan p;
   std::istringstream in(text);
   std::string kind;
-  char c1 = 0, c2 = 0, c3 = 0;
-  if (std::getline(in, kind, ':') && in >> p.first_step >> c1 >> p.last_step >> c2 >> p.fault_step && c1 == ':' &&
-      c2 == ':' && !(in >> c3)) {
+  char c1 = 0, c2 = 0, c3 = 0, c4 = 0;
+  if (std::getline(in, kind, ':') &&
+      in >> p.first_step >> c1 >> p.last_step >> c2 >> p.fault_step >> c3 >> p.movement_from && c1 == ':' &&
+      c2 == ':' && c3 == ':' && !(in >> c4)) {
     for (CounterfactualKind k :
          {CounterfactualKind::kFaultFree, CounterfactualKind::kUndefended, CounterfactualKind::kBare}) {
       if (kind == to_string(k)) {
@@ -220,7 +221,8 @@ CounterfactualPlan parse_plan_flag(const std::string& text) {
       }
     }
   }
-  throw Error("--counterfactual: expected fault_free|undefended|bare:FIRST:LAST:FAULT, got '" + text + "'");
+  throw Error("--counterfactual: expected fault_free|undefended|bare:FIRST:LAST:FAULT:MOVEMENT_FROM, got '" + text +
+              "'");
 }
 
 // Launches the ranks of `source` (`retrace run --child` in each, with `extra` flags) and merges

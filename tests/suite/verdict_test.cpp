@@ -876,6 +876,57 @@ TEST(Verdict, AFaultDueOnTheLastStepLeavesNoStepToShowTrainingGoingOn) {
   EXPECT_EQ(find_check(control, "step_after_fault"), nullptr) << why(control);
 }
 
+// A rollback after the fault's last step puts back a state from before the fault's numbers grew:
+// that jump back is no training (red-team finding: an Adam moment's exponent bit flipped at step 3
+// blew the weights up at step 4, a rollback at step 5 put them back, and "moved 1.0 of their norm"
+// passed trained under an LR scaled by 1e-12: "held, ok"). trained measures from the state the last
+// rollback restored, the run it is weighed against from the same step. Controls: rollback alone
+// trains on and held, its movement a few hundredths, not the jump; ending the run on the rollback
+// leaves no step to show training going on: not exercised (where the progress rule does not call it
+// broke already).
+TEST(Verdict, ARollbacksJumpBackIsNoTraining) {
+  const std::string scenario =
+      "name: t\nmodel: {type: tiny_gpt, layers: 4, d_model: 32, heads: 4, vocab: 64, seq_len: 16, dropout: 0.1}\n"
+      "data: {batch: 8, seed: 1}\ntraining: {steps: STEPS, optimizer: adam, lr: 0.003, segments: 2}\n"
+      "injections: [{type: bit_flip, step: 3, target: optimizer, bit: 30, seed: 3}]\n"
+      "expect: {params_finite: true, min_rollbacks: 1EXPECT}\n";
+  const auto run = [&](const std::string& defenses, int steps, const std::string& expect = "") {
+    std::string text = scenario;
+    text.replace(text.find("STEPS"), 5, std::to_string(steps));
+    text.replace(text.find("EXPECT"), 6, expect);
+    return run_scenario(parse_scenario_text(text + "defenses: " + defenses + "\n", "t.yaml"));
+  };
+  ScenarioResult r = run("{rollback: true, lr_scale: 1.0e-12}", 10);
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  EXPECT_EQ(r.param_movement_from, 6) << why(r);  // the rollback on step 5
+  EXPECT_LT(r.param_movement, 1e-9) << why(r);
+  const ExpectationCheck* trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_FALSE(trained->passed);
+  EXPECT_EQ(trained->expected.rfind("after the fault and the rollback on step 5 (steps 6..10), ", 0), 0u)
+      << trained->expected;
+
+  r = run("{rollback: true}", 10);
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "held") << why(r);
+  EXPECT_EQ(r.param_movement_from, 6) << why(r);
+  EXPECT_GT(r.param_movement, 1e-3) << why(r);
+  EXPECT_LT(r.param_movement, 0.5) << why(r);  // the jump back read 1.0
+  trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_TRUE(trained->passed) << trained->observed;
+
+  // (The progress rule, 1 of steps 3..5 applied, would call it broke: turned off here.)
+  r = run("{rollback: true}", 5, ", min_applied_steps: 0");
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome_kind(), Outcome::kNotExercised) << why(r);
+  const ExpectationCheck* after = find_check(r, "step_after_fault");
+  ASSERT_NE(after, nullptr) << why(r);
+  EXPECT_EQ(after->observed,
+            "none: step 5, the run's last, rolled back; make training.steps larger than 5 to show training going on "
+            "after the recovery");
+}
+
 TEST(Verdict, FinalLossAndLossFiniteLookAtAppliedStepsAtTheEndOnly) {
   // Steps 3 and 4 skipped: the old rule averaged steps 1 and 2 (before the fault) and passed.
   const std::string skipped_end =

@@ -62,7 +62,8 @@ enum class CheckKind {
                     // freezing training (an LR scaled to nothing) held nothing
   kStepAfterFault,  // automatic, a scenario that expects to hold: a step after the fault's last
                     // (fault_last_step), where progress and trained are judged -- a fault due on
-                    // the last step leaves a skip that stops training for good unseen
+                    // the last step leaves a skip that stops training for good unseen; likewise a
+                    // step after the run's last rollback (trained measures from the restored state)
 };
 // trained's bar, from the start of the fault's step to the end: a run that held moved its parameters
 // at least kTrainedFraction as far as the run with neither the fault nor the defenses (an LR / 10
@@ -258,8 +259,10 @@ struct ScenarioResult {
   bool all_losses_finite = true;  // over applied (not skipped) steps
   double final_loss = 0;          // mean loss of the applied steps in the final window
                                   // (final_window_first .. last_step); NaN: none
-  // How far training moved the parameters from the start of step param_movement_from (the fault's,
-  // RunOptions::movement_from) to the run's end: the L2 norm, in double, of the change of every
+  // How far training moved the parameters from the start of step param_movement_from (the step
+  // after the fault's last, RunOptions::movement_from; after a rollback at or after it, the step after
+  // the last rollback: the jump back to a restored state is no training) to the run's end: the L2
+  // norm, in double, of the change of every
   // floating-point parameter in state(), relative to their L2 norm at that start; NaN where not
   // known (a parameter's shape changed, the run never reached that step, all parameters zero).
   double param_movement = std::numeric_limits<double>::quiet_NaN();
@@ -389,6 +392,9 @@ struct CounterfactualPlan {
   CounterfactualKind kind = CounterfactualKind::kNone;  // kNone: none to run
   std::int64_t first_step = 1, last_step = 0;           // its window: the run's (RunOptions')
   std::int64_t fault_step = 1;                          // the run's: the fault-free run dates breakage by it
+  // The run's ScenarioResult::param_movement_from: the counterfactual's movement covers the same
+  // steps (0: from after the fault's last step).
+  std::int64_t movement_from = 0;
 };
 // Which counterfactual r's verdict needs: none when RunOptions::counterfactual is off, r is a
 // harness error or has no injections, a control did not break, or a run that expects to hold did
