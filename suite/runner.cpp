@@ -381,7 +381,14 @@ void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
           if (x.step < r.fault_step && x.kind != BreakKind::kRaised)
             early += "; " + x.detail + ", before the fault at step " + std::to_string(r.fault_step);
         }
-        reason("negative control held: the fault did not bite" + early);
+        // A loss that went non-finite is breakage only where loss_finite asks: say that it did.
+        if (!e.loss_finite && r.first_nonfinite_loss_step >= r.fault_step) {
+          reason("negative control held: the fault broke nothing its expectations count (its loss was non-finite "
+                 "from step " +
+                 std::to_string(r.first_nonfinite_loss_step) + " on: add loss_finite: true to count that)" + early);
+        } else {
+          reason("negative control held: the fault did not bite" + early);
+        }
       }
     }
   }
@@ -1056,6 +1063,7 @@ Counterfactual summary_of(CounterfactualKind kind, const ScenarioResult& c) {
   out.param_movement = c.param_movement;
   out.optimizer_state_scale = c.optimizer_state_scale;
   out.breakage = c.breakage;
+  out.steps = c.steps;
   return out;
 }
 
@@ -1223,12 +1231,63 @@ Saturation saturation(const std::map<std::string, double>& scale, const Scenario
   return worst;
 }
 
-void weigh_training(const ScenarioResult& c0, ScenarioResult& r) {
+// How far the loss fell over steps first..last: the mean of the applied, finite losses of the first
+// fifth of the steps less that of the last fifth (NaN where either has none).
+struct LossFall {
+  double start = std::numeric_limits<double>::quiet_NaN(), end = start;
+  double fall() const { return start - end; }
+};
+LossFall loss_fall(const std::vector<StepPoint>& steps, std::int64_t first, std::int64_t last) {
+  const std::int64_t k = (last - first + 1) / 5;
+  const auto mean = [&](std::int64_t from, std::int64_t to) {
+    double sum = 0;
+    int n = 0;
+    for (const StepPoint& p : steps) {
+      if (p.step < from || p.step > to || p.skipped || !std::isfinite(p.loss)) continue;
+      sum += p.loss;
+      ++n;
+    }
+    return n > 0 ? sum / n : std::numeric_limits<double>::quiet_NaN();
+  };
+  return {mean(first, first + k - 1), mean(last - k + 1, last)};
+}
+
+// trained's loss bar (kLossFallFraction) over steps first..last: a run's steps against those of the
+// same configuration without the fault; "" where it holds or does not apply (fewer than
+// kLossFallSteps steps, that run did not learn clearly).
+std::string stalled(const std::vector<StepPoint>& with_fault, const std::vector<StepPoint>& without_fault,
+                    std::int64_t first, std::int64_t last) {
+  if (last - first + 1 < kLossFallSteps) return "";
+  const LossFall with = loss_fall(with_fault, first, last), without = loss_fall(without_fault, first, last);
+  if (!std::isfinite(with.fall()) || !std::isfinite(without.fall()) ||
+      !(without.fall() >= kLearnedFraction * std::abs(without.start)))
+    return "";
+  const double ratio = with.fall() / without.fall();
+  if (ratio >= kLossFallFraction) return "";
+  const std::int64_t k = (last - first + 1) / 5;
+  return "over steps " + std::to_string(first) + ".." + std::to_string(last) + " its loss fell " + fmt(with.fall()) +
+         " (" + fmt(with.start) + " -> " + fmt(with.end) + ", means of " + std::to_string(k) + " steps at each end), " +
+         fmt(ratio) + " as far as without the fault (" + fmt(without.start) + " -> " + fmt(without.end) + ")";
+}
+
+// How trained weighs the loss (stalled) against c0.
+enum class LossBar {
+  kNone,               // not at all: c0 is the undefended run of a scenario whose configuration is the fault
+  kSameConfiguration,  // c0 is the scenario's own configuration without the fault (a scenario without
+                       // defenses): any slowing is the fault's
+  kDefended,           // c0 has neither the fault nor the defenses, and a defense may slow training by
+                       // design: where the loss stalls against c0, the run with the defenses and without
+                       // the fault decides (weigh_defended_loss)
+};
+
+// Returns whether trained passed so far and its loss bar needs the run with the defenses and
+// without the fault (LossBar::kDefended).
+bool weigh_training(const ScenarioResult& c0, ScenarioResult& r, LossBar bar) {
   // Not weighed for a run that held by raising, as it expected (it stops there by design), for one
   // that applied no step from the fault's on (its defenses skipped them all, or applied gradients of
   // norm 0: the progress rule, min_applied_steps, speaks of that), nor where the fault lasts to the
   // end (no step after it to show training going on).
-  if (r.raised || r.applied_from_fault == 0 || r.param_movement_from > r.last_step) return;
+  if (r.raised || r.applied_from_fault == 0 || r.param_movement_from > r.last_step) return false;
   // After a rollback from the fault's last step on, measured from the restored state (ScenarioRun).
   const std::int64_t rolled_back = r.param_movement_from - 1;
   const bool after_rollback = rolled_back >= std::max(r.fault_step, r.fault_last_step) &&
@@ -1247,24 +1306,36 @@ void weigh_training(const ScenarioResult& c0, ScenarioResult& r) {
   // not stay in it -- whether or not that run moves more than its norm (a model initialised small
   // does, training as it should).
   const Saturation saturated_state = saturation(r.optimizer_state_scale, c0);
-  const bool trained = moved && !saturated_state;
+  const bool same_configuration = bar == LossBar::kSameConfiguration;
+  const auto stall_against = [&](const ScenarioResult& c) {
+    return stalled(r.steps, c.steps, r.param_movement_from, std::min(r.last_step, c.last_step));
+  };
+  const std::string stall = same_configuration ? stall_against(c0) : "";
+  const bool trained = moved && !saturated_state && stall.empty();
   check(r, CheckKind::kTrained,
         window + ", the parameters move at least " + fmt(kTrainedFraction) +
             " as far as in the run with neither the fault nor the defenses (where that run runs away, " +
             fmt(kMovedAtAll) + " of their norm), and at least " + fmt(kMovedAtAllInFloat32) +
-            " of their norm; and the optimizer's state ends below " + fmt(kSaturatedState) + " times that run's",
+            " of their norm; and the optimizer's state ends below " + fmt(kSaturatedState) + " times that run's" +
+            (same_configuration ? "; and where that run's loss falls clearly, this one's falls at least " +
+                                      fmt(kLossFallFraction) + " as far"
+                                : std::string()),
         "they moved " + fmt(m) + ", that run's " +
             (c0.params_finite ? fmt(m0) + (runs_away ? " (it runs away)" : " (" + fmt(ratio) + " as far)")
                               : std::string("non-finite (it runs away)")) +
-            (saturated_state ? "; " + saturated_state.text() : std::string()),
+            (saturated_state ? "; " + saturated_state.text() : std::string()) +
+            (stall.empty() ? std::string() : "; " + stall),
         trained);
-  if (trained) return;
+  if (trained) return bar == LossBar::kDefended && !stall_against(c0).empty();
   r.reasons.push_back(reason_of(r.checks.back()));
   r.passed = false;
   r.broke = true;
   std::string why =
       "the parameters moved " + fmt(m) + " of their norm from step " + std::to_string(r.param_movement_from) + " on";
-  if (moved) {
+  if (moved && !saturated_state) {
+    why = "its loss stalled: " + stall + " (the parameters moved " + fmt(m) + " of their norm, " + fmt(ratio) +
+          " as far: moving is not training)";
+  } else if (moved) {
     why = saturated_state.text() +
           ": the fault's numbers stay in it and scale the updates down while it keeps them (the parameters moved " +
           fmt(m) + " of their norm from step " + std::to_string(r.param_movement_from) + " on, " + fmt(ratio) +
@@ -1275,6 +1346,37 @@ void weigh_training(const ScenarioResult& c0, ScenarioResult& r) {
     why += ", " + fmt(ratio) + " as far as without the fault and the defenses";
   }
   r.breakage.push_back({BreakKind::kNoProgress, r.last_step, "training did not go on: " + why, true});
+  return false;
+}
+
+// trained's loss bar for a scenario with defenses whose loss stalled against the run with neither
+// the fault nor the defenses: against `c`, the run with its defenses and without the fault, where
+// only the fault differs (a clip at 1e3 lets an Adam spike's second moment through, and the loss
+// stalls; a warmup slows both runs alike).
+void weigh_defended_loss(const ScenarioResult& c, ScenarioResult& r) {
+  auto it = std::find_if(r.checks.rbegin(), r.checks.rend(),
+                         [](const ExpectationCheck& x) { return x.kind == CheckKind::kTrained; });
+  if (it == r.checks.rend()) return;
+  ExpectationCheck& trained = *it;
+  trained.expected += "; and where the run with its defenses and without the fault learns clearly, its loss falls at "
+                      "least " +
+                      fmt(kLossFallFraction) + " as far";
+  const std::string stall =
+      c.harness_error ? "" : stalled(r.steps, c.steps, r.param_movement_from, std::min(r.last_step, c.last_step));
+  if (!c.harness_error && stall.empty()) {
+    trained.observed += "; its loss fell at least " + fmt(kLossFallFraction) +
+                        " as far as the run's with its defenses and without the fault";
+    return;
+  }
+  trained.passed = false;
+  trained.observed += c.harness_error ? "; could not tell its loss: the run without the fault: " + c.error
+                                      : "; " + stall + " (with its defenses)";
+  r.reasons.push_back(reason_of(trained));
+  r.passed = false;
+  if (c.harness_error) return;
+  r.broke = true;
+  r.breakage.push_back({BreakKind::kNoProgress, r.last_step,
+                        "training did not go on: its loss stalled: " + stall + " (with its defenses)", true});
 }
 
 // fault_bites' expectation, as the undefended and the bare run state it.
@@ -1304,9 +1406,10 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
     // The run held by raising as it expected, and raises the same without its defenses.
     observed = "raised the same: step " + std::to_string(c.raised_at_step) + " raised: " + c.error +
                "; the defenses did not make the raise";
-  } else if (c.breakage.empty() && !spec.injections.empty() && !c.optimizer_state_scale.empty()) {
+  } else if (c.breakage.empty() && !spec.injections.empty() &&
+             (!c.optimizer_state_scale.empty() || c.last_step - r.param_movement_from + 1 >= kLossFallSteps)) {
     // It held, by every rule of its own: whether the fault left its optimizer's state saturated
-    // (training frozen, the numbers finite) the run with neither says.
+    // (training frozen, the numbers finite) or its loss stalled, the run with neither says.
     CounterfactualPlan next = plan;
     next.kind = CounterfactualKind::kBare;
     return next;
@@ -1322,7 +1425,7 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
   } else if (spec.injections.empty()) {  // the configuration is the fault: the bare run is this one
     r.counterfactual.broke = true;
     settle_counterfactual(CheckKind::kFaultBites, expected, "broke: " + c.breakage.front().detail, true, r, false);
-    weigh_training(c, r);
+    weigh_training(c, r, LossBar::kNone);
     return {};
   } else {
     CounterfactualPlan next = plan;  // the whole window: breakage later than the fault's counts too
@@ -1336,25 +1439,35 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
 // The undefended run's breakage against the run with neither the fault nor the defenses: breakage
 // of a kind that run shows too, at or before the same step, is the configuration's (the defenses
 // hold it, but not against this fault). The undefended run broke by the fault when some is left.
-void weigh_bare(const ScenarioSpec& spec, const CounterfactualPlan& plan, const ScenarioResult& c0, ScenarioResult& r) {
+// Returns the run trained's loss bar needs next (weigh_defended_loss), if any.
+CounterfactualPlan weigh_bare(const ScenarioSpec& spec, const CounterfactualPlan& plan, const ScenarioResult& c0,
+                              ScenarioResult& r) {
   Counterfactual& cf = r.counterfactual;
   const std::string expected = bites_expected(spec);
   // Any of the undefended run's, a raise too -- but none from before the fault fired.
   for (Breakage& x : cf.breakage) x.counts = x.step >= r.fault_step;
   // An optimizer's state the fault left saturated, against the run with neither (trained's bar):
   // a run that trains no more, though its numbers stay finite.
-  if (const Saturation s = saturation(cf.optimizer_state_scale, c0);
-      s && cf.params_finite &&
+  // Or whose loss the fault stalled (trained's loss bar: the undefended run is c0's configuration
+  // with the fault).
+  if (cf.params_finite &&
       std::none_of(cf.breakage.begin(), cf.breakage.end(), [](const Breakage& x) { return x.counts; })) {
-    cf.breakage.push_back({BreakKind::kNoProgress, cf.last_step,
-                           "training did not go on: " + s.text() +
-                               ": the fault's numbers stay in it and scale the updates down while it keeps them",
-                           true});
+    if (const Saturation s = saturation(cf.optimizer_state_scale, c0)) {
+      cf.breakage.push_back({BreakKind::kNoProgress, cf.last_step,
+                             "training did not go on: " + s.text() +
+                                 ": the fault's numbers stay in it and scale the updates down while it keeps them",
+                             true});
+    } else if (const std::string stall =
+                   stalled(cf.steps, c0.steps, r.param_movement_from, std::min(cf.last_step, c0.last_step));
+               !stall.empty()) {
+      cf.breakage.push_back(
+          {BreakKind::kNoProgress, cf.last_step, "training did not go on: its loss stalled: " + stall, true});
+    }
   }
   if (cf.breakage.empty()) {  // it held (weigh_undefended asked for the saturation rule alone)
     settle_counterfactual(CheckKind::kFaultBites, expected,
                           held_too(spec, plan.first_step, cf.last_step, cf.final_loss), false, r, false);
-    return;
+    return {};
   }
   const std::vector<Breakage> without = against(c0, spec.expect.final_loss_below, cf.final_loss, /*nudge=*/true);
   const auto [kept, anyway, anyway_there] = date_against(cf.breakage, without, /*raise_must_count=*/false);
@@ -1372,7 +1485,13 @@ void weigh_bare(const ScenarioSpec& spec, const CounterfactualPlan& plan, const 
                "); the defenses hold the configuration, and this fault's own bite is not shown";
   }
   settle_counterfactual(CheckKind::kFaultBites, expected, observed, cf.broke, r, false);
-  if (cf.broke) weigh_training(c0, r);
+  if (cf.broke && weigh_training(c0, r, LossBar::kDefended)) {
+    CounterfactualPlan next = plan;
+    next.kind = CounterfactualKind::kFaultFree;
+    next.loss_only = true;
+    return next;
+  }
+  return {};
 }
 
 // A scenario without defenses that held its fault (the model itself holds), against the run
@@ -1385,7 +1504,7 @@ void weigh_undefended_model(const ScenarioResult& c, ScenarioResult& r) {
                           "could not tell: the run without the fault: " + c.error, false, r, false);
     return;
   }
-  weigh_training(c, r);
+  weigh_training(c, r, LossBar::kSameConfiguration);
 }
 
 }  // namespace
@@ -1478,11 +1597,14 @@ ScenarioResult run_counterfactual(const ScenarioSpec& spec, const Counterfactual
 CounterfactualPlan weigh_counterfactual(const ScenarioSpec& spec, const CounterfactualPlan& plan,
                                         const ScenarioResult& c, ScenarioResult& r) {
   switch (plan.kind) {
-    case CounterfactualKind::kFaultFree: weigh_fault_free(spec.expect, plan, c, r); break;
+    case CounterfactualKind::kFaultFree:
+      if (plan.loss_only) weigh_defended_loss(c, r);
+      else weigh_fault_free(spec.expect, plan, c, r);
+      break;
     case CounterfactualKind::kUndefended: return weigh_undefended(spec, plan, c, r);
     case CounterfactualKind::kBare:
-      if (defended(spec)) weigh_bare(spec, plan, c, r);
-      else weigh_undefended_model(c, r);
+      if (defended(spec)) return weigh_bare(spec, plan, c, r);
+      weigh_undefended_model(c, r);
       break;
     case CounterfactualKind::kNone: break;
   }

@@ -79,6 +79,26 @@ TEST(Verdict, AControlWithAnInjectionThatNeverFiredFails) {
   EXPECT_TRUE(r.passed) << why(r);
 }
 
+// A control whose fault made the loss non-finite, which its expectations do not count, failed
+// with "the fault did not bite" (red-team finding: the loss was Inf on every step from the
+// fault's on). The reason says what did break and how to count it; with loss_finite it passes.
+TEST(Verdict, AControlWhoseLossWentNonFiniteUncountedSaysSo) {
+  const std::string run = "name: t\nmodel: {type: mlp, layers: 2, hidden: 32, in_features: 16, out_features: 4}\n"
+                          "data: {batch: 16, seed: 1}\n"
+                          "training: {steps: 6, optimizer: adam, lr: 0.003, segments: 2, loss_weight: 1.0e-30}\n"
+                          "injections: [{type: activation_overflow, step: 3, duration: 4, segment: layer1, "
+                          "factor: 1.0e20}]\n";
+  ScenarioResult r =
+      run_scenario(parse_scenario_text(run + "expect: {params_finite: true, diverges: true}\n", "t.yaml"));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_TRUE(has_reason(r, "negative control held: the fault broke nothing its expectations count (its loss was "
+                            "non-finite from step 3 on: add loss_finite: true to count that)"))
+      << why(r);
+  r = run_scenario(
+      parse_scenario_text(run + "expect: {params_finite: true, loss_finite: true, diverges: true}\n", "t.yaml"));
+  EXPECT_TRUE(r.passed) << why(r);
+}
+
 TEST(Verdict, AControlThatFailsAnUnrelatedExpectationFails) {
   // A benign mantissa flip: nothing breaks; min_rollbacks fails only because rollback is off.
   ScenarioResult r = run_scenario(with("injections: [{type: bit_flip, step: 2, target: weights, bit: 2}]\n"
@@ -658,6 +678,95 @@ TEST(Verdict, AModelThatHoldsWithoutDefensesMustTrainOnAndKeepItsOptimizerStateF
 // refusing the fault's batches, not the fault raising the loss (red-team finding: validated
 // corrupt batches on the last steps passed as 'broke, ok: final loss nan'). Control: expecting to
 // hold, the same run with final_loss_below broke (training did not go on to the end).
+// A model that holds its fault without defenses must also learn on after it (red-team finding): an
+// unclipped loss x 300 at step 3 under Adam leaves its second moment ~100 times larger, below the
+// saturation bar; the parameters still move 0.36 as far as without the fault, but the loss falls
+// 4.11 -> 3.85 over steps 4..60 against 3.99 -> 2.23 without it, 0.15 as far: "held, ok". The
+// run without the fault is the same configuration, so the slowing is the fault's. Controls: x 3
+// learns on (0.95 as far) and held; a window shorter than kLossFallSteps is not weighed by the loss.
+TEST(Verdict, AModelWhoseLossStallsAfterItsFaultHeldNothing) {
+  const auto spiked = [](double factor, int steps) {
+    return run_scenario(parse_scenario_text(
+        "name: t\nmodel: {type: tiny_gpt, layers: 2, d_model: 32, heads: 4, vocab: 64, seq_len: 16, dropout: 0.0}\n"
+        "data: {batch: 8, seed: 1}\ntraining: {steps: " +
+            std::to_string(steps) +
+            ", optimizer: adam, lr: 0.003, segments: 0}\n"
+            "injections: [{type: loss_spike, step: 3, factor: " +
+            std::to_string(factor) + "}]\nexpect: {params_finite: true, loss_finite: true}\n",
+        "t.yaml"));
+  };
+  ScenarioResult r = spiked(300, 60);
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  const ExpectationCheck* trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_FALSE(trained->passed);
+  EXPECT_NE(trained->observed.find("; over steps 4..60 its loss fell "), std::string::npos) << trained->observed;
+  EXPECT_GT(r.param_movement, kTrainedFraction * r.counterfactual.param_movement) << why(r);  // moved enough
+  ASSERT_FALSE(r.breakage.empty());
+  EXPECT_EQ(r.breakage.back().kind, BreakKind::kNoProgress);
+  EXPECT_EQ(r.breakage.back().detail.rfind("training did not go on: its loss stalled: over steps 4..60", 0), 0u)
+      << r.breakage.back().detail;
+
+  r = spiked(3, 60);
+  EXPECT_TRUE(r.passed) << why(r);
+  trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_TRUE(trained->passed) << trained->observed;
+  // Steps 4..12: nine steps, too few to weigh a loss by.
+  r = spiked(300, 12);
+  EXPECT_TRUE(r.passed) << why(r);
+}
+
+// The same stall behind a defense: a clip at 1e6 lets the x 300 spike through, and the loss stalls
+// as without defenses. Against the run with neither the fault nor the defenses the loss fell 0.15
+// as far; a defense may slow training by design, so the run with its defenses and without the
+// fault decides: here it learns, and the fault stalled the run (broke). Controls: clipping at 1.0
+// holds it (and the undefended run's stall is the fault's bite: held, earned); an LR scaled by 0.1
+// beside that clip falls less far than the run with neither, as far as the run with its defenses
+// and without the fault does: held.
+TEST(Verdict, ADefenseThatLetsTheFaultStallTheLossHeldNothing) {
+  const auto defended = [](const std::string& defenses) {
+    return run_scenario(parse_scenario_text(
+        "name: t\nmodel: {type: tiny_gpt, layers: 2, d_model: 32, heads: 4, vocab: 64, seq_len: 16, dropout: 0.0}\n"
+        "data: {batch: 8, seed: 1}\ntraining: {steps: 60, optimizer: adam, lr: 0.003, segments: 0}\n"
+        "injections: [{type: loss_spike, step: 3, factor: 300}]\nexpect: {params_finite: true, loss_finite: true}\n"
+        "defenses: " +
+            defenses + "\n",
+        "t.yaml"));
+  };
+  ScenarioResult r = defended("{clip: {mode: global, max_norm: 1.0e6}}");
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  const ExpectationCheck* trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_FALSE(trained->passed);
+  EXPECT_NE(trained->observed.find("; over steps 4..60 its loss fell "), std::string::npos) << trained->observed;
+  EXPECT_NE(trained->observed.find(" (with its defenses)"), std::string::npos) << trained->observed;
+  ASSERT_FALSE(r.breakage.empty());
+  EXPECT_EQ(r.breakage.back().kind, BreakKind::kNoProgress);
+  const ExpectationCheck* bites = find_check(r, "fault_bites");
+  ASSERT_NE(bites, nullptr) << why(r);
+  EXPECT_TRUE(bites->passed);
+  EXPECT_EQ(bites->observed.rfind("broke: training did not go on: its loss stalled: over steps 4..60", 0), 0u)
+      << bites->observed;
+
+  r = defended("{clip: {mode: global, max_norm: 1.0}}");
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "held") << why(r);
+  trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_EQ(trained->observed.find("its loss"), std::string::npos) << trained->observed;  // no third run
+
+  r = defended("{clip: {mode: global, max_norm: 1.0}, lr_scale: 0.1}");
+  EXPECT_TRUE(r.passed) << why(r);
+  trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_NE(
+      trained->observed.find("; its loss fell at least 0.25 as far as the run's with its defenses and without the "
+                             "fault"),
+      std::string::npos)
+      << trained->observed;
+}
+
 TEST(Verdict, AControlWhoseDefensesSkippedTheWholeFinalWindowHasNoFinalLossBreakage) {
   const std::string rest =
       "defenses: {validate_batch: true}\ninjections: [{type: corrupt_batch, step: 2, duration: 3}]\n";

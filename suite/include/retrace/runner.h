@@ -82,6 +82,16 @@ inline constexpr double kMovedAtAllInFloat32 = 1.1920928955078125e-07;  // FLT_E
 // 1e32 times, while the spike's momentum and the weight decay still move the parameters. The median
 // leaves out a single element (a bit flip in one of 2048 stalls that one only).
 inline constexpr double kSaturatedState = 1e4;
+// trained's bar for a scenario without defenses (the model itself holds), against the run without
+// the fault -- the same configuration, so any slowing is the fault's: over the steps after the
+// fault (at least kLossFallSteps of them), where that run's loss fell at least kLearnedFraction of
+// its level, the run's loss (the mean of a fifth of the steps at each end, applied and finite) must
+// fall at least kLossFallFraction as far. An unclipped loss x 700 under Adam left its second moment
+// ~500 times larger: the parameters moved a third as far, the loss fell 0.11 as far (4.12 -> 3.93
+// over steps 4..60, against 3.99 -> 2.23), and the run "held".
+inline constexpr double kLossFallFraction = 0.25;
+inline constexpr double kLearnedFraction = 0.1;
+inline constexpr std::int64_t kLossFallSteps = 10;
 // The least change of the final loss, as a fraction of final_loss_below, that a fault must make for
 // its final-loss breakage to be its own: one that moves it less only nudged it across the threshold
 // (the run without it then counts as breaking too).
@@ -210,6 +220,9 @@ struct Counterfactual {
   std::map<std::string, double> optimizer_state_scale;               // ScenarioResult's
   std::vector<Breakage> breakage;  // what broke in it (undefended: without_fault_step set where the
                                    // run with neither fault nor defenses showed it too, at any step)
+  // Its steps, for weighing its loss against the run with neither (trained's loss bar). In memory
+  // only: not in the JSON (the counterfactual's evidence there is the fields above).
+  std::vector<StepPoint> steps;
 };
 
 // One entry of the scenario's injection list, and what became of it in the run.
@@ -395,6 +408,11 @@ struct CounterfactualPlan {
   // The run's ScenarioResult::param_movement_from: the counterfactual's movement covers the same
   // steps (0: from after the fault's last step).
   std::int64_t movement_from = 0;
+  // kFaultFree for a held scenario with defenses: its loss stalled against the run with neither the
+  // fault nor the defenses, and this run (the defenses kept) says whether the fault or the defenses
+  // slowed it (trained's loss bar, kLossFallFraction). Not on the ranks' command line: the launcher
+  // weighs it.
+  bool loss_only = false;
 };
 // Which counterfactual r's verdict needs: none when RunOptions::counterfactual is off, r is a
 // harness error or has no injections, a control did not break, or a run that expects to hold did
