@@ -21,6 +21,7 @@
 #include <limits>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <unistd.h>
 
@@ -1231,43 +1232,74 @@ Saturation saturation(const std::map<std::string, double>& scale, const Scenario
   return worst;
 }
 
-// How far the loss fell over steps first..last: the mean of the applied, finite losses of the first
-// fifth of the steps less that of the last fifth (NaN where either has none).
+// How far a run's loss fell: the mean of its applied, finite losses on the steps `head` less that
+// on the steps `tail` (NaN where either has none).
 struct LossFall {
   double start = std::numeric_limits<double>::quiet_NaN(), end = start;
   double fall() const { return start - end; }
 };
-LossFall loss_fall(const std::vector<StepPoint>& steps, std::int64_t first, std::int64_t last) {
-  const std::int64_t k = (last - first + 1) / 5;
-  const auto mean = [&](std::int64_t from, std::int64_t to) {
+LossFall loss_fall(const std::vector<StepPoint>& steps, const std::set<std::int64_t>& head,
+                   const std::set<std::int64_t>& tail) {
+  const auto mean = [&](const std::set<std::int64_t>& at) {
     double sum = 0;
     int n = 0;
     for (const StepPoint& p : steps) {
-      if (p.step < from || p.step > to || p.skipped || !std::isfinite(p.loss)) continue;
+      if (!at.count(p.step) || p.skipped || !std::isfinite(p.loss)) continue;
       sum += p.loss;
       ++n;
     }
     return n > 0 ? sum / n : std::numeric_limits<double>::quiet_NaN();
   };
-  return {mean(first, first + k - 1), mean(last - k + 1, last)};
+  return {mean(head), mean(tail)};
 }
 
-// trained's loss bar (kLossFallFraction) over steps first..last: a run's steps against those of the
-// same configuration without the fault; "" where it holds or does not apply (fewer than
-// kLossFallSteps steps, that run did not learn clearly).
-std::string stalled(const std::vector<StepPoint>& with_fault, const std::vector<StepPoint>& without_fault,
-                    std::int64_t first, std::int64_t last) {
-  if (last - first + 1 < kLossFallSteps) return "";
-  const LossFall with = loss_fall(with_fault, first, last), without = loss_fall(without_fault, first, last);
+// Whether r's movement is measured from a state a rollback restored, after the fault's last step
+// (ScenarioRun::after_step).
+bool measured_after_rollback(const ScenarioResult& r) {
+  const std::int64_t rolled_back = r.param_movement_from - 1;
+  return rolled_back >= std::max(r.fault_step, r.fault_last_step) &&
+         std::any_of(r.steps.begin(), r.steps.end(),
+                     [&](const StepPoint& p) { return p.step == rolled_back && p.rolled_back; });
+}
+
+// trained's loss bar (kLossFallFraction): `with_fault`'s steps against those of the same
+// configuration without the fault, from the step after the fault's first (after the last rollback
+// where r's movement is measured from one) to `last`, the steps an injection fired on left out of
+// both (a second, later fault does not move the window past the stall the first one left: a NaN
+// gradient skipped at step 55 of 60 did; a fault that lasts 24 steps leaves the steps after it);
+// "" where it holds or does not apply (fewer than kLossFallSteps steps, that run did not learn
+// clearly). A run that falls less than
+// kLossFallFraction as far stalled only where it also ends above that fraction of the other run's
+// way down: one that got ahead (an LR spike that trains faster) has less left to fall.
+std::string stalled(const ScenarioResult& r, const std::vector<StepPoint>& with_fault,
+                    const std::vector<StepPoint>& without_fault, std::int64_t last) {
+  const std::int64_t first = measured_after_rollback(r) ? r.param_movement_from : r.fault_step + 1;
+  // The window's steps no injection fired on; a fifth of them at each end.
+  std::vector<std::int64_t> steps;
+  bool left_out = false;
+  for (const StepPoint& p : with_fault) {
+    if (p.step < first || p.step > last) continue;
+    if (p.injected) left_out = true;
+    else steps.push_back(p.step);
+  }
+  const std::size_t k = steps.size() / 5;
+  if (steps.size() < static_cast<std::size_t>(kLossFallSteps)) return "";
+  const std::set<std::int64_t> head(steps.begin(), steps.begin() + static_cast<std::ptrdiff_t>(k)),
+      tail(steps.end() - static_cast<std::ptrdiff_t>(k), steps.end());
+  const LossFall with = loss_fall(with_fault, head, tail), without = loss_fall(without_fault, head, tail);
   if (!std::isfinite(with.fall()) || !std::isfinite(without.fall()) ||
       !(without.fall() >= kLearnedFraction * std::abs(without.start)))
     return "";
   const double ratio = with.fall() / without.fall();
-  if (ratio >= kLossFallFraction) return "";
-  const std::int64_t k = (last - first + 1) / 5;
-  return "over steps " + std::to_string(first) + ".." + std::to_string(last) + " its loss fell " + fmt(with.fall()) +
-         " (" + fmt(with.start) + " -> " + fmt(with.end) + ", means of " + std::to_string(k) + " steps at each end), " +
-         fmt(ratio) + " as far as without the fault (" + fmt(without.start) + " -> " + fmt(without.end) + ")";
+  const double quarter_way = without.start - kLossFallFraction * without.fall();
+  if (ratio >= kLossFallFraction || with.end <= quarter_way) return "";
+  const std::string moved = with.fall() >= 0 ? "fell " + fmt(with.fall()) : "rose " + fmt(-with.fall());
+  return "over steps " + std::to_string(first) + ".." + std::to_string(last) + " its loss " + moved + " (" +
+         fmt(with.start) + " -> " + fmt(with.end) + ", means of " + std::to_string(k) + " steps at each end" +
+         (left_out ? ", injected steps left out" : "") + "), " +
+         (with.fall() >= 0 ? fmt(ratio) + " as far as" : "where it fell " + fmt(without.fall())) +
+         " without the fault (" + fmt(without.start) + " -> " + fmt(without.end) + "), and ends above " +
+         fmt(quarter_way) + ", where that run was " + fmt(kLossFallFraction) + " of its way down";
 }
 
 // How trained weighs the loss (stalled) against c0.
@@ -1289,14 +1321,11 @@ bool weigh_training(const ScenarioResult& c0, ScenarioResult& r, LossBar bar) {
   // end (no step after it to show training going on).
   if (r.raised || r.applied_from_fault == 0 || r.param_movement_from > r.last_step) return false;
   // After a rollback from the fault's last step on, measured from the restored state (ScenarioRun).
-  const std::int64_t rolled_back = r.param_movement_from - 1;
-  const bool after_rollback = rolled_back >= std::max(r.fault_step, r.fault_last_step) &&
-                              std::any_of(r.steps.begin(), r.steps.end(),
-                                          [&](const StepPoint& p) { return p.step == rolled_back && p.rolled_back; });
-  const std::string window = (after_rollback ? "after the fault and the rollback on step " + std::to_string(rolled_back)
-                                             : std::string("after the fault")) +
-                             " (steps " + std::to_string(r.param_movement_from) + ".." + std::to_string(r.last_step) +
-                             ")";
+  const std::string window =
+      (measured_after_rollback(r)
+           ? "after the fault and the rollback on step " + std::to_string(r.param_movement_from - 1)
+           : std::string("after the fault")) +
+      " (steps " + std::to_string(r.param_movement_from) + ".." + std::to_string(r.last_step) + ")";
   const double m = r.param_movement, m0 = c0.param_movement;
   const bool runs_away = !c0.params_finite || !std::isfinite(m0) || m0 > kRunsAway;
   const double ratio = m / m0;
@@ -1308,7 +1337,7 @@ bool weigh_training(const ScenarioResult& c0, ScenarioResult& r, LossBar bar) {
   const Saturation saturated_state = saturation(r.optimizer_state_scale, c0);
   const bool same_configuration = bar == LossBar::kSameConfiguration;
   const auto stall_against = [&](const ScenarioResult& c) {
-    return stalled(r.steps, c.steps, r.param_movement_from, std::min(r.last_step, c.last_step));
+    return stalled(r, r.steps, c.steps, std::min(r.last_step, c.last_step));
   };
   const std::string stall = same_configuration ? stall_against(c0) : "";
   const bool trained = moved && !saturated_state && stall.empty();
@@ -1361,8 +1390,7 @@ void weigh_defended_loss(const ScenarioResult& c, ScenarioResult& r) {
   trained.expected += "; and where the run with its defenses and without the fault learns clearly, its loss falls at "
                       "least " +
                       fmt(kLossFallFraction) + " as far";
-  const std::string stall =
-      c.harness_error ? "" : stalled(r.steps, c.steps, r.param_movement_from, std::min(r.last_step, c.last_step));
+  const std::string stall = c.harness_error ? "" : stalled(r, r.steps, c.steps, std::min(r.last_step, c.last_step));
   if (!c.harness_error && stall.empty()) {
     trained.observed += "; its loss fell at least " + fmt(kLossFallFraction) +
                         " as far as the run's with its defenses and without the fault";
@@ -1457,8 +1485,7 @@ CounterfactualPlan weigh_bare(const ScenarioSpec& spec, const CounterfactualPlan
                              "training did not go on: " + s.text() +
                                  ": the fault's numbers stay in it and scale the updates down while it keeps them",
                              true});
-    } else if (const std::string stall =
-                   stalled(cf.steps, c0.steps, r.param_movement_from, std::min(cf.last_step, c0.last_step));
+    } else if (const std::string stall = stalled(r, cf.steps, c0.steps, std::min(cf.last_step, c0.last_step));
                !stall.empty()) {
       cf.breakage.push_back(
           {BreakKind::kNoProgress, cf.last_step, "training did not go on: its loss stalled: " + stall, true});

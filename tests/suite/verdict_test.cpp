@@ -715,6 +715,33 @@ TEST(Verdict, AModelWhoseLossStallsAfterItsFaultHeldNothing) {
   // Steps 4..12: nine steps, too few to weigh a loss by.
   r = spiked(300, 12);
   EXPECT_TRUE(r.passed) << why(r);
+
+  // A second, harmless injection late in the run moves trained's movement window to its last five
+  // steps, but not the loss bar's (red-team finding: "held"); the step it fired on is left out.
+  r = run_scenario(parse_scenario_text(
+      "name: t\nmodel: {type: tiny_gpt, layers: 2, d_model: 32, heads: 4, vocab: 64, seq_len: 16, dropout: 0.0}\n"
+      "data: {batch: 8, seed: 1}\ntraining: {steps: 60, optimizer: adam, lr: 0.003, segments: 0}\n"
+      "injections: [{type: loss_spike, step: 4, factor: 300}, {type: loss_spike, step: 55, factor: 1.5}]\n"
+      "expect: {params_finite: true, loss_finite: true}\n",
+      "t.yaml"));
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  EXPECT_EQ(r.param_movement_from, 56);
+  trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_NE(trained->observed.find("; over steps 5..60 its loss fell "), std::string::npos) << trained->observed;
+  EXPECT_NE(trained->observed.find("injected steps left out"), std::string::npos) << trained->observed;
+
+  // A fault that trains faster (an LR x 10 on an MLP's steps 2..25) leaves the run ahead, with less
+  // to fall after it: 0.12 as far, but below the run without it all along (red-team finding:
+  // "broke"). Not a stall.
+  r = run_scenario(parse_scenario_text(
+      "name: t\nmodel: {type: mlp, layers: 2, hidden: 32, in_features: 16, out_features: 4, dropout: 0.0}\n"
+      "data: {batch: 16, seed: 1}\ntraining: {steps: 60, optimizer: adam, lr: 0.001, segments: 0}\n"
+      "injections: [{type: lr_spike, step: 2, duration: 24, factor: 10}]\n"
+      "expect: {params_finite: true, loss_finite: true}\n",
+      "t.yaml"));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_LT(r.final_loss, r.counterfactual.final_loss) << why(r);
 }
 
 // The same stall behind a defense: a clip at 1e6 lets the x 300 spike through, and the loss stalls

@@ -84,9 +84,10 @@ inline constexpr double kMovedAtAllInFloat32 = 1.1920928955078125e-07;  // FLT_E
 inline constexpr double kSaturatedState = 1e4;
 // trained's bar for a scenario without defenses (the model itself holds), against the run without
 // the fault -- the same configuration, so any slowing is the fault's: over the steps after the
-// fault (at least kLossFallSteps of them), where that run's loss fell at least kLearnedFraction of
-// its level, the run's loss (the mean of a fifth of the steps at each end, applied and finite) must
-// fall at least kLossFallFraction as far. An unclipped loss x 700 under Adam left its second moment
+// fault's first no injection fired on (at least kLossFallSteps of them), where that run's loss fell
+// at least kLearnedFraction of its level, the run's loss (the mean of a fifth of the steps at each
+// end, applied and finite) must fall at least kLossFallFraction as far, or end no higher than that
+// run's was kLossFallFraction of its way down. An unclipped loss x 700 under Adam left its second moment
 // ~500 times larger: the parameters moved a third as far, the loss fell 0.11 as far (4.12 -> 3.93
 // over steps 4..60, against 3.99 -> 2.23), and the run "held".
 inline constexpr double kLossFallFraction = 0.25;
