@@ -1380,7 +1380,7 @@ bool weigh_training(const ScenarioResult& c0, ScenarioResult& r, LossBar bar) {
 
 // trained's loss bar for a scenario with defenses whose loss stalled against the run with neither
 // the fault nor the defenses: against `c`, the run with its defenses and without the fault, where
-// only the fault differs (a clip at 1e3 lets an Adam spike's second moment through, and the loss
+// only the fault differs (a clip at 1e6 lets an Adam spike's second moment through, and the loss
 // stalls; a warmup slows both runs alike).
 void weigh_defended_loss(const ScenarioResult& c, ScenarioResult& r) {
   auto it = std::find_if(r.checks.rbegin(), r.checks.rend(),
@@ -1435,7 +1435,7 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
     observed = "raised the same: step " + std::to_string(c.raised_at_step) + " raised: " + c.error +
                "; the defenses did not make the raise";
   } else if (c.breakage.empty() && !spec.injections.empty() &&
-             (!c.optimizer_state_scale.empty() || c.last_step - r.param_movement_from + 1 >= kLossFallSteps)) {
+             (!c.optimizer_state_scale.empty() || c.last_step - r.fault_step >= kLossFallSteps)) {
     // It held, by every rule of its own: whether the fault left its optimizer's state saturated
     // (training frozen, the numbers finite) or its loss stalled, the run with neither says.
     CounterfactualPlan next = plan;
@@ -1491,7 +1491,7 @@ CounterfactualPlan weigh_bare(const ScenarioSpec& spec, const CounterfactualPlan
           {BreakKind::kNoProgress, cf.last_step, "training did not go on: its loss stalled: " + stall, true});
     }
   }
-  if (cf.breakage.empty()) {  // it held (weigh_undefended asked for the saturation rule alone)
+  if (cf.breakage.empty()) {  // it held (weigh_undefended asked for the saturation and loss rules alone)
     settle_counterfactual(CheckKind::kFaultBites, expected,
                           held_too(spec, plan.first_step, cf.last_step, cf.final_loss), false, r, false);
     return {};
