@@ -46,6 +46,15 @@ std::string reason_of(const ExpectationCheck& c) {
   return std::string(c.name()) + ": expected " + c.expected + ", got " + c.observed;
 }
 
+// Whether r's movement is measured from a state a rollback restored, after the fault's last step
+// (ScenarioRun::after_step).
+bool measured_after_rollback(const ScenarioResult& r) {
+  const std::int64_t rolled_back = r.param_movement_from - 1;
+  return rolled_back >= std::max(r.fault_step, r.fault_last_step) &&
+         std::any_of(r.steps.begin(), r.steps.end(),
+                     [&](const StepPoint& p) { return p.step == rolled_back && p.rolled_back; });
+}
+
 std::string steps_text(const std::vector<std::int64_t>& steps) {
   std::string out;
   for (std::size_t i = 0; i < steps.size(); ++i) {
@@ -156,8 +165,7 @@ void check_expectations(const ScenarioSpec& spec, ScenarioResult& r) {
   }
   // The same where the run's last step rolled back after the fault: trained measures from the
   // restored state on (a rollback's jump back is no training), and no step is left to measure.
-  const bool rolled_back_last = !nothing_after && !r.steps.empty() && r.steps.back().step == r.last_step &&
-                                r.steps.back().rolled_back && r.last_step >= r.fault_step;
+  const bool rolled_back_last = !nothing_after && r.param_movement_from > r.last_step && measured_after_rollback(r);
   if (!e.diverges && !r.raised && !r.harness_error && rolled_back_last) {
     const std::string n = std::to_string(r.last_step);
     check(r, CheckKind::kStepAfterFault, "a step after the last rollback to show training going on after it",
@@ -1253,24 +1261,15 @@ LossFall loss_fall(const std::vector<StepPoint>& steps, const std::set<std::int6
   return {mean(head), mean(tail)};
 }
 
-// Whether r's movement is measured from a state a rollback restored, after the fault's last step
-// (ScenarioRun::after_step).
-bool measured_after_rollback(const ScenarioResult& r) {
-  const std::int64_t rolled_back = r.param_movement_from - 1;
-  return rolled_back >= std::max(r.fault_step, r.fault_last_step) &&
-         std::any_of(r.steps.begin(), r.steps.end(),
-                     [&](const StepPoint& p) { return p.step == rolled_back && p.rolled_back; });
-}
-
 // trained's loss bar (kLossFallFraction): `with_fault`'s steps against those of the same
 // configuration without the fault, from the step after the fault's first (after the last rollback
 // where r's movement is measured from one) to `last`, the steps an injection fired on left out of
 // both (a second, later fault does not move the window past the stall the first one left: a NaN
 // gradient skipped at step 55 of 60 did; a fault that lasts 24 steps leaves the steps after it);
 // "" where it holds or does not apply (fewer than kLossFallSteps steps, that run did not learn
-// clearly). A run that falls less than
-// kLossFallFraction as far stalled only where it also ends above that fraction of the other run's
-// way down: one that got ahead (an LR spike that trains faster) has less left to fall.
+// clearly). A run that falls less than kLossFallFraction as far stalled only where it also ends
+// above that fraction of the other run's way down: one that got ahead (an LR spike that trains
+// faster) has less left to fall.
 std::string stalled(const ScenarioResult& r, const std::vector<StepPoint>& with_fault,
                     const std::vector<StepPoint>& without_fault, std::int64_t last) {
   const std::int64_t first = measured_after_rollback(r) ? r.param_movement_from : r.fault_step + 1;
@@ -1300,6 +1299,19 @@ std::string stalled(const ScenarioResult& r, const std::vector<StepPoint>& with_
          (with.fall() >= 0 ? fmt(ratio) + " as far as" : "where it fell " + fmt(without.fall())) +
          " without the fault (" + fmt(without.start) + " -> " + fmt(without.end) + "), and ends above " +
          fmt(quarter_way) + ", where that run was " + fmt(kLossFallFraction) + " of its way down";
+}
+
+// r against c over the steps both ran.
+std::string stalled(const ScenarioResult& r, const ScenarioResult& c) {
+  return stalled(r, r.steps, c.steps, std::min(r.last_step, c.last_step));
+}
+
+// trained failed: the run broke, training did not go on (`why`).
+void training_stopped(ScenarioResult& r, const ExpectationCheck& trained, const std::string& why) {
+  r.reasons.push_back(reason_of(trained));
+  r.passed = false;
+  r.broke = true;
+  r.breakage.push_back({BreakKind::kNoProgress, r.last_step, "training did not go on: " + why, true});
 }
 
 // How trained weighs the loss (stalled) against c0.
@@ -1336,10 +1348,7 @@ bool weigh_training(const ScenarioResult& c0, ScenarioResult& r, LossBar bar) {
   // does, training as it should).
   const Saturation saturated_state = saturation(r.optimizer_state_scale, c0);
   const bool same_configuration = bar == LossBar::kSameConfiguration;
-  const auto stall_against = [&](const ScenarioResult& c) {
-    return stalled(r, r.steps, c.steps, std::min(r.last_step, c.last_step));
-  };
-  const std::string stall = same_configuration ? stall_against(c0) : "";
+  const std::string stall = same_configuration ? stalled(r, c0) : "";
   const bool trained = moved && !saturated_state && stall.empty();
   check(r, CheckKind::kTrained,
         window + ", the parameters move at least " + fmt(kTrainedFraction) +
@@ -1355,10 +1364,7 @@ bool weigh_training(const ScenarioResult& c0, ScenarioResult& r, LossBar bar) {
             (saturated_state ? "; " + saturated_state.text() : std::string()) +
             (stall.empty() ? std::string() : "; " + stall),
         trained);
-  if (trained) return bar == LossBar::kDefended && !stall_against(c0).empty();
-  r.reasons.push_back(reason_of(r.checks.back()));
-  r.passed = false;
-  r.broke = true;
+  if (trained) return bar == LossBar::kDefended && !stalled(r, c0).empty();
   std::string why =
       "the parameters moved " + fmt(m) + " of their norm from step " + std::to_string(r.param_movement_from) + " on";
   if (moved && !saturated_state) {
@@ -1374,7 +1380,7 @@ bool weigh_training(const ScenarioResult& c0, ScenarioResult& r, LossBar bar) {
   } else if (!runs_away) {
     why += ", " + fmt(ratio) + " as far as without the fault and the defenses";
   }
-  r.breakage.push_back({BreakKind::kNoProgress, r.last_step, "training did not go on: " + why, true});
+  training_stopped(r, r.checks.back(), why);
   return false;
 }
 
@@ -1390,21 +1396,22 @@ void weigh_defended_loss(const ScenarioResult& c, ScenarioResult& r) {
   trained.expected += "; and where the run with its defenses and without the fault learns clearly, its loss falls at "
                       "least " +
                       fmt(kLossFallFraction) + " as far";
-  const std::string stall = c.harness_error ? "" : stalled(r, r.steps, c.steps, std::min(r.last_step, c.last_step));
-  if (!c.harness_error && stall.empty()) {
+  if (c.harness_error) {
+    trained.passed = false;
+    trained.observed += "; could not tell its loss: the run without the fault: " + c.error;
+    r.reasons.push_back(reason_of(trained));
+    r.passed = false;
+    return;
+  }
+  const std::string stall = stalled(r, c);
+  if (stall.empty()) {
     trained.observed += "; its loss fell at least " + fmt(kLossFallFraction) +
                         " as far as the run's with its defenses and without the fault";
     return;
   }
   trained.passed = false;
-  trained.observed += c.harness_error ? "; could not tell its loss: the run without the fault: " + c.error
-                                      : "; " + stall + " (with its defenses)";
-  r.reasons.push_back(reason_of(trained));
-  r.passed = false;
-  if (c.harness_error) return;
-  r.broke = true;
-  r.breakage.push_back({BreakKind::kNoProgress, r.last_step,
-                        "training did not go on: its loss stalled: " + stall + " (with its defenses)", true});
+  trained.observed += "; " + stall + " (with its defenses)";
+  training_stopped(r, trained, "its loss stalled: " + stall + " (with its defenses)");
 }
 
 // fault_bites' expectation, as the undefended and the bare run state it.

@@ -82,14 +82,15 @@ inline constexpr double kMovedAtAllInFloat32 = 1.1920928955078125e-07;  // FLT_E
 // 1e32 times, while the spike's momentum and the weight decay still move the parameters. The median
 // leaves out a single element (a bit flip in one of 2048 stalls that one only).
 inline constexpr double kSaturatedState = 1e4;
-// trained's bar for a scenario without defenses (the model itself holds), against the run without
-// the fault -- the same configuration, so any slowing is the fault's: over the steps after the
-// fault's first no injection fired on (at least kLossFallSteps of them), where that run's loss fell
-// at least kLearnedFraction of its level, the run's loss (the mean of a fifth of the steps at each
-// end, applied and finite) must fall at least kLossFallFraction as far, or end no higher than that
-// run's was kLossFallFraction of its way down. An unclipped loss x 700 under Adam left its second moment
-// ~500 times larger: the parameters moved a third as far, the loss fell 0.11 as far (4.12 -> 3.93
-// over steps 4..60, against 3.99 -> 2.23), and the run "held".
+// trained's loss bar, against a run of the same configuration without the fault (for a scenario
+// without defenses, the run without the fault; with defenses, the run with neither, and where that
+// stalls the run with the defenses kept): over the steps after the fault's first no injection fired
+// on (at least kLossFallSteps of them), where that run's loss fell at least kLearnedFraction of its
+// level, the run's loss (the mean of a fifth of the steps at each end, applied and finite) must fall
+// at least kLossFallFraction as far, or end no higher than that run's was kLossFallFraction of its
+// way down. An unclipped loss x 700 under Adam left its second moment ~500 times larger: the
+// parameters moved a third as far, the loss fell 0.11 as far (4.12 -> 3.93 over steps 4..60, against
+// 3.99 -> 2.23), and the run "held".
 inline constexpr double kLossFallFraction = 0.25;
 inline constexpr double kLearnedFraction = 0.1;
 inline constexpr std::int64_t kLossFallSteps = 10;
@@ -274,11 +275,11 @@ struct ScenarioResult {
   double final_loss = 0;          // mean loss of the applied steps in the final window
                                   // (final_window_first .. last_step); NaN: none
   // How far training moved the parameters from the start of step param_movement_from (the step
-  // after the fault's last, RunOptions::movement_from; after a rollback at or after it, the step after
-  // the last rollback: the jump back to a restored state is no training) to the run's end: the L2
-  // norm, in double, of the change of every
-  // floating-point parameter in state(), relative to their L2 norm at that start; NaN where not
-  // known (a parameter's shape changed, the run never reached that step, all parameters zero).
+  // after the fault's last, RunOptions::movement_from; after a rollback at or after it, the step
+  // after the last rollback: the jump back to a restored state is no training) to the run's end:
+  // the L2 norm, in double, of the change of every floating-point parameter in state(), relative to
+  // their L2 norm at that start; NaN where not known (a parameter's shape changed, the run never
+  // reached that step, all parameters zero).
   double param_movement = std::numeric_limits<double>::quiet_NaN();
   std::int64_t param_movement_from = 1;
   // Each floating-point tensor of kind optimizer_state in state() at the end, by name: the median
