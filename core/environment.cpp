@@ -86,7 +86,11 @@ std::vector<EnvironmentDifference> Environment::differences(const Environment& n
     const std::string current = it == now.bitwise.end() ? "absent" : it->second;
     if (current == recorded) continue;
     std::string fix;
-    if (key == "intra_op_threads") fix = "run with OMP_NUM_THREADS=" + recorded;
+    if (key == "intra_op_threads")
+      fix = "run with " + recorded +
+            " intra-op threads (retrace replay takes the trace's count unless --threads "
+            "says otherwise: leave it out; in a process of your own, at::set_num_threads(" +
+            recorded + ") or OMP_NUM_THREADS=" + recorded + ")";
     else if (key == "torch_version") fix = "replay with LibTorch " + recorded;
     else if (key == "cpu_capability")
       fix = "replay on a CPU with " + recorded + " kernels, or set ATEN_CPU_CAPABILITY=" + recorded;

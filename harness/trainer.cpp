@@ -271,7 +271,7 @@ std::unique_ptr<Program> make_scenario_program(const ScenarioSpec& spec) {
 
 void register_builtin_programs() {
   register_program("retrace.scenario", [](const std::string& config) -> std::unique_ptr<Program> {
-    return make_scenario_program(parse_scenario_text(config, "<trace program config>"));
+    return make_scenario_program(parse_scenario_text(config, "<trace program config>", ScenarioSource::kCanonical));
   });
 }
 

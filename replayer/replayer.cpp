@@ -138,6 +138,7 @@ nlohmann::json ReplayResult::to_json() const {
           {"ended_early", ended_early},
           {"batch_draws_rng_from", batch_draws_rng_from},
           {"first_divergence", first_divergence ? first_divergence->to_json() : nlohmann::json()},
+          {"not_shown", not_shown},
           {"first_nonfinite", first_nonfinite ? first_nonfinite->to_json() : nlohmann::json()},
           {"raised", raised ? raised->to_json() : nlohmann::json()},
           {"environment_differences", env},
@@ -601,7 +602,15 @@ std::map<std::int64_t, StepRecords> index_steps(const TraceReader& trace) {
       case RecordType::kStepBegin: steps[r.step].begins.push_back(i); break;
       case RecordType::kSegment: steps[r.step].segments.push_back(i); break;
       case RecordType::kCollective: steps[r.step].collectives.push_back(i); break;
-      case RecordType::kStepEnd: steps[r.step].end = i; break;
+      case RecordType::kStepEnd:
+        if (steps[r.step].end) {
+          throw Error(trace.path() + ": the trace holds two step_end records of step " + std::to_string(r.step) +
+                      " (at byte offsets " + std::to_string(trace.records()[*steps[r.step].end].offset) + " and " +
+                      std::to_string(r.offset) +
+                      "); a recorder writes one: the trace was edited or pieced together, replay the original");
+        }
+        steps[r.step].end = i;
+        break;
       case RecordType::kEvent:
         if (const EventRecord e = EventRecord::decode(trace.read_table(i), trace.path());
             e.exception && e.exception->step == r.step) {
@@ -612,6 +621,21 @@ std::map<std::int64_t, StepRecords> index_steps(const TraceReader& trace) {
         break;
       default: break;
     }
+  }
+  // A step without its outcome is the step a run died in: its last. One with steps after it lost
+  // its step_end record (the trace was edited or damaged), and replaying past it would compare
+  // less than it says.
+  std::int64_t last = -1;
+  for (const auto& [s, recs] : steps) {
+    if (!recs.begins.empty()) last = s;
+  }
+  for (const auto& [s, recs] : steps) {
+    if (s >= last || recs.begins.empty() || recs.end || recs.exception) continue;
+    throw Error(trace.path() + ": step " + std::to_string(s) + " has a step_begin record (byte offset " +
+                std::to_string(trace.records()[recs.begins.front()].offset) +
+                ") but no step_end, and the trace goes on to step " + std::to_string(last) +
+                ": a record is missing (a run that dies in a step records none after it); the trace was edited "
+                "or damaged, replay the original");
   }
   return steps;
 }
@@ -713,6 +737,21 @@ void find_provenance(const TraceReader& trace, const StepRecords& recs, Program&
   CollectiveReplayScope collectives(tape);
   result.first_nonfinite = find_first_nonfinite(program, s, batch, known_nonfinite);
   if (result.first_nonfinite) result.first_nonfinite->step = s;
+  // A rank replayed alone: where a collective of the step handed it non-finite values its own
+  // contribution did not hold, they came from a peer, and the op named here is only where this
+  // rank first computed with them (red-team finding: a victim rank's copy_ named as the source).
+  for (const std::size_t i : recs.collectives) {
+    const CollectiveRecord c = CollectiveRecord::decode(trace.read_table(i), trace.path());
+    if (c.ring || c.output.nonfinite == 0) continue;
+    if (c.input.nonfinite == 0) {
+      result.notes.push_back(
+          c.key() + " handed rank " + std::to_string(c.rank) + " " + std::to_string(c.output.nonfinite) +
+          " non-finite value(s) though its own contribution was finite: they came from another rank, and the "
+          "first non-finite op of this rank is where it first computed with them; replay every rank's trace "
+          "together (retrace replay RANK_TRACE...) to name the rank they came from");
+    }
+    break;  // the step's first collective with non-finite output decides
+  }
 }
 
 // Which generators' states in `now` differ from those `recorded` (RngState::serialize bytes):
@@ -857,6 +896,28 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
   const std::vector<NamedTensor> state_after = program.state();
   const HostScan scan = scan_host(state_after, comparer.compares_state(), true);
   comparer.finish(state_after, scan);
+  if (!comparer.first && recs.end && !recs.raised) {
+    // The step's recorded outcome, field by field: what a defense decided (skip, rollback, loss
+    // scale, LR) is the step's verdict too, not only the tensors it left (red-team finding: a
+    // step_end saying "skipped" or another loss replayed "bitwise").
+    const StepEndRecord recorded = StepEndRecord::decode(trace.read_table(*recs.end), trace.path());
+    std::string what;
+    const auto differs = [&](const char* field, double was, double now) {
+      if (what.empty() && !same_double(was, now))
+        what = std::string(field) + " recorded " + number_text(was) + ", replayed " + number_text(now);
+    };
+    differs("loss", recorded.loss, outcome.loss);
+    if (!std::isnan(recorded.grad_norm)) differs("grad_norm", recorded.grad_norm, outcome.grad_norm);  // NaN: none
+    differs("loss_scale", recorded.loss_scale, outcome.loss_scale);
+    differs("lr", recorded.lr, outcome.lr);
+    const auto yes_no = [](bool b) { return std::string(b ? "true" : "false"); };
+    if (what.empty() && recorded.skipped != outcome.skipped)
+      what = "skipped recorded " + yes_no(recorded.skipped) + ", replayed " + yes_no(outcome.skipped);
+    if (what.empty() && recorded.rolled_back != outcome.rolled_back)
+      what = "rolled_back recorded " + yes_no(recorded.rolled_back) + ", replayed " + yes_no(outcome.rolled_back);
+    if (!what.empty())
+      comparer.diverge("(step_end)", "optimizer", "", "the step's recorded outcome differs from the replay's: " + what);
+  }
   if (comparer.first && !result.first_divergence) {
     result.first_divergence = comparer.first;
     Divergence& d = *result.first_divergence;
@@ -1010,7 +1071,19 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
   const std::map<std::int64_t, StepRecords> steps = index_steps(trace_);
   const std::int64_t target = target_step(steps, options);
   const RunStart start = run_start(trace_, steps);
-  Anchor anchor = find_anchor(trace_, steps, options.from.value_or(target), program_);
+  const auto last = steps.find(target);
+  const bool died = last != steps.end() && !last->second.end && !last->second.raised;
+  Anchor anchor = [&] {
+    // The step the run died in has no outcome to compare: from a snapshot before it, where the
+    // trace holds one, the steps before it are compared and it is re-executed after them.
+    if (died && !options.from && target > steps.begin()->first) {
+      try {
+        return find_anchor(trace_, steps, target - 1, program_);
+      } catch (const Error&) {  // none before it: from its own (write-ahead) snapshot
+      }
+    }
+    return find_anchor(trace_, steps, options.from.value_or(target), program_);
+  }();
   result.from_step = StepBeginRecord::decode(anchor.begin, trace_.path()).step;
   result.to_step = target;
   result.target_step = target;
@@ -1041,8 +1114,30 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
   if (result.to_step < result.from_step) {
     // Not one step re-executed to its end: nothing was shown to reproduce.
     result.reproduced = false;
-    result.notes.push_back("no step was replayed to its end: the first one, " + std::to_string(result.from_step) +
-                           ", did not finish in the recorded run");
+    result.not_shown = "no step was replayed to its end: the first one, " + std::to_string(result.from_step) +
+                       ", did not finish in the recorded run";
+  } else if (result.reproduced) {
+    // Every step replayed lacks its outcome (the run died in the one step replayed): what it
+    // computed was compared with its segment records at most, never its loss, gradients or state.
+    bool outcome_compared = false;
+    std::size_t segment_records = 0;
+    for (std::int64_t s = result.from_step; s <= result.to_step; ++s) {
+      const auto it = steps.find(s);
+      if (it == steps.end()) continue;
+      outcome_compared = outcome_compared || it->second.end || it->second.raised;
+      segment_records += it->second.segments.size();
+    }
+    if (!outcome_compared) {
+      result.reproduced = false;
+      result.not_shown = "step " + std::to_string(result.to_step) +
+                         " has no recorded outcome (the run died during it): " +
+                         (segment_records == 0 ? std::string("the trace holds nothing of it after its start to compare "
+                                                             "with")
+                                               : "only its " + std::to_string(segment_records) +
+                                                     " segment record(s) were compared, matching as far as they go; "
+                                                     "its loss, gradients and state after it were never recorded") +
+                         " (replay from an earlier step, --from, to compare the steps before it)";
+    }
   }
   return result;
 }

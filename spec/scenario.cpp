@@ -37,7 +37,8 @@ std::string shown(const std::string& text) {
 
 class Parser {
  public:
-  explicit Parser(std::string origin) : origin_(std::move(origin)) {}
+  Parser(std::string origin, ScenarioSource source) : origin_(std::move(origin)), source_(source) {}
+  ScenarioSource source() const { return source_; }
 
   [[noreturn]] void fail(const YAML::Node& node, const std::string& key, const std::string& what) const {
     std::string where = origin_;
@@ -75,10 +76,13 @@ class Parser {
   }
 
   // A quoted scalar is a string (YAML's core schema): "0.1" is not the number 0.1, "true" not true.
+  // A quoted scalar (tag "!") or one tagged !!str is a string, whatever it spells.
+  static bool string_tagged(const YAML::Node& n) { return n.Tag() == "!" || n.Tag() == "tag:yaml.org,2002:str"; }
   void unquoted(const YAML::Node& n, const std::string& full, const char* what) const {
-    if (n.Tag() == "!")
+    if (string_tagged(n))
       fail(n, full,
-           std::string("must be ") + what + ", got the string '" + shown(n.Scalar()) + "' (quoted); write it plainly");
+           std::string("must be ") + what + ", got the string '" + shown(n.Scalar()) + "' (" +
+               (n.Tag() == "!" ? "quoted" : "tagged !!str") + "); write it plainly");
   }
 
   std::int64_t integer(const YAML::Node& parent, const char* key, const std::string& full, std::int64_t fallback,
@@ -142,11 +146,14 @@ class Parser {
     // YAML 1.2's core schema: true or false (yaml-cpp also reads yes, on, y ... as booleans).
     const std::string t = n.IsScalar() ? n.Scalar() : "";
     const bool yes = t == "true" || t == "True" || t == "TRUE", no = t == "false" || t == "False" || t == "FALSE";
-    if (!n.IsScalar() || n.Tag() == "!" || (!yes && !no))
+    if (!n.IsScalar() || string_tagged(n) || (!yes && !no))
       fail(n, full,
-           "must be true or false, got " + (n.IsScalar() ? std::string(n.Tag() == "!" ? "the string '" : "'") +
-                                                               shown(n.Scalar()) + (n.Tag() == "!" ? "' (quoted)" : "'")
-                                                         : std::string("a collection")));
+           "must be true or false, got " +
+               (n.IsScalar() ? std::string(string_tagged(n) ? "the string '" : "'") + shown(n.Scalar()) +
+                                   (n.Tag() == "!"     ? "' (quoted)"
+                                    : string_tagged(n) ? "' (tagged !!str)"
+                                                       : "'")
+                             : std::string("a collection")));
     return yes;
   }
 
@@ -165,6 +172,7 @@ class Parser {
 
  private:
   std::string origin_;
+  ScenarioSource source_;
 };
 
 constexpr std::int64_t kBig = std::int64_t{1} << 40;
@@ -288,6 +296,25 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
   in.seed = static_cast<std::uint64_t>(p.integer(n, "seed", at + ".seed", 0, 0, kBig));
   in.segment = p.text(n, "segment", at + ".segment");
   in.factor = p.number(n, "factor", at + ".factor", 0.0, -1e30, 1e30);
+  if (n["factor"].IsDefined() && in.factor == 0 && p.source() == ScenarioSource::kWritten) {
+    // 0 is what InjectionSpec holds for "the type's default": taken as written it would be swapped
+    // for a factor of 1000 or more without a word. (Canonical text of earlier versions wrote it.)
+    p.fail(
+        n["factor"],
+        at + ".factor", "is 0, which retrace cannot take as written (0 stands for the type's default, " + [&] {
+          std::ostringstream os;
+          os << InjectionSpec{in.type}.effective_factor();
+          return os.str();
+        }() + "); omit the key for that default, or give a small number such as 1e-12");
+  }
+  if (n["factor"].IsDefined() && in.factor == 1 && in.type != InjectionType::kLayerNormInput) {
+    p.fail(n["factor"], at + ".factor",
+           "is 1, which leaves the " +
+               std::string(in.type == InjectionType::kLrSpike     ? "learning rate"
+                           : in.type == InjectionType::kLossSpike ? "loss"
+                                                                  : "segment's outputs") +
+               " unchanged: the injection would fire and do nothing; use another factor, or remove the injection");
+  }
   in.rows = p.number(n, "rows", at + ".rows", in.rows, 0.0, 1.0);
   in.bits = static_cast<int>(p.integer(n, "bits", at + ".bits", in.bits, 1, 64));
   in.bit = static_cast<int>(p.integer(n, "bit", at + ".bit", in.bit, 0, 31));  // the harness's tensors are fp32
@@ -529,8 +556,8 @@ ScenarioSpec parse_program_scenario(const Parser& p, const YAML::Node& root, Sce
   return s;
 }
 
-ScenarioSpec parse(const YAML::Node& root, const std::string& origin) {
-  Parser p(origin);
+ScenarioSpec parse(const YAML::Node& root, const std::string& origin, ScenarioSource source) {
+  Parser p(origin, source);
   ScenarioSpec s;
   s.origin = origin;
   if (!root.IsDefined() || root.IsNull())
@@ -691,7 +718,7 @@ class DocumentCounter : public YAML::EventHandler {
 
 }  // namespace
 
-ScenarioSpec parse_scenario_text(const std::string& text, const std::string& origin) {
+ScenarioSpec parse_scenario_text(const std::string& text, const std::string& origin, ScenarioSource source) {
   YAML::Node root;
   try {
     root = YAML::Load(text);
@@ -711,7 +738,7 @@ ScenarioSpec parse_scenario_text(const std::string& text, const std::string& ori
     yaml_error(e, origin);
   }
   try {
-    return parse(root, origin);
+    return parse(root, origin, source);
   } catch (const YAML::Exception& e) {  // a shape the checks above did not foresee
     throw Error(origin + (e.mark.line >= 0 ? ":" + std::to_string(e.mark.line + 1) : std::string()) +
                 ": cannot read the scenario: " + e.msg);
@@ -829,7 +856,7 @@ void emit_injection(YAML::Emitter& out, const InjectionSpec& in) {
   if (!in.segment.empty()) out << YAML::Key << "segment" << YAML::Value << in.segment;
   if (in.type == InjectionType::kActivationOverflow || in.type == InjectionType::kLrSpike ||
       (in.type == InjectionType::kLayerNormInput && in.mode == "huge") || in.type == InjectionType::kLossSpike) {
-    out << YAML::Key << "factor" << YAML::Value << in.factor;
+    if (in.factor != 0) out << YAML::Key << "factor" << YAML::Value << in.factor;  // 0: the default
   }
   if (!in.mode.empty()) out << YAML::Key << "mode" << YAML::Value << in.mode;
   if (bitflip) {

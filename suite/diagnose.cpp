@@ -144,9 +144,13 @@ std::string judge(const ScenarioResult& r, const ExpectSpec& e, const Window& w)
 // An injected fault that lives in a checkpointed segment's outputs cannot fire once checkpointing
 // is off; "checkpointing off" then avoids the injection, not the failure mode. (An RNG desync
 // needs a recompute to exist at all, so without checkpointing it is truly gone.)
+// Whether an injection of the scenario lands in a checkpointed segment's forward (an activation
+// overflow, bad LayerNorm input or activation bit flip in its forward): without checkpointing it
+// cannot fire, though the fault it stands for -- a forward that overflows -- would happen all the
+// same. An RNG desync or a fault in the recompute alone is checkpointing's own: off, it is gone.
 bool hits_segments(const ScenarioSpec& s) {
   for (const InjectionSpec& in : s.injections) {
-    if (in.in_segment() && in.type != InjectionType::kRngDesync) return true;
+    if (in.in_segment() && in.type != InjectionType::kRngDesync && in.phase != "recompute") return true;
   }
   return false;
 }
@@ -174,10 +178,14 @@ std::vector<Variant> make_variants(const ScenarioSpec& base, std::vector<std::st
   const TrainingSpec& t = base.training;
   const DefenseSpec& d = base.defenses;
   if (program) cannot("checkpointing off, more/fewer segments", "checkpointing");
-  if (t.segments > 0 && !program) {
-    add(
-        "checkpointing off", "training.segments: 0", [](ScenarioSpec& s) { s.training.segments = 0; }, false,
-        hits_segments(base) ? "the injected fault targets a checkpointed segment and cannot fire without one" : "");
+  if (t.segments > 0 && !program && hits_segments(base)) {
+    // It would "fix" the failure by not firing the fault: nothing shown (red-team finding: the
+    // only fixing variant, exit code 0).
+    not_applicable.push_back("checkpointing off: the scenario's fault is injected in a checkpointed segment's forward "
+                             "and cannot fire without one, while what it stands for (a forward that overflows) "
+                             "would happen all the same");
+  } else if (t.segments > 0 && !program) {
+    add("checkpointing off", "training.segments: 0", [](ScenarioSpec& s) { s.training.segments = 0; });
   }
   for (double clip : {1.0, 0.5}) {
     if (d.clip.mode == ClipMode::kGlobal && d.clip.max_norm == clip) continue;
@@ -342,6 +350,16 @@ Classification classify(const ScenarioSpec& spec, const Window& w, double origin
       c.detail = std::string("re-executing the step from its state fails again") +
                  (as_before ? ", bit for bit as the run did" : " (with other bits than the run)") +
                  ": the cause is in the state, the data or the code, and a restart on other hardware will not help";
+      // No injection in this step; one on an earlier step of the window left the state it fails from.
+      const Injector schedule(spec.injections);
+      std::string earlier;
+      for (std::size_t i = 0; i < spec.injections.size(); ++i) {
+        const std::vector<std::int64_t> due = schedule.due_steps(i, 1, w.start - 1);
+        if (!due.empty())
+          earlier += (earlier.empty() ? "" : ", ") + std::string(to_string(spec.injections[i].type)) + " on step " +
+                     std::to_string(due.back());
+      }
+      if (!earlier.empty()) c.detail += "; the scenario injected " + earlier + " before it, which left that state";
       if (!a.injected.empty()) {
         // The scenario's own injection fires again on re-execution: say whether it is the cause.
         ScenarioSpec clean = spec;
@@ -361,6 +379,14 @@ Classification classify(const ScenarioSpec& spec, const Window& w, double origin
           if (!due.empty()) last_again = std::max(last_again, due.back());
         }
         c.injected_fault_repeats = !fails_clean && !data && again > 0;
+        // A fault the step computes (an overflow, a loss or LR spike, bad LayerNorm input), which a
+        // real run's same state and data would compute again, unlike a bit flip or a stray NaN.
+        bool computed = false;
+        for (const InjectionSpec& in : spec.injections) {
+          computed = computed ||
+                     (schedule.scheduled(&in - spec.injections.data(), w.start) && in.type != InjectionType::kBitFlip &&
+                      in.type != InjectionType::kGradNonFinite && in.type != InjectionType::kRngDesync);
+        }
         c.detail = "re-executing the step from its state fails again" +
                    std::string(as_before ? ", bit for bit as the run did," : "") + " with the scenario's " +
                    (a.injected.size() > 1 ? "injections (" : "injection (") + joined(a.injected) +
@@ -376,10 +402,15 @@ Classification classify(const ScenarioSpec& spec, const Window& w, double origin
                               std::to_string(last_again) +
                               "): a rollback or a retry does not get past a fault that comes back -- in a real run "
                               "one that does is in the state, the data or the code"
+                    : computed
+                        ? "does not fail (loss " + fmt(c2.loss) +
+                              "): the injected fault is the cause -- in a real run a fault like it (an overflow, a "
+                              "spike) comes from the step's own numbers and comes back from the same state and data: "
+                              "loss scaling, clipping or a lower LR, not a retry"
                         : "does not fail (loss " + fmt(c2.loss) +
                               "): the injected fault is the cause -- in a real "
-                              "run a fault like it (a bit flip, an overflow) is transient, and a rollback and "
-                              "retry is enough");
+                              "run a fault like it (a bit flip, a stray NaN) comes from outside the state and is "
+                              "transient, and a rollback and retry is enough");
       }
     } else {
       c.kind = "transient";
@@ -413,6 +444,7 @@ Diagnosis diagnose_window(const ScenarioSpec& spec, Window w, const DiagnoseOpti
                                               : spec.training.steps;
   d.from_step = w.start;
   d.to_step = std::max(w.start, last);
+  d.lookback = options.lookback;
   if (d.failing_step > 0 && d.to_step < d.failing_step) {
     // Re-running steps that stop before the failure would let every variant "fix" it.
     throw Error("DiagnoseOptions::steps " + std::to_string(options.steps) + " re-runs steps " +
@@ -534,7 +566,8 @@ Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options
                 "' and its 'config:', docs/scenarios.md), then diagnose that file, or a trace "
                 "recorded from it (record SCENARIO.yaml)");
   }
-  const ScenarioSpec spec = parse_scenario_text(header.program->config, path + " (program config)");
+  const ScenarioSpec spec =
+      parse_scenario_text(header.program->config, path + " (program config)", ScenarioSource::kCanonical);
   Diagnosis d;
   d.source = path;
   double loss = 0, norm = 0;
@@ -636,7 +669,12 @@ std::string Diagnosis::report() const {
   }
   if (variants.empty()) return os.str();
   os << "re-ran steps " << from_step << ".." << to_step << " from the state before step " << from_step
-     << " under each variant (cost: time per step relative to the run as it was):\n\n";
+     << " under each variant (cost: time per step relative to the run as it was):\n";
+  if (failing_step > 0 && failing_step - lookback < from_step) {
+    os << "(a lookback of " << lookback << " steps from the failing step " << failing_step
+       << " reaches before step 1: they start at step " << from_step << ")\n";
+  }
+  os << "\n";
   std::size_t w = 18;
   for (const VariantResult& v : variants) w = std::max(w, v.name.size());
   auto line = [&](const std::string& rank, const VariantResult& v) {
@@ -662,7 +700,7 @@ std::string Diagnosis::report() const {
     os << ".\n";
   }
   if (!not_applicable.empty()) {
-    os << "\nnot tried (the scenario's program owns the setting):\n";
+    os << "\nnot tried:\n";
     for (const std::string& why : not_applicable) os << "  " << why << "\n";
   }
   return os.str();
@@ -688,6 +726,7 @@ nlohmann::json Diagnosis::to_json() const {
   j["failure"] = failure;
   j["failure_kind"] = failure_kind;
   j["from_step"] = from_step;
+  j["lookback"] = lookback;
   j["to_step"] = to_step;
   j["classification"] = {{"kind", classification.kind},
                          {"step", classification.step},

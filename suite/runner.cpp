@@ -335,7 +335,28 @@ void find_breakage(const ExpectSpec& e, ScenarioResult& r) {
   }
 }
 
+// A loss that ran away after the fault, finite: its largest applied loss from the fault's step on
+// (an injection's own steps left out) more than kRanAway times the median of the applied losses
+// before it, said in a line ("" where not, or no step before the fault).
+inline constexpr double kRanAway = 2;
+std::string loss_ran_away(const ScenarioResult& r) {
+  std::vector<double> before;
+  const StepPoint* peak = nullptr;
+  for (const StepPoint& p : r.steps) {
+    if (p.skipped || !std::isfinite(p.loss)) continue;
+    if (p.step < r.fault_step) before.push_back(p.loss);
+    else if (!p.injected && (!peak || p.loss > peak->loss)) peak = &p;  // a loss_spike's own step is the fault
+  }
+  if (before.empty() || !peak) return "";
+  std::nth_element(before.begin(), before.begin() + static_cast<std::ptrdiff_t>(before.size() / 2), before.end());
+  const double median = before[before.size() / 2];
+  if (!(median > 0) || !(peak->loss > kRanAway * median)) return "";
+  return "its loss rose from a median of " + fmt(median) + " before the fault to " + fmt(peak->loss) + " at step " +
+         std::to_string(peak->step) + " and ends at " + fmt(r.final_loss);
+}
+
 }  // namespace
+
 
 void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
   const bool raise_expected = e.raises.value_or(false);
@@ -395,6 +416,10 @@ void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
           reason("negative control held: the fault broke nothing its expectations count (its loss was non-finite "
                  "from step " +
                  std::to_string(r.first_nonfinite_loss_step) + " on: add loss_finite: true to count that)" + early);
+        } else if (const std::string rose = loss_ran_away(r); !e.final_loss_below && !rose.empty()) {
+          // Nor a loss that ran away, finite: breakage only where final_loss_below asks.
+          reason("negative control held: the fault broke nothing its expectations count (" + rose +
+                 ": add final_loss_below to count that)" + early);
         } else {
           reason("negative control held: the fault did not bite" + early);
         }
@@ -499,6 +524,7 @@ const char* to_string(BreakKind kind) {
     case BreakKind::kRanksSplit: return "ranks_split";
     case BreakKind::kNonFiniteOptimizerState: return "non_finite_optimizer_state";
     case BreakKind::kNonFiniteBuffers: return "non_finite_buffers";
+    case BreakKind::kSaturatedBuffers: return "saturated_buffers";
   }
   return "?";
 }
@@ -538,9 +564,10 @@ StepNoteKind parse_step_note_kind(const std::string& name) {
 }
 
 BreakKind parse_break_kind(const std::string& name) {
-  for (BreakKind k : {BreakKind::kNonFiniteParams, BreakKind::kNonFiniteLoss, BreakKind::kFinalLoss,
-                      BreakKind::kSilentRecompute, BreakKind::kNoProgress, BreakKind::kRaised, BreakKind::kRanksSplit,
-                      BreakKind::kNonFiniteOptimizerState, BreakKind::kNonFiniteBuffers}) {
+  for (BreakKind k :
+       {BreakKind::kNonFiniteParams, BreakKind::kNonFiniteLoss, BreakKind::kFinalLoss, BreakKind::kSilentRecompute,
+        BreakKind::kNoProgress, BreakKind::kRaised, BreakKind::kRanksSplit, BreakKind::kNonFiniteOptimizerState,
+        BreakKind::kNonFiniteBuffers, BreakKind::kSaturatedBuffers}) {
     if (name == to_string(k)) return k;
   }
   throw Error("unknown breakage kind '" + name + "' in a scenario result");
@@ -860,6 +887,12 @@ class ScenarioRun {
       const at::Tensor finite = a.masked_select(a.isfinite());
       if (finite.numel() > 0) r_.optimizer_state_scale[n.name] = finite.median().item<double>();
     }
+    for (const NamedTensor& n : state) {
+      if (n.kind != TensorKind::kBuffer || !n.tensor.is_floating_point() || n.tensor.numel() == 0) continue;
+      const at::Tensor a = n.tensor.detach().abs().to(at::kDouble);
+      const at::Tensor finite = a.masked_select(a.isfinite());
+      if (finite.numel() > 0) r_.buffer_scale[n.name] = finite.max().item<double>();
+    }
   }
 
  private:
@@ -1071,6 +1104,7 @@ Counterfactual summary_of(CounterfactualKind kind, const ScenarioResult& c) {
   out.final_loss = c.final_loss;
   out.param_movement = c.param_movement;
   out.optimizer_state_scale = c.optimizer_state_scale;
+  out.buffer_scale = c.buffer_scale;
   out.breakage = c.breakage;
   out.steps = c.steps;
   return out;
@@ -1218,26 +1252,46 @@ void weigh_fault_free(const ExpectSpec& e, const CounterfactualPlan& plan, const
 // fault nor the defenses that trains and stays finite (its state is the scale: an fp16 run whose
 // gradients all underflow leaves its state at 0, and any other "saturated"); "" where none grew
 // kSaturatedState times or more.
+// The same for a buffer (kind buffer in state(): BatchNorm's running statistics), by its largest
+// finite magnitude (ScenarioResult::buffer_scale): finite, the non_finite_buffers rule does not see
+// it, and the training-mode forward normalizes by the batch's own statistics -- the loss does not
+// show it either.
 struct Saturation {
   std::string name;
   double scale = 0, scale0 = 0;
+  bool buffer = false;
   explicit operator bool() const { return !name.empty(); }
   std::string text() const {
-    return "its optimizer's state '" + name + "' ends with a median magnitude of " + fmt(scale) + ", " +
-           fmt(scale / scale0) + " times the run's with neither the fault nor the defenses (" + fmt(scale0) + ")";
+    return std::string(buffer ? "its buffer '" : "its optimizer's state '") + name + "' ends with a " +
+           (buffer ? "largest" : "median") + " magnitude of " + fmt(scale) + ", " + fmt(scale / scale0) +
+           " times the run's with neither the fault nor the defenses (" + fmt(scale0) + ")";
   }
+  // What follows from it, after text().
+  std::string consequence() const {
+    return buffer ? "the fault's numbers stay in the model's buffers, and what reads them computes with them "
+                    "(BatchNorm's running statistics: the eval-mode forward normalizes by them)"
+                  : "the fault's numbers stay in it and scale the updates down while it keeps them";
+  }
+  BreakKind kind() const { return buffer ? BreakKind::kSaturatedBuffers : BreakKind::kNoProgress; }
 };
 
-Saturation saturation(const std::map<std::string, double>& scale, const ScenarioResult& c0) {
+Saturation saturation(const std::map<std::string, double>& scale, const std::map<std::string, double>& scale0,
+                      const ScenarioResult& c0, bool buffer) {
   Saturation worst;
   if (!c0.params_finite || !std::isfinite(c0.param_movement) || c0.param_movement < kMovedAtAllInFloat32) return worst;
   for (const auto& [name, s] : scale) {
-    const auto it = c0.optimizer_state_scale.find(name);
-    if (it == c0.optimizer_state_scale.end() || !(it->second > 0) || !std::isfinite(s)) continue;
+    const auto it = scale0.find(name);
+    if (it == scale0.end() || !(it->second > 0) || !std::isfinite(s)) continue;
     if (s > kSaturatedState * it->second && (worst.name.empty() || s / it->second > worst.scale / worst.scale0))
-      worst = {name, s, it->second};
+      worst = {name, s, it->second, buffer};
   }
   return worst;
+}
+// The optimizer's state first, then the buffers.
+template <class Run>
+Saturation saturation(const Run& r, const ScenarioResult& c0) {
+  if (Saturation s = saturation(r.optimizer_state_scale, c0.optimizer_state_scale, c0, false)) return s;
+  return saturation(r.buffer_scale, c0.buffer_scale, c0, true);
 }
 
 // How far a run's loss fell: the mean of its applied, finite losses on the steps `head` less that
@@ -1270,35 +1324,74 @@ LossFall loss_fall(const std::vector<StepPoint>& steps, const std::set<std::int6
 // clearly). A run that falls less than kLossFallFraction as far stalled only where it also ends
 // above that fraction of the other run's way down: one that got ahead (an LR spike that trains
 // faster) has less left to fall.
+struct LossWindow {
+  std::int64_t first = 0;           // the step after the fault's first, or after the last rollback
+  std::vector<std::int64_t> steps;  // first..last, the steps no injection fired on
+  bool left_out = false;            // some step an injection fired on was left out
+  bool weighable() const { return steps.size() >= static_cast<std::size_t>(kLossFallSteps); }
+};
+LossWindow loss_window(const ScenarioResult& r, const std::vector<StepPoint>& with_fault, std::int64_t last) {
+  LossWindow w;
+  w.first = measured_after_rollback(r) ? r.param_movement_from : r.fault_step + 1;
+  for (const StepPoint& p : with_fault) {
+    if (p.step < w.first || p.step > last) continue;
+    if (p.injected) w.left_out = true;
+    else w.steps.push_back(p.step);
+  }
+  return w;
+}
+
+// The two runs' losses over the window (loss_window), means of a fifth of its steps at each end.
+struct LossComparison {
+  LossWindow window;
+  std::size_t k = 0;  // steps averaged at each end
+  LossFall with, without;
+  // The window has kLossFallSteps steps, both runs' means are finite, and the run without the fault
+  // fell at least kLearnedFraction of its level: only then is there a bar to weigh against.
+  bool reference_learned = false;
+  bool stalled = false;  // with it: fell less than kLossFallFraction as far (or its means are not
+                         // finite: not stalled, the finiteness rules speak), ending above the quarter way
+  double quarter_way = std::numeric_limits<double>::quiet_NaN();
+};
+LossComparison compare_loss(const ScenarioResult& r, const std::vector<StepPoint>& with_fault,
+                            const std::vector<StepPoint>& without_fault, std::int64_t last) {
+  LossComparison c;
+  c.window = loss_window(r, with_fault, last);
+  if (!c.window.weighable()) return c;
+  const std::vector<std::int64_t>& steps = c.window.steps;
+  c.k = steps.size() / 5;
+  const std::set<std::int64_t> head(steps.begin(), steps.begin() + static_cast<std::ptrdiff_t>(c.k)),
+      tail(steps.end() - static_cast<std::ptrdiff_t>(c.k), steps.end());
+  c.with = loss_fall(with_fault, head, tail);
+  c.without = loss_fall(without_fault, head, tail);
+  c.reference_learned = std::isfinite(c.without.fall()) &&
+                        c.without.fall() >= kLearnedFraction * std::abs(c.without.start);
+  if (!c.reference_learned || !std::isfinite(c.with.fall())) return c;
+  c.quarter_way = c.without.start - kLossFallFraction * c.without.fall();
+  c.stalled = c.with.fall() / c.without.fall() < kLossFallFraction && c.with.end > c.quarter_way;
+  return c;
+}
+
+// "rose 0.1 (4.1 -> 4.2)": how a run's loss went over the window.
+std::string went(const LossFall& f) {
+  return (f.fall() >= 0 ? "fell " + fmt(f.fall()) : "rose " + fmt(-f.fall())) + " (" + fmt(f.start) + " -> " +
+         fmt(f.end) + ")";
+}
+
 std::string stalled(const ScenarioResult& r, const std::vector<StepPoint>& with_fault,
                     const std::vector<StepPoint>& without_fault, std::int64_t last) {
-  const std::int64_t first = measured_after_rollback(r) ? r.param_movement_from : r.fault_step + 1;
-  // The window's steps no injection fired on; a fifth of them at each end.
-  std::vector<std::int64_t> steps;
-  bool left_out = false;
-  for (const StepPoint& p : with_fault) {
-    if (p.step < first || p.step > last) continue;
-    if (p.injected) left_out = true;
-    else steps.push_back(p.step);
-  }
-  const std::size_t k = steps.size() / 5;
-  if (steps.size() < static_cast<std::size_t>(kLossFallSteps)) return "";
-  const std::set<std::int64_t> head(steps.begin(), steps.begin() + static_cast<std::ptrdiff_t>(k)),
-      tail(steps.end() - static_cast<std::ptrdiff_t>(k), steps.end());
-  const LossFall with = loss_fall(with_fault, head, tail), without = loss_fall(without_fault, head, tail);
-  if (!std::isfinite(with.fall()) || !std::isfinite(without.fall()) ||
-      !(without.fall() >= kLearnedFraction * std::abs(without.start)))
-    return "";
+  const LossComparison c = compare_loss(r, with_fault, without_fault, last);
+  if (!c.stalled) return "";
+  const LossFall& with = c.with;
+  const LossFall& without = c.without;
   const double ratio = with.fall() / without.fall();
-  const double quarter_way = without.start - kLossFallFraction * without.fall();
-  if (ratio >= kLossFallFraction || with.end <= quarter_way) return "";
   const std::string moved = with.fall() >= 0 ? "fell " + fmt(with.fall()) : "rose " + fmt(-with.fall());
-  return "over steps " + std::to_string(first) + ".." + std::to_string(last) + " its loss " + moved + " (" +
-         fmt(with.start) + " -> " + fmt(with.end) + ", means of " + std::to_string(k) + " steps at each end" +
-         (left_out ? ", injected steps left out" : "") + "), " +
+  return "over steps " + std::to_string(c.window.first) + ".." + std::to_string(last) + " its loss " + moved + " (" +
+         fmt(with.start) + " -> " + fmt(with.end) + ", means of " + std::to_string(c.k) + " steps at each end" +
+         (c.window.left_out ? ", injected steps left out" : "") + "), " +
          (with.fall() >= 0 ? fmt(ratio) + " as far as" : "where it fell " + fmt(without.fall())) +
          " without the fault (" + fmt(without.start) + " -> " + fmt(without.end) + "), and ends above " +
-         fmt(quarter_way) + ", where that run was " + fmt(kLossFallFraction) + " of its way down";
+         fmt(c.quarter_way) + ", where that run was " + fmt(kLossFallFraction) + " of its way down";
 }
 
 // r against c over the steps both ran.
@@ -1346,7 +1439,7 @@ bool weigh_training(const ScenarioResult& c0, ScenarioResult& r, LossBar bar) {
   // Where both runs report optimizer state and that run's stayed finite: the fault's numbers must
   // not stay in it -- whether or not that run moves more than its norm (a model initialised small
   // does, training as it should).
-  const Saturation saturated_state = saturation(r.optimizer_state_scale, c0);
+  const Saturation saturated_state = saturation(r, c0);
   const bool same_configuration = bar == LossBar::kSameConfiguration;
   const std::string stall = same_configuration ? stalled(r, c0) : "";
   const bool trained = moved && !saturated_state && stall.empty();
@@ -1354,7 +1447,9 @@ bool weigh_training(const ScenarioResult& c0, ScenarioResult& r, LossBar bar) {
         window + ", the parameters move at least " + fmt(kTrainedFraction) +
             " as far as in the run with neither the fault nor the defenses (where that run runs away, " +
             fmt(kMovedAtAll) + " of their norm), and at least " + fmt(kMovedAtAllInFloat32) +
-            " of their norm; and the optimizer's state ends below " + fmt(kSaturatedState) + " times that run's" +
+            " of their norm; and the optimizer's state (its median magnitude) and the buffers (their largest) end "
+            "below " +
+            fmt(kSaturatedState) + " times that run's" +
             (same_configuration ? "; and where that run's loss falls clearly, this one's falls at least " +
                                       fmt(kLossFallFraction) + " as far"
                                 : std::string()),
@@ -1364,16 +1459,30 @@ bool weigh_training(const ScenarioResult& c0, ScenarioResult& r, LossBar bar) {
             (saturated_state ? "; " + saturated_state.text() : std::string()) +
             (stall.empty() ? std::string() : "; " + stall),
         trained);
-  if (trained) return bar == LossBar::kDefended && !stalled(r, c0).empty();
+  if (trained && bar == LossBar::kDefended) {
+    // Its loss against the run with neither: where it stalled, the run with the defenses and
+    // without the fault decides (weigh_defended_loss); the numbers stay in the check's evidence.
+    const std::string against_bare = stalled(r, c0);
+    if (against_bare.empty()) return false;
+    r.checks.back().observed += "; against that run " + against_bare;
+    return true;
+  }
+  if (trained) return false;
   std::string why =
       "the parameters moved " + fmt(m) + " of their norm from step " + std::to_string(r.param_movement_from) + " on";
   if (moved && !saturated_state) {
     why = "its loss stalled: " + stall + " (the parameters moved " + fmt(m) + " of their norm, " + fmt(ratio) +
           " as far: moving is not training)";
+  } else if (moved && saturated_state.buffer) {
+    r.reasons.push_back(reason_of(r.checks.back()));
+    r.passed = false;
+    r.broke = true;
+    r.breakage.push_back(
+        {saturated_state.kind(), r.last_step, saturated_state.text() + ": " + saturated_state.consequence(), true});
+    return false;
   } else if (moved) {
-    why = saturated_state.text() +
-          ": the fault's numbers stay in it and scale the updates down while it keeps them (the parameters moved " +
-          fmt(m) + " of their norm from step " + std::to_string(r.param_movement_from) + " on, " + fmt(ratio) +
+    why = saturated_state.text() + ": " + saturated_state.consequence() + " (the parameters moved " + fmt(m) +
+          " of their norm from step " + std::to_string(r.param_movement_from) + " on, " + fmt(ratio) +
           " as far: moving is not training)";
   } else if (!runs_away && m0 < kMovedAtAllInFloat32) {
     why += ", and " + fmt(m0) + " without the fault and the defenses: the configuration does not train";
@@ -1403,15 +1512,32 @@ void weigh_defended_loss(const ScenarioResult& c, ScenarioResult& r) {
     r.passed = false;
     return;
   }
-  const std::string stall = stalled(r, c);
-  if (stall.empty()) {
-    trained.observed += "; its loss fell at least " + fmt(kLossFallFraction) +
-                        " as far as the run's with its defenses and without the fault";
+  const std::int64_t last = std::min(r.last_step, c.last_step);
+  const LossComparison cmp = compare_loss(r, r.steps, c.steps, last);
+  if (cmp.stalled) {
+    const std::string stall = stalled(r, c);
+    trained.passed = false;
+    trained.observed += "; " + stall + " (with its defenses)";
+    training_stopped(r, trained, "its loss stalled: " + stall + " (with its defenses)");
     return;
   }
-  trained.passed = false;
-  trained.observed += "; " + stall + " (with its defenses)";
-  training_stopped(r, trained, "its loss stalled: " + stall + " (with its defenses)");
+  if (cmp.window.weighable() && std::isfinite(cmp.without.fall()) && !cmp.reference_learned) {
+    // The defenses all but stop training without the fault too (a clip at 1e-6 with weight decay
+    // shrinking the weights, an LR x 0.1 over 60 steps): against that run the fault changes
+    // nothing, and that shows nothing held -- nor that anything broke. The verdict is not earned.
+    trained.passed = false;
+    trained.observed += "; could not tell: with its defenses and without the fault its loss " + went(cmp.without) +
+                        " over steps " + std::to_string(cmp.window.first) + ".." + std::to_string(last) +
+                        ", less than " + fmt(kLearnedFraction) +
+                        " of its level, where the run with neither the fault nor the defenses learns: the defenses "
+                        "alone (all but) stop training, and that the fault changes nothing beside them shows "
+                        "nothing held; test the defense where it lets the model learn";
+    r.reasons.push_back(reason_of(trained));
+    r.passed = false;
+    return;
+  }
+  trained.observed += "; its loss fell at least " + fmt(kLossFallFraction) +
+                      " as far as the run's with its defenses and without the fault";
 }
 
 // fault_bites' expectation, as the undefended and the bare run state it.
@@ -1442,7 +1568,7 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
     observed = "raised the same: step " + std::to_string(c.raised_at_step) + " raised: " + c.error +
                "; the defenses did not make the raise";
   } else if (c.breakage.empty() && !spec.injections.empty() &&
-             (!c.optimizer_state_scale.empty() || c.last_step - r.fault_step >= kLossFallSteps)) {
+             (!c.optimizer_state_scale.empty() || loss_window(r, c.steps, c.last_step).weighable())) {
     // It held, by every rule of its own: whether the fault left its optimizer's state saturated
     // (training frozen, the numbers finite) or its loss stalled, the run with neither says.
     CounterfactualPlan next = plan;
@@ -1487,11 +1613,9 @@ CounterfactualPlan weigh_bare(const ScenarioSpec& spec, const CounterfactualPlan
   // with the fault).
   if (cf.params_finite &&
       std::none_of(cf.breakage.begin(), cf.breakage.end(), [](const Breakage& x) { return x.counts; })) {
-    if (const Saturation s = saturation(cf.optimizer_state_scale, c0)) {
-      cf.breakage.push_back({BreakKind::kNoProgress, cf.last_step,
-                             "training did not go on: " + s.text() +
-                                 ": the fault's numbers stay in it and scale the updates down while it keeps them",
-                             true});
+    if (const Saturation s = saturation(cf, c0)) {
+      cf.breakage.push_back({s.kind(), cf.last_step,
+                             (s.buffer ? "" : "training did not go on: ") + s.text() + ": " + s.consequence(), true});
     } else if (const std::string stall = stalled(r, cf.steps, c0.steps, std::min(cf.last_step, c0.last_step));
                !stall.empty()) {
       cf.breakage.push_back(
@@ -1544,7 +1668,7 @@ void weigh_undefended_model(const ScenarioResult& c, ScenarioResult& r) {
 }  // namespace
 
 std::optional<std::string> saturated_state(const ScenarioResult& r, const ScenarioResult& without) {
-  const Saturation s = saturation(r.optimizer_state_scale, without);
+  const Saturation s = saturation(r, without);
   if (!s) return std::nullopt;
   return s.text();
 }
@@ -1750,6 +1874,7 @@ nlohmann::json ScenarioResult::to_json() const {
   j["param_movement_from"] = param_movement_from;
   j["fault_last_step"] = fault_last_step;
   j["optimizer_state_scale"] = scale_json(optimizer_state_scale);
+  j["buffer_scale"] = scale_json(buffer_scale);
   for (double v : losses) j["losses"].push_back(num(v));
   for (double v : scales) j["scales"].push_back(num(v));
   for (double v : lrs) j["lrs"].push_back(num(v));
@@ -1811,6 +1936,7 @@ nlohmann::json ScenarioResult::to_json() const {
                          {"final_loss", num(counterfactual.final_loss)},
                          {"param_movement", num(counterfactual.param_movement)},
                          {"optimizer_state_scale", scale_json(counterfactual.optimizer_state_scale)},
+                         {"buffer_scale", scale_json(counterfactual.buffer_scale)},
                          {"breakage", breakage_json(counterfactual.breakage)}};
   j["reasons"] = reasons;
   j["checks"] = nlohmann::json::array();
@@ -1858,6 +1984,8 @@ ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
   r.param_movement_from = j.at("param_movement_from");
   r.fault_last_step = j.at("fault_last_step");
   for (const auto& [name, s] : j.at("optimizer_state_scale").items()) r.optimizer_state_scale[name] = from_num(s);
+  if (j.contains("buffer_scale"))
+    for (const auto& [name, s] : j["buffer_scale"].items()) r.buffer_scale[name] = from_num(s);
   if (j.contains("losses"))
     for (const auto& v : j["losses"]) r.losses.push_back(from_num(v));
   if (j.contains("scales"))
@@ -1918,6 +2046,8 @@ ScenarioResult ScenarioResult::from_json(const nlohmann::json& j) {
   r.counterfactual.param_movement = from_num(cf.at("param_movement"));
   for (const auto& [name, s] : cf.at("optimizer_state_scale").items())
     r.counterfactual.optimizer_state_scale[name] = from_num(s);
+  if (cf.contains("buffer_scale"))
+    for (const auto& [name, s] : cf["buffer_scale"].items()) r.counterfactual.buffer_scale[name] = from_num(s);
   r.counterfactual.breakage = breakage_from_json(cf.at("breakage"));
   r.reasons = j.at("reasons").get<std::vector<std::string>>();
   for (const auto& c : j.at("checks")) {

@@ -42,7 +42,11 @@ void print_result(std::ostream& out, const ReplayResult& result, const std::stri
     out << "warning: forced despite " << d.field << " " << d.recorded << " -> " << d.current << "\n";
   out << who << "replayed steps " << result.from_step << ".." << result.to_step;
   if (result.to_step < result.target_step) out << " of " << result.from_step << ".." << result.target_step;
-  out << ": " << (result.reproduced ? "reproduced bitwise" : "DIVERGED") << "\n";
+  out << ": "
+      << (result.reproduced          ? "reproduced bitwise"
+          : result.not_shown.empty() ? "DIVERGED"
+                                     : "NOT SHOWN (nothing recorded to compare: " + result.not_shown + ")")
+      << "\n";
   if (!result.ended_early.empty()) {
     out << "the replay ended before step " << result.target_step << ": " << result.ended_early << "; ";
     if (result.to_step + 1 == result.target_step) out << "step " << result.target_step << " was not replayed\n";
@@ -104,8 +108,9 @@ int run_replay(const std::vector<std::string>& args) {
       "replay raises the same message at the same step. A rank of a data-parallel run replays alone,\n"
       "its collectives served from its trace. Given several rank traces of one run, names the rank\n"
       "that went bad first (retrace inspect) and replays it to its first non-finite op; with none,\n"
-      "replays every rank. Exit code 0 reproduced bitwise, 1 diverged\n"
-      "(or raised where the recorded run did not, or the other way round), 2 bad input.\n\n"
+      "replays every rank. Exit code 0 reproduced bitwise, 1 diverged (or raised where the\n"
+      "recorded run did not, or the other way round) or not shown (the trace holds no outcome of\n"
+      "the steps replayed: the run died in the one step asked for), 2 bad input.\n\n"
       "options");
   opts.add_options()("help,h", "show this help")("step", po::value<std::int64_t>(&step),
                                                  "last step to replay (default: the last recorded)")(

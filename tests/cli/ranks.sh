@@ -63,6 +63,13 @@ culprit)
   timeout 120 "$bin" replay "$work/nan.rank1.trace" "$work/nan.rank0.trace" >"$work/replay" 2>&1 || fail "replay: $(cat "$work/replay")"
   grep -q "rank 1 alone: replayed steps 3..3: reproduced bitwise" "$work/replay" &&
     grep -q "first non-finite value at step 3" "$work/replay" || fail "culprit replay: $(cat "$work/replay")"
+  # Rank 0 alone, the victim: its first non-finite op is where it computed with rank 1's NaN, and
+  # the replay says the NaN came in through the all-reduce (it had named rank 0's own op alone).
+  # Control: rank 1's replay, whose own contribution went non-finite, does not say so.
+  timeout 120 "$bin" replay "$work/nan.rank0.trace" >"$work/victim" 2>&1
+  grep -q "step 3 collective #0 allreduce(sum) handed rank 0 [0-9]* non-finite value(s) though its own contribution was finite: they came from another rank" "$work/victim" ||
+    fail "victim replay: $(cat "$work/victim")"
+  if grep -q "though its own contribution was finite" "$work/replay"; then fail "culprit said to be a victim: $(cat "$work/replay")"; fi
   # Control: the same on rank 0 names rank 0.
   scenario nan0 "injections: [{type: grad_nonfinite, step: 2, mode: nan, rank: 0}]"
   set +e

@@ -88,8 +88,19 @@ set -e
 RETRACE_FAULT_KILL_AT_STEP=3 "$bin" record "$scenarios/tiny-gpt.yaml" -o "$work/nocrash.trace" --steps 3 >/dev/null 2>&1 \
   || fail "the retrace binary has a crash point (RETRACE_FAULT_KILL_AT_STEP killed it)"
 [[ -f "$work/crash.trace.incomplete" && ! -f "$work/crash.trace" ]] || fail "no .incomplete trace after SIGKILL"
-"$bin" replay "$work/crash.trace.incomplete" >"$work/crash.out" || fail "crash replay failed"
+# By default from the snapshot before the dying step: step 2 is compared, step 3 re-executed.
+"$bin" replay "$work/crash.trace.incomplete" >"$work/crash.out" || fail "crash replay failed: $(cat "$work/crash.out")"
 grep -q "step 3 has no recorded outcome" "$work/crash.out" || fail "crash step not re-executed: $(cat "$work/crash.out")"
+grep -q "replayed steps 2..3: reproduced bitwise" "$work/crash.out" || fail "crash replay: $(cat "$work/crash.out")"
+# The dying step alone (--from 3: its write-ahead snapshot): nothing recorded of its outcome to
+# compare, so not shown to reproduce (exit 1; it had said "reproduced bitwise").
+set +e
+"$bin" replay "$work/crash.trace.incomplete" --from 3 >"$work/crash3.out"
+rc=$?
+set -e
+[[ $rc -eq 1 ]] || fail "the dying step alone replayed with exit $rc, not 1: $(cat "$work/crash3.out")"
+grep -q "replayed steps 3..3: NOT SHOWN (nothing recorded to compare: step 3 has no recorded outcome" "$work/crash3.out" ||
+  fail "the dying step alone was not said to show nothing: $(cat "$work/crash3.out")"
 
 # 5. SIGTERM with a flight ring: the ring is written, the process dies by the signal.
 "$bin" record "$scenarios/tiny-gpt.yaml" -o "$work/term.trace" --ring 2 --steps 100000 >/dev/null 2>&1 &

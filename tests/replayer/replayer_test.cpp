@@ -623,6 +623,119 @@ TEST(Replay, StepThatRaisedReproducesItsException) {
   fs::remove(old);
 }
 
+// A step whose outcome the trace does not hold (the run died in it) replayed alone compared nothing
+// but its segment records at most: not shown to reproduce (red-team finding: "reproduced bitwise"
+// for a trace cut right after step 3's step_begin). Controls: from step 1, steps 1 and 2 are compared
+// and reproduce; by default the replay starts from step 2's snapshot, the one before the death. A step_end missing before later steps, or two of one step, is a damaged trace
+// (it had been taken for the step a run died in, and the replay said "reproduced bitwise").
+TEST(Replay, AStepWithoutItsRecordedOutcomeIsNotShownToReproduce) {
+  RecorderOptions options;
+  options.mode = RecordMode::kFull;
+  const Recorded rec = record(kGpt, "died_full", options);
+  const auto no_edit = [](Record&, std::vector<TensorToWrite>&) {};
+  const std::string cut = temp_path("died_cut");
+  rewrite(rec.path, cut, no_edit, nullptr,
+          [](const RecordInfo& r) { return r.step < 3 || r.type == RecordType::kStepBegin; });
+  ReplayOptions from3;
+  from3.from = 3;
+  ReplayResult r = replay(cut, from3);
+  EXPECT_EQ(r.from_step, 3);
+  EXPECT_FALSE(r.reproduced);
+  EXPECT_FALSE(r.first_divergence.has_value());
+  EXPECT_NE(r.not_shown.find("step 3 has no recorded outcome (the run died during it): the trace holds nothing of "
+                             "it after its start to compare with"),
+            std::string::npos)
+      << r.not_shown;
+  EXPECT_EQ(r.to_json()["not_shown"], r.not_shown);
+  ReplayOptions from1;
+  from1.from = 1;
+  r = replay(cut, from1);
+  EXPECT_TRUE(r.reproduced) << r.not_shown;
+  EXPECT_EQ(r.to_step, 3);
+  EXPECT_TRUE(r.not_shown.empty());
+  // By default from the snapshot before the step it died in: step 2 compared, step 3 re-executed.
+  r = replay(cut);
+  EXPECT_EQ(r.from_step, 2);
+  EXPECT_TRUE(r.reproduced) << r.not_shown;
+
+  // Cut before step 3's step_end only: its segment records are compared, its outcome is not.
+  const std::string segments = temp_path("died_segments");
+  rewrite(rec.path, segments, no_edit, nullptr,
+          [](const RecordInfo& r) { return !(r.step == 3 && r.type == RecordType::kStepEnd); });
+  r = replay(segments, from3);
+  EXPECT_FALSE(r.reproduced);
+  EXPECT_NE(r.not_shown.find("segment record(s) were compared, matching as far as they go; its loss, gradients and "
+                             "state after it were never recorded"),
+            std::string::npos)
+      << r.not_shown;
+
+  // Step 2's step_end gone, step 3 recorded: damage, not a death.
+  const std::string gap = temp_path("died_gap");
+  rewrite(rec.path, gap, no_edit, nullptr,
+          [](const RecordInfo& r) { return !(r.step == 2 && r.type == RecordType::kStepEnd); });
+  ReplayOptions to3 = from1;
+  to3.step = 3;
+  try {
+    replay(gap, to3);
+    ADD_FAILURE() << "a trace without step 2's step_end replayed";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("step 2 has a step_begin record (byte offset "), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("but no step_end, and the trace goes on to step 3: a record is missing"),
+              std::string::npos)
+        << e.what();
+  }
+  // Step 2's step_end relabelled as step 1's: step 1 has two.
+  const std::string twice = temp_path("died_twice");
+  rewrite(rec.path, twice, [](Record& r, std::vector<TensorToWrite>&) {
+    if (r.type == RecordType::kStepEnd && r.meta.value("step", -1) == 2) r.meta["step"] = 1;
+  });
+  try {
+    replay(twice, to3);
+    ADD_FAILURE() << "a trace with two step_end records of step 1 replayed";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the trace holds two step_end records of step 1 (at byte offsets "),
+              std::string::npos)
+        << e.what();
+  }
+  for (const std::string& p : {rec.path, cut, segments, gap, twice}) fs::remove(p);
+}
+
+// A step_end whose scalars say something else than the replay computes -- another loss, a skip the
+// replay did not make, another LR -- diverges at "(step_end)", though every tensor digest matched
+// (red-team finding: a trace whose step 2 said "skipped" replayed "bitwise"). Control: the same
+// trace re-encoded unchanged reproduces.
+TEST(Replay, AStepEndWhoseRecordedOutcomeDiffersDiverges) {
+  const Recorded rec = record(kGpt, "outcome_fields", RecorderOptions{});
+  const auto edited = [&](const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
+    const std::string out = temp_path(name);
+    rewrite(rec.path, out, [&](Record& r, std::vector<TensorToWrite>&) {
+      if (r.type == RecordType::kStepEnd && r.meta.value("step", -1) == 2) edit(r.meta);
+    });
+    ReplayOptions from1;
+    from1.from = 1;
+    const ReplayResult result = replay(out, from1);
+    fs::remove(out);
+    return result;
+  };
+  EXPECT_TRUE(edited("outcome_same", [](nlohmann::json&) {}).reproduced);
+  const auto diverged_with = [](const ReplayResult& r, const std::string& what) {
+    EXPECT_FALSE(r.reproduced);
+    ASSERT_TRUE(r.first_divergence.has_value());
+    EXPECT_EQ(r.first_divergence->step, 2);
+    EXPECT_EQ(r.first_divergence->segment, "(step_end)");
+    EXPECT_NE(r.first_divergence->detail.find("the step's recorded outcome differs from the replay's: " + what),
+              std::string::npos)
+        << r.first_divergence->detail;
+  };
+  diverged_with(edited("outcome_loss", [](nlohmann::json& m) { m["loss"] = m["loss"].get<double>() + 1; }),
+                "loss recorded ");
+  diverged_with(edited("outcome_skipped", [](nlohmann::json& m) { m["skipped"] = true; }),
+                "skipped recorded true, replayed false");
+  diverged_with(edited("outcome_lr", [](nlohmann::json& m) { m["lr"] = 0.009; }), "lr recorded 0.009, replayed ");
+  fs::remove(rec.path);
+}
+
 // Negative controls: another message, a raise the recorded run did not have, and a recorded raise
 // the replay does not repeat are each a divergence at step 3.
 TEST(Replay, StepThatRaisedOtherwiseThanRecordedDiverges) {

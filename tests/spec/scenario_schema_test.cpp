@@ -178,6 +178,32 @@ TEST(Schema, KeysAndSegmentsThatCannotWorkAreErrors) {
                "key 'injections[0].bit': must be between 0 and 31");
   expect_error("injections: [{type: bit_flip, target: weights, segment: block0}]\n", "is only for target activations");
   expect_error("expect:\n  max_skipped_steps: |\n    1\n    x\n", "must be an integer, got the string '1 x");
+  // A scalar tagged !!str is a string, as a quoted one is (red-team finding: read as the integer 3).
+  expect_error("expect: {max_skipped_steps: !!str 3}\n",
+               "key 'expect.max_skipped_steps': must be an integer, got the string '3' (tagged !!str); write it "
+               "plainly");
+  expect_error("defenses: {skip_nonfinite: !!str true}\n", "got the string 'true' (tagged !!str)");
+  EXPECT_EQ(with("expect: {max_skipped_steps: !!int 3}\n").expect.max_skipped_steps.value_or(-1), 3);  // control
+  // A factor of 0 had been swapped for the type's default (x1000 for an LR the user meant to zero),
+  // and a factor of 1 fired and changed nothing. Controls: 0.999, -1, and a huge LayerNorm
+  // input's magnitude of 1 are faults, and parse.
+  expect_error("injections: [{type: lr_spike, factor: 0}]\n",
+               "test.yaml:6: key 'injections[0].factor': is 0, which retrace cannot take as written (0 stands for "
+               "the type's default, 1000); omit the key for that default, or give a small number such as 1e-12");
+  expect_error("injections: [{type: activation_overflow, segment: block0, factor: 0.0}]\n",
+               "the type's default, 1e+06)");
+  expect_error("injections: [{type: loss_spike, factor: 1}]\n",
+               "key 'injections[0].factor': is 1, which leaves the loss unchanged: the injection would fire and do "
+               "nothing; use another factor, or remove the injection");
+  expect_error("injections: [{type: lr_spike, factor: 1.0}]\n", "leaves the learning rate unchanged");
+  expect_error("injections: [{type: activation_overflow, segment: block0, factor: 1}]\n",
+               "leaves the segment's outputs unchanged");
+  EXPECT_EQ(with("injections: [{type: lr_spike, factor: 0.999}]\n").injections.at(0).factor, 0.999);
+  EXPECT_EQ(with("injections: [{type: loss_spike, factor: -1}]\n").injections.at(0).effective_factor(), -1);
+  EXPECT_EQ(with("injections: [{type: layernorm_input, segment: block0, mode: huge, factor: 1}]\n")
+                .injections.at(0)
+                .effective_factor(),
+            1);
 }
 
 // Data-parallel keys: world_size, an injection's rank, skip_nonfinite_ranks; each bad value is

@@ -42,6 +42,16 @@ TEST(Diagnose, NamesTheFixForFp16OverflowLrSpikeAndRngDesync) {
   EXPECT_TRUE(has(f1, "fp32")) << overflow.report();
   EXPECT_FALSE(has(f1, "clip 1.0")) << overflow.report();  // clipping cannot fix an Inf forward
   EXPECT_TRUE(overflow.variants.front().fixes);            // ranked: fixing variants first
+  // Its overflow is injected in a checkpointed segment's forward: without checkpointing it cannot
+  // fire, which would "fix" it by showing nothing (red-team finding). Not tried, and said so. (The
+  // RNG desync below is checkpointing's own: there it is tried, and fixes.)
+  EXPECT_TRUE(std::none_of(overflow.variants.begin(), overflow.variants.end(), [](const VariantResult& v) {
+    return v.name == "checkpointing off";
+  })) << overflow.report();
+  EXPECT_NE(overflow.report().find("not tried:\n  checkpointing off: the scenario's fault is injected in a "
+                                   "checkpointed segment's forward and cannot fire without one"),
+            std::string::npos)
+      << overflow.report();
 
   const Diagnosis spike = diagnose_scenario(load_scenario("builtin:lr-spike-clipping-off"), untimed());
   EXPECT_EQ(spike.failing_step, -1);  // no step goes non-finite; the final loss is the failure
@@ -120,6 +130,24 @@ TEST(Diagnose, AnInjectedFaultThatRepeatsIsNotCalledTransient) {
                         untimed());
   EXPECT_FALSE(d.classification.injected_fault_repeats) << d.report();
   EXPECT_NE(d.classification.detail.find("retry is enough"), std::string::npos) << d.classification.detail;
+  EXPECT_EQ(d.from_step, 2);
+  EXPECT_EQ(d.report().find("reaches before step 1"), std::string::npos) << d.report();
+
+  // A lookback that reaches before step 1 starts at step 1, and the report says so (it had
+  // clamped without a word). Control: lookback 2 from step 3 starts at step 1 as asked, no note.
+  DiagnoseOptions far = untimed();
+  far.lookback = 5;
+  d = diagnose_scenario(parse_scenario_text(head + "injections: [{type: grad_nonfinite, step: 3}]\n", "nan.yaml"), far);
+  EXPECT_EQ(d.from_step, 1);
+  EXPECT_EQ(d.to_json().at("lookback"), 5);
+  EXPECT_NE(d.report().find("(a lookback of 5 steps from the failing step 3 reaches before step 1: they start at "
+                            "step 1)"),
+            std::string::npos)
+      << d.report();
+  far.lookback = 2;
+  d = diagnose_scenario(parse_scenario_text(head + "injections: [{type: grad_nonfinite, step: 3}]\n", "nan.yaml"), far);
+  EXPECT_EQ(d.from_step, 1);
+  EXPECT_EQ(d.report().find("reaches before step 1"), std::string::npos) << d.report();
 }
 
 // A weight flipped to 3.4e38 stays finite, so every later step is non-finite and skip_nonfinite

@@ -211,6 +211,46 @@ TEST(ProgramScenario, ABufferLeftNonFiniteBreaksARunThatSkippedItsFault) {
   EXPECT_EQ(control.nonfinite_state, "");
 }
 
+// A buffer a fault left finite but huge: an overflow of x 1e6 in the segment's output at step 3,
+// its gradients clipped to norm 1, puts the running mean ~1e5 and it decays by 0.9 a step -- every
+// finite check passes, and the training-mode loss does not read it, but the model's eval forward
+// would normalize by it (red-team finding: a BatchNorm's running_var at 8.6e34, 'ok'). Against the
+// run with neither the fault nor the defenses (its running mean below 1) the buffer ends more than
+// kSaturatedState times larger: broke (saturated_buffers). Controls: the same run without the
+// buffer held; a x 1000 overflow leaves the buffer within the bar: held.
+TEST(ProgramScenario, ABufferTheFaultLeftHugeButFiniteHeldNothing) {
+  const auto run = [](const std::string& config, const std::string& factor) {
+    return run_scenario(program_scenario(config +
+                                         "defenses: {clip: {mode: global, max_norm: 1.0}}\n"
+                                         "injections: [{type: activation_overflow, step: 3, segment: layer0, "
+                                         "factor: " +
+                                         factor + "}]\nexpect: {params_finite: true, loss_finite: true}\n"));
+  };
+  ScenarioResult r = run("config: {buffer: true}\n", "1.0e6");
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  EXPECT_TRUE(r.params_finite);
+  ASSERT_FALSE(r.breakage.empty()) << why(r);
+  EXPECT_EQ(r.breakage.back().kind, BreakKind::kSaturatedBuffers) << why(r);
+  EXPECT_NE(r.breakage.back().detail.find("its buffer 'running_mean' ends with a largest magnitude of "),
+            std::string::npos)
+      << r.breakage.back().detail;
+  EXPECT_NE(r.breakage.back().detail.find("times the run's with neither the fault nor the defenses"), std::string::npos)
+      << r.breakage.back().detail;
+  EXPECT_GT(r.buffer_scale.at("running_mean"), 1e4);
+  const ScenarioResult back = ScenarioResult::from_json(r.to_json());
+  EXPECT_EQ(back.buffer_scale, r.buffer_scale);
+  EXPECT_EQ(back.counterfactual.buffer_scale, r.counterfactual.buffer_scale);
+  EXPECT_EQ(back.breakage.back().kind, BreakKind::kSaturatedBuffers);
+
+  r = run("", "1.0e6");
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_TRUE(r.buffer_scale.empty());
+  r = run("config: {buffer: true}\n", "1000");
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_FALSE(r.buffer_scale.empty());
+}
+
 // A skipped step whose forward left a buffer non-finite (parameters finite): the replay goes on
 // past it, as past any skipped step, and says what is left non-finite (outsider finding: it ended
 // there, said 'reproduced bitwise' for the steps before and nothing of why). Without the skip the

@@ -99,6 +99,28 @@ TEST(Verdict, AControlWhoseLossWentNonFiniteUncountedSaysSo) {
   EXPECT_TRUE(r.passed) << why(r);
 }
 
+// The same for a finite loss that ran away: a loss x 100 under SGD puts the loss from ~0.4 to 1.4
+// the step after, and it ends at 0.84 -- the control held by what it counts, and says what it did
+// not count (red-team finding: "the fault did not bite" for a control whose loss went 1.38 ->
+// 72429). Control: with final_loss_below 0.5 it broke.
+TEST(Verdict, AControlWhoseLossRanAwayUncountedSaysSo) {
+  const std::string run = "name: t\nmodel: {type: mlp, layers: 2, hidden: 32, in_features: 16, out_features: 4}\n"
+                          "data: {batch: 16, seed: 1}\ntraining: {steps: 8, optimizer: sgd, lr: 0.1}\n"
+                          "injections: [{type: loss_spike, step: 3, factor: 100}]\n";
+  ScenarioResult r =
+      run_scenario(parse_scenario_text(run + "expect: {params_finite: true, diverges: true}\n", "t.yaml"));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_TRUE(has_reason(r, "negative control held: the fault broke nothing its expectations count (its loss rose "
+                            "from a median of 0.4"))
+      << why(r);
+  EXPECT_TRUE(has_reason(r, " before the fault to 1.41")) << why(r);
+  EXPECT_TRUE(has_reason(r, " at step 4 and ends at 0.84")) << why(r);
+  EXPECT_TRUE(has_reason(r, ": add final_loss_below to count that)")) << why(r);
+  r = run_scenario(
+      parse_scenario_text(run + "expect: {params_finite: true, final_loss_below: 0.5, diverges: true}\n", "t.yaml"));
+  EXPECT_TRUE(r.passed) << why(r);
+}
+
 TEST(Verdict, AControlThatFailsAnUnrelatedExpectationFails) {
   // A benign mantissa flip: nothing breaks; min_rollbacks fails only because rollback is off.
   ScenarioResult r = run_scenario(with("injections: [{type: bit_flip, step: 2, target: weights, bit: 2}]\n"
@@ -189,7 +211,7 @@ TEST(Verdict, BreakageBeforeTheFaultDoesNotCount) {
   EXPECT_EQ(r.evidence()->kind, BreakKind::kSilentRecompute);
   EXPECT_EQ(r.outcome(), "broke");
   // And a control whose fault did not bite, with nothing broken before it, held.
-  r = run_scenario(with("injections: [{type: loss_spike, step: 3, factor: 1.0}]\nexpect: {params_finite: true, "
+  r = run_scenario(with("injections: [{type: loss_spike, step: 3, factor: 0.999}]\nexpect: {params_finite: true, "
                         "diverges: true}\n"));
   EXPECT_FALSE(r.passed) << why(r);
   EXPECT_EQ(r.outcome(), "held") << why(r);
@@ -748,16 +770,22 @@ TEST(Verdict, AModelWhoseLossStallsAfterItsFaultHeldNothing) {
 // as without defenses. Against the run with neither the fault nor the defenses the loss fell 0.15
 // as far; a defense may slow training by design, so the run with its defenses and without the
 // fault decides: here it learns, and the fault stalled the run (broke). Controls: clipping at 1.0
-// holds it (and the undefended run's stall is the fault's bite: held, earned); an LR scaled by 0.1
-// beside that clip falls less far than the run with neither, as far as the run with its defenses
-// and without the fault does: held.
+// holds it (and the undefended run's stall is the fault's bite: held, earned); an LR scaled by 0.15
+// beside that clip over 100 steps falls less far than the run with neither, as far as the run with
+// its defenses and without the fault does: held. But an LR scaled by 0.1 over 60 steps all but
+// stops training without the fault too (its loss falls 5% of its level against 44% without the
+// defenses), and the fault changing nothing beside it shows nothing held: the verdict is not earned
+// (it had been "held, ok" -- red-team finding: a clip at 1e-6 with weight decay, which stops
+// training, held a loss spike).
 TEST(Verdict, ADefenseThatLetsTheFaultStallTheLossHeldNothing) {
-  const auto defended = [](const std::string& defenses) {
+  const auto defended = [](const std::string& defenses, int steps = 60) {
     return run_scenario(parse_scenario_text(
         "name: t\nmodel: {type: tiny_gpt, layers: 2, d_model: 32, heads: 4, vocab: 64, seq_len: 16, dropout: 0.0}\n"
-        "data: {batch: 8, seed: 1}\ntraining: {steps: 60, optimizer: adam, lr: 0.003, segments: 0}\n"
-        "injections: [{type: loss_spike, step: 3, factor: 300}]\nexpect: {params_finite: true, loss_finite: true}\n"
-        "defenses: " +
+        "data: {batch: 8, seed: 1}\ntraining: {steps: " +
+            std::to_string(steps) +
+            ", optimizer: adam, lr: 0.003, segments: 0}\n"
+            "injections: [{type: loss_spike, step: 3, factor: 300}]\nexpect: {params_finite: true, loss_finite: true}\n"
+            "defenses: " +
             defenses + "\n",
         "t.yaml"));
   };
@@ -783,15 +811,28 @@ TEST(Verdict, ADefenseThatLetsTheFaultStallTheLossHeldNothing) {
   ASSERT_NE(trained, nullptr) << why(r);
   EXPECT_EQ(trained->observed.find("its loss"), std::string::npos) << trained->observed;  // no third run
 
-  r = defended("{clip: {mode: global, max_norm: 1.0}, lr_scale: 0.1}");
+  r = defended("{clip: {mode: global, max_norm: 1.0}, lr_scale: 0.15}", 100);
   EXPECT_TRUE(r.passed) << why(r);
   trained = find_check(r, "trained");
   ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_NE(trained->observed.find("; against that run over steps 4..100 its loss fell "), std::string::npos)
+      << trained->observed;  // the bare run's numbers, in the evidence
   EXPECT_NE(
       trained->observed.find("; its loss fell at least 0.25 as far as the run's with its defenses and without the "
                              "fault"),
       std::string::npos)
       << trained->observed;
+
+  r = defended("{clip: {mode: global, max_norm: 1.0}, lr_scale: 0.1}");
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "held") << why(r);  // nothing shown broken either
+  trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_FALSE(trained->passed);
+  EXPECT_NE(trained->observed.find("; could not tell: with its defenses and without the fault its loss fell 0.22"),
+            std::string::npos)
+      << trained->observed;
+  EXPECT_TRUE(has_reason(r, "the defenses alone (all but) stop training")) << why(r);
 }
 
 TEST(Verdict, AControlWhoseDefensesSkippedTheWholeFinalWindowHasNoFinalLossBreakage) {

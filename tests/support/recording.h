@@ -86,9 +86,11 @@ inline ReplayResult replay(const std::string& path, ReplayOptions options = {}) 
 }
 
 // Re-encodes a trace, letting `edit_header` change the header and `edit` the records.
+// `keep`: whether to write a record at all (default: every one).
 inline void rewrite(const std::string& from, const std::string& to,
                     const std::function<void(Record&, std::vector<TensorToWrite>&)>& edit,
-                    const std::function<void(nlohmann::json&)>& edit_header = nullptr) {
+                    const std::function<void(nlohmann::json&)>& edit_header = nullptr,
+                    const std::function<bool(const RecordInfo&)>& keep = nullptr) {
   const TraceReader in(from);
   nlohmann::json header = in.header();
   header.erase("format_version");
@@ -96,6 +98,7 @@ inline void rewrite(const std::string& from, const std::string& to,
   if (edit_header) edit_header(header);
   TraceWriter out(to, header);
   for (std::size_t i = 0; i < in.records().size(); ++i) {
+    if (keep && !keep(in.records()[i])) continue;
     Record rec = in.read(i);
     std::vector<TensorToWrite> tensors;
     for (const TensorEntry& e : rec.tensors) {

@@ -112,6 +112,10 @@ struct ReplayResult {
   // once); 0: none seen.
   std::int64_t batch_draws_rng_from = 0;
   std::optional<Divergence> first_divergence;
+  // Why the replay shows neither reproduction nor a divergence (reproduced false, no
+  // first_divergence): no step re-executed to its end, or none whose outcome the trace holds (the
+  // run died in the one step replayed). "" otherwise.
+  std::string not_shown;
   std::optional<NonFiniteOrigin> first_nonfinite;
   std::optional<RaisedStep> raised;
   std::vector<EnvironmentDifference> environment;  // bitwise-relevant differences (forced)

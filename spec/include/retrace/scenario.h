@@ -116,10 +116,17 @@ struct ScenarioSpec {
   std::string origin;  // file path or "<text>", for messages
 };
 
+// Where a scenario's text comes from. kWritten: a file or text a person wrote. kCanonical: to_yaml's,
+// as a trace's program config holds it -- of this version or an earlier one, whose text wrote an
+// injection's default factor as `factor: 0` (refused in written text, where it would silently
+// stand for the default instead of 0).
+enum class ScenarioSource { kWritten, kCanonical };
 // Parses and validates. Throws retrace::Error "FILE:LINE: key 'a.b': what is wrong; how to fix".
 ScenarioSpec parse_scenario_file(const std::string& path);
-ScenarioSpec parse_scenario_text(const std::string& text, const std::string& origin = "<text>");
-// Canonical YAML with every field; parse_scenario_text(to_yaml(s)) == s.
+ScenarioSpec parse_scenario_text(const std::string& text, const std::string& origin = "<text>",
+                                 ScenarioSource source = ScenarioSource::kWritten);
+// Canonical YAML with every field set (an injection's factor left out where it is 0, the type's
+// default); parse_scenario_text(to_yaml(s)) == s.
 std::string to_yaml(const ScenarioSpec& spec);
 
 // Whether this machine's CPU kernels (oneDNN) run an LSTM at `precision` ("fp32", "bf16", "fp16"):

@@ -63,6 +63,8 @@ struct Diagnosis {
   std::string failure_kind = "none";
   std::string failure;  // what failed in the run as it was
   std::int64_t from_step = 1, to_step = 1;
+  std::int64_t lookback = 1;            // DiagnoseOptions::lookback as asked; from_step is later
+                                        // where it reaches before step 1 (the report says so)
   VariantResult baseline;               // the run as it was, over the same window
   std::vector<VariantResult> variants;  // ranked: fixing ones first, cheapest first
   // Variants that cannot apply, one line each with why: a scenario on a registered program

@@ -142,6 +142,10 @@ enum class BreakKind {
   kNonFiniteBuffers,         // a buffer non-finite at the end, the parameters and the optimizer's
                              // state finite (step: the run's last): BatchNorm's running statistics,
                              // which eval mode reads
+  kSaturatedBuffers,         // a held run's (or the undefended run's) buffer ends kSaturatedState
+                             // times the same buffer's largest magnitude in the run with neither the
+                             // fault nor the defenses (step: the run's last): finite running
+                             // statistics of 1e34 break eval mode as NaN ones do
 };
 const char* to_string(BreakKind kind);  // "non_finite_params", ...
 
@@ -220,6 +224,7 @@ struct Counterfactual {
   double param_movement = std::numeric_limits<double>::quiet_NaN();  // ScenarioResult's, from the
                                                                      // same step as the run's
   std::map<std::string, double> optimizer_state_scale;               // ScenarioResult's
+  std::map<std::string, double> buffer_scale;                        // ScenarioResult's
   std::vector<Breakage> breakage;  // what broke in it (undefended: without_fault_step set where the
                                    // run with neither fault nor defenses showed it too, at any step)
   // Its steps, for weighing its loss against the run with neither (trained's loss bar). In memory
@@ -287,6 +292,10 @@ struct ScenarioResult {
   // kSaturatedState times the same tensor's in the run without the fault and the defenses held
   // nothing: its numbers stay in the state and scale the optimizer's updates down for as long.
   std::map<std::string, double> optimizer_state_scale;
+  // Each floating-point tensor of kind buffer in state() at the end, by name: the largest magnitude
+  // of its finite elements. One kSaturatedState times the same buffer's in the run with neither the
+  // fault nor the defenses held nothing either (BreakKind::kSaturatedBuffers).
+  std::map<std::string, double> buffer_scale;
   // The last step of the window an injection is due on, on any rank (0: none). At the run's last
   // step, no step after the fault shows training going on (kStepAfterFault).
   std::int64_t fault_last_step = 0;
