@@ -150,6 +150,36 @@ TEST(Diagnose, AnInjectedFaultThatRepeatsIsNotCalledTransient) {
   EXPECT_EQ(d.report().find("reaches before step 1"), std::string::npos) << d.report();
 }
 
+// Whose fault it is, said from the injections (red-team findings): a step that fails from the state
+// a loss spike on the step before left names that injection (it had said only "the cause is in the
+// state, the data or the code"); an injected overflow that is the cause is not called transient --
+// a real overflow comes back from the same state and data. Control: an injected NaN gradient (from
+// outside the state) still is.
+TEST(Diagnose, TheClassificationNamesTheInjectionBehindItAndDoesNotCallAnOverflowTransient) {
+  Diagnosis d = diagnose_scenario(load_scenario("builtin:loss-spike-clipping-off"), untimed());
+  EXPECT_EQ(d.classification.kind, "persistent") << d.report();
+  EXPECT_NE(d.classification.detail.find("; the scenario injected loss_spike on step 3 before it, which left that "
+                                         "state"),
+            std::string::npos)
+      << d.classification.detail;
+  d = diagnose_scenario(
+      parse_scenario_text(
+          "name: ov\nmodel: {type: mlp, layers: 2, hidden: 16, in_features: 8, out_features: 2, dropout: 0.0}\n"
+          "data: {batch: 8, seed: 1}\ntraining: {steps: 6, optimizer: adamw, lr: 0.003, segments: 2}\n"
+          "injections: [{type: activation_overflow, step: 3, segment: layer1, factor: 1.0e30}]\n"
+          "expect: {params_finite: true}\n",
+          "ov.yaml"),
+      untimed());
+  EXPECT_EQ(d.failing_step, 3) << d.report();
+  EXPECT_NE(d.classification.detail.find("comes from the step's own numbers and comes back from the same state and "
+                                         "data: loss scaling, clipping or a lower LR, not a retry"),
+            std::string::npos)
+      << d.classification.detail;
+  EXPECT_EQ(d.classification.detail.find("retry is enough"), std::string::npos) << d.classification.detail;
+  EXPECT_EQ(d.classification.detail.find("before it, which left that state"), std::string::npos)
+      << d.classification.detail;  // nothing injected before step 3
+}
+
 // A weight flipped to 3.4e38 stays finite, so every later step is non-finite and skip_nonfinite
 // skips it: training stops. Rollback beside the skip acts only on non-finite parameters and does
 // not help; rollback instead of the skip restores the state from before the flip, and fixes it.
