@@ -357,7 +357,6 @@ std::string loss_ran_away(const ScenarioResult& r) {
 
 }  // namespace
 
-
 void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
   const bool raise_expected = e.raises.value_or(false);
   r.expected_to_break = e.diverges;
@@ -1346,8 +1345,8 @@ struct LossComparison {
   LossWindow window;
   std::size_t k = 0;  // steps averaged at each end
   LossFall with, without;
-  // The window has kLossFallSteps steps, both runs' means are finite, and the run without the fault
-  // fell at least kLearnedFraction of its level: only then is there a bar to weigh against.
+  // The window has kLossFallSteps steps, and the run without the fault fell (finite means) at least
+  // kLearnedFraction of its level: only then is there a bar to weigh against.
   bool reference_learned = false;
   bool stalled = false;  // with it: fell less than kLossFallFraction as far (or its means are not
                          // finite: not stalled, the finiteness rules speak), ending above the quarter way
@@ -1568,9 +1567,11 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
     observed = "raised the same: step " + std::to_string(c.raised_at_step) + " raised: " + c.error +
                "; the defenses did not make the raise";
   } else if (c.breakage.empty() && !spec.injections.empty() &&
-             (!c.optimizer_state_scale.empty() || loss_window(r, c.steps, c.last_step).weighable())) {
-    // It held, by every rule of its own: whether the fault left its optimizer's state saturated
-    // (training frozen, the numbers finite) or its loss stalled, the run with neither says.
+             (!c.optimizer_state_scale.empty() || !c.buffer_scale.empty() ||
+              loss_window(r, c.steps, c.last_step).weighable())) {
+    // It held, by every rule of its own: whether the fault left its optimizer's state or its
+    // buffers saturated (training frozen, eval-mode statistics blown, the numbers finite) or its
+    // loss stalled, the run with neither says.
     CounterfactualPlan next = plan;
     next.kind = CounterfactualKind::kBare;
     return next;
