@@ -903,8 +903,10 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
     const StepEndRecord recorded = StepEndRecord::decode(trace.read_table(*recs.end), trace.path());
     std::string what;
     const auto differs = [&](const char* field, double was, double now) {
-      if (what.empty() && !same_double(was, now))
-        what = std::string(field) + " recorded " + number_text(was) + ", replayed " + number_text(now);
+      if (what.empty() && !same_double(was, now)) {
+        const int digits = digits_apart(was, now);  // enough digits to show them apart
+        what = std::string(field) + " recorded " + number_text(was, digits) + ", replayed " + number_text(now, digits);
+      }
     };
     differs("loss", recorded.loss, outcome.loss);
     if (!std::isnan(recorded.grad_norm)) differs("grad_norm", recorded.grad_norm, outcome.grad_norm);  // NaN: none

@@ -1257,13 +1257,16 @@ void weigh_fault_free(const ExpectSpec& e, const CounterfactualPlan& plan, const
 // show it either.
 struct Saturation {
   std::string name;
-  double scale = 0, scale0 = 0;
+  double scale = 0, scale0 = 0;  // scale0: what it is weighed against
   bool buffer = false;
+  double run0 = 0;  // the same tensor's in the run with neither (scale0, or less for a buffer)
   explicit operator bool() const { return !name.empty(); }
   std::string text() const {
     return std::string(buffer ? "its buffer '" : "its optimizer's state '") + name + "' ends with a " +
-           (buffer ? "largest" : "median") + " magnitude of " + fmt(scale) + ", " + fmt(scale / scale0) +
-           " times the run's with neither the fault nor the defenses (" + fmt(scale0) + ")";
+           (buffer ? "largest" : "median") + " magnitude of " + fmt(scale) + ", " + fmt(scale / scale0) + " times " +
+           (run0 < scale0
+                ? "1, the floor for a buffer (the run's with neither the fault nor the defenses: " + fmt(run0) + ")"
+                : "the run's with neither the fault nor the defenses (" + fmt(scale0) + ")");
   }
   // What follows from it, after text().
   std::string consequence() const {
@@ -1278,11 +1281,16 @@ Saturation saturation(const std::map<std::string, double>& scale, const std::map
                       const ScenarioResult& c0, bool buffer) {
   Saturation worst;
   if (!c0.params_finite || !std::isfinite(c0.param_movement) || c0.param_movement < kMovedAtAllInFloat32) return worst;
+  const double bar = buffer ? kSaturatedBuffer : kSaturatedState;
   for (const auto& [name, s] : scale) {
     const auto it = scale0.find(name);
     if (it == scale0.end() || !(it->second > 0) || !std::isfinite(s)) continue;
-    if (s > kSaturatedState * it->second && (worst.name.empty() || s / it->second > worst.scale / worst.scale0))
-      worst = {name, s, it->second, buffer};
+    // A buffer is weighed against at least kBufferScaleFloor: running statistics start at 0 and 1,
+    // and one a weight decay shrank toward 0 in that run makes no scale (red-team finding: 0.12
+    // called 6e26 times a running mean of 2e-28).
+    const double against = buffer ? std::max(it->second, kBufferScaleFloor) : it->second;
+    if (s > bar * against && (worst.name.empty() || s / against > worst.scale / worst.scale0))
+      worst = {name, s, against, buffer, it->second};
   }
   return worst;
 }
@@ -1345,11 +1353,18 @@ struct LossComparison {
   LossWindow window;
   std::size_t k = 0;  // steps averaged at each end
   LossFall with, without;
+  // The level the run without the fault started from: the mean of its first k applied, finite
+  // losses (NaN where it has fewer).
+  double start_level = std::numeric_limits<double>::quiet_NaN();
   // The window has kLossFallSteps steps, and the run without the fault fell (finite means) at least
-  // kLearnedFraction of its level: only then is there a bar to weigh against.
+  // kLearnedFraction of its level over the window -- or, having learned before it (it converged
+  // before the fault), from its start_level to the window's end: only then is there a bar.
   bool reference_learned = false;
-  bool stalled = false;  // with it: fell less than kLossFallFraction as far (or its means are not
-                         // finite: not stalled, the finiteness rules speak), ending above the quarter way
+  bool level_only = false;  // stalled by the level reached, not by the window's fall
+  // With it: fell less than kLossFallFraction as far over the window (not where its means are not
+  // finite: the finiteness rules speak), ending above the quarter way; or (level_only, where that
+  // run learned from its start) ended above the quarter way from start_level down to that run's end.
+  bool stalled = false;
   double quarter_way = std::numeric_limits<double>::quiet_NaN();
 };
 LossComparison compare_loss(const ScenarioResult& r, const std::vector<StepPoint>& with_fault,
@@ -1363,11 +1378,39 @@ LossComparison compare_loss(const ScenarioResult& r, const std::vector<StepPoint
       tail(steps.end() - static_cast<std::ptrdiff_t>(c.k), steps.end());
   c.with = loss_fall(with_fault, head, tail);
   c.without = loss_fall(without_fault, head, tail);
-  c.reference_learned = std::isfinite(c.without.fall()) &&
-                        c.without.fall() >= kLearnedFraction * std::abs(c.without.start);
+  double sum = 0;
+  std::size_t n = 0;
+  for (const StepPoint& p : without_fault) {
+    if (n == c.k) break;
+    if (p.skipped || !std::isfinite(p.loss)) continue;
+    sum += p.loss;
+    ++n;
+  }
+  if (n == c.k && n > 0) c.start_level = sum / static_cast<double>(n);
+  const bool learned_in_window = std::isfinite(c.without.fall()) &&
+                                 c.without.fall() >= kLearnedFraction * std::abs(c.without.start);
+  // A run without the fault that converged before the window learns nothing more in it; the run
+  // with it must still get down there (red-team finding: a defense that kept the loss at chance,
+  // ln 4, from step 1 on, "trained" beside a run that had reached 0.47 by step 30).
+  const bool learned_before = std::isfinite(c.start_level) && std::isfinite(c.without.end) &&
+                              c.start_level - c.without.end >= kLearnedFraction * std::abs(c.start_level);
+  c.reference_learned = learned_in_window || learned_before;
   if (!c.reference_learned || !std::isfinite(c.with.fall())) return c;
-  c.quarter_way = c.without.start - kLossFallFraction * c.without.fall();
-  c.stalled = c.with.fall() / c.without.fall() < kLossFallFraction && c.with.end > c.quarter_way;
+  if (learned_in_window) {
+    c.quarter_way = c.without.start - kLossFallFraction * c.without.fall();
+    c.stalled = c.with.fall() / c.without.fall() < kLossFallFraction && c.with.end > c.quarter_way;
+  }
+  // The level reached, where the run is not learning in the window itself (its loss falls less than
+  // kLearnedFraction of its level there): a run at chance whose noise falls as far as the run
+  // without the fault does near its floor has not trained (red-team finding). One still coming
+  // down from its fault (an LR spike clipped, 7.7 -> 5.0 over ten steps) is training.
+  if (!c.stalled && learned_before && c.with.fall() < kLearnedFraction * std::abs(c.with.start)) {
+    const double quarter_way = c.start_level - kLossFallFraction * (c.start_level - c.without.end);
+    if (c.with.end > quarter_way) {
+      c.stalled = c.level_only = true;
+      c.quarter_way = quarter_way;
+    }
+  }
   return c;
 }
 
@@ -1381,6 +1424,14 @@ std::string stalled(const ScenarioResult& r, const std::vector<StepPoint>& with_
                     const std::vector<StepPoint>& without_fault, std::int64_t last) {
   const LossComparison c = compare_loss(r, with_fault, without_fault, last);
   if (!c.stalled) return "";
+  if (c.level_only) {
+    return "over steps " + std::to_string(c.window.first) + ".." + std::to_string(last) + " its loss ends at " +
+           fmt(c.with.end) + " (means of " + std::to_string(c.k) + " steps" +
+           (c.window.left_out ? ", injected steps left out" : "") + "), where without the fault it ends at " +
+           fmt(c.without.end) + ", having come down from " + fmt(c.start_level) + " over its first " +
+           std::to_string(c.k) + " steps: above " + fmt(c.quarter_way) + ", less than " + fmt(kLossFallFraction) +
+           " of that way down";
+  }
   const LossFall& with = c.with;
   const LossFall& without = c.without;
   const double ratio = with.fall() / without.fall();
@@ -1446,9 +1497,9 @@ bool weigh_training(const ScenarioResult& c0, ScenarioResult& r, LossBar bar) {
         window + ", the parameters move at least " + fmt(kTrainedFraction) +
             " as far as in the run with neither the fault nor the defenses (where that run runs away, " +
             fmt(kMovedAtAll) + " of their norm), and at least " + fmt(kMovedAtAllInFloat32) +
-            " of their norm; and the optimizer's state (its median magnitude) and the buffers (their largest) end "
-            "below " +
-            fmt(kSaturatedState) + " times that run's" +
+            " of their norm; and the optimizer's state (its median magnitude) ends below " + fmt(kSaturatedState) +
+            " times that run's, and the buffers (their largest) below " + fmt(kSaturatedBuffer) +
+            " times that run's or " + fmt(kSaturatedBuffer * kBufferScaleFloor) +
             (same_configuration ? "; and where that run's loss falls clearly, this one's falls at least " +
                                       fmt(kLossFallFraction) + " as far"
                                 : std::string()),
@@ -1527,6 +1578,9 @@ void weigh_defended_loss(const ScenarioResult& c, ScenarioResult& r) {
     trained.passed = false;
     trained.observed += "; could not tell: with its defenses and without the fault its loss " + went(cmp.without) +
                         " over steps " + std::to_string(cmp.window.first) + ".." + std::to_string(last) +
+                        (std::isfinite(cmp.start_level)
+                             ? " (from " + fmt(cmp.start_level) + " over its first " + std::to_string(cmp.k) + " steps)"
+                             : std::string()) +
                         ", less than " + fmt(kLearnedFraction) +
                         " of its level, where the run with neither the fault nor the defenses learns: the defenses "
                         "alone (all but) stop training, and that the fault changes nothing beside them shows "

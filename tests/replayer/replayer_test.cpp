@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -733,6 +734,18 @@ TEST(Replay, AStepEndWhoseRecordedOutcomeDiffersDiverges) {
   diverged_with(edited("outcome_skipped", [](nlohmann::json& m) { m["skipped"] = true; }),
                 "skipped recorded true, replayed false");
   diverged_with(edited("outcome_lr", [](nlohmann::json& m) { m["lr"] = 0.009; }), "lr recorded 0.009, replayed ");
+  // One ulp apart: the two numbers are printed with the digits that tell them apart (red-team
+  // finding: "loss recorded 4.22011, replayed 4.22011").
+  const ReplayResult ulp = edited("outcome_ulp", [](nlohmann::json& m) {
+    m["loss"] = std::nextafter(m["loss"].get<double>(), std::numeric_limits<double>::infinity());
+  });
+  diverged_with(ulp, "loss recorded ");
+  if (ulp.first_divergence) {
+    const std::string& d = ulp.first_divergence->detail;
+    const std::size_t a = d.find("loss recorded ") + 14, b = d.find(", replayed ");
+    ASSERT_NE(b, std::string::npos) << d;
+    EXPECT_NE(d.substr(a, b - a), d.substr(b + 11)) << d;
+  }
   fs::remove(rec.path);
 }
 

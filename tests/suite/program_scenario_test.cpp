@@ -212,12 +212,13 @@ TEST(ProgramScenario, ABufferLeftNonFiniteBreaksARunThatSkippedItsFault) {
 }
 
 // A buffer a fault left finite but huge: an overflow of x 1e6 in the segment's output at step 3,
-// its gradients clipped to norm 1, puts the running mean ~1e5 and it decays by 0.9 a step -- every
+// its gradients clipped to norm 1, puts the running mean ~1e4 and it decays by 0.9 a step -- every
 // finite check passes, and the training-mode loss does not read it, but the model's eval forward
 // would normalize by it (red-team finding: a BatchNorm's running_var at 8.6e34, 'ok'). Against the
-// run with neither the fault nor the defenses (its running mean below 1) the buffer ends more than
-// kSaturatedState times larger: broke (saturated_buffers). Controls: the same run without the
-// buffer held; a x 1000 overflow leaves the buffer within the bar: held.
+// run with neither the fault nor the defenses (its running mean 0.04, weighed as 1, the floor) the
+// buffer ends more than kSaturatedBuffer times larger: broke (saturated_buffers); a x 3e4 overflow
+// leaves it ~300, broke too. Controls: the same run without the buffer held; a x 1000 overflow
+// leaves the buffer ~11, within the bar (it would not be against 0.04 without the floor): held.
 TEST(ProgramScenario, ABufferTheFaultLeftHugeButFiniteHeldNothing) {
   const auto run = [](const std::string& config, const std::string& factor) {
     return run_scenario(program_scenario(config +
@@ -235,7 +236,9 @@ TEST(ProgramScenario, ABufferTheFaultLeftHugeButFiniteHeldNothing) {
   EXPECT_NE(r.breakage.back().detail.find("its buffer 'running_mean' ends with a largest magnitude of "),
             std::string::npos)
       << r.breakage.back().detail;
-  EXPECT_NE(r.breakage.back().detail.find("times the run's with neither the fault nor the defenses"), std::string::npos)
+  EXPECT_NE(r.breakage.back().detail.find("times 1, the floor for a buffer (the run's with neither the fault nor the "
+                                          "defenses: 0.0"),
+            std::string::npos)
       << r.breakage.back().detail;
   EXPECT_GT(r.buffer_scale.at("running_mean"), 1e4);
   const ScenarioResult back = ScenarioResult::from_json(r.to_json());
@@ -249,6 +252,11 @@ TEST(ProgramScenario, ABufferTheFaultLeftHugeButFiniteHeldNothing) {
   r = run("config: {buffer: true}\n", "1000");
   EXPECT_TRUE(r.passed) << why(r);
   EXPECT_FALSE(r.buffer_scale.empty());
+  // x 3e4: the running mean ends ~300, past 100 times the floor (1; that run's is 0.04): broke.
+  r = run("config: {buffer: true}\n", "3.0e4");
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  EXPECT_GT(r.buffer_scale.at("running_mean"), 100);
+  EXPECT_LT(r.buffer_scale.at("running_mean"), 1e4);
 }
 
 // A skipped step whose forward left a buffer non-finite (parameters finite): the replay goes on

@@ -835,6 +835,36 @@ TEST(Verdict, ADefenseThatLetsTheFaultStallTheLossHeldNothing) {
   EXPECT_TRUE(has_reason(r, "the defenses alone (all but) stop training")) << why(r);
 }
 
+// The level reached, where the window's fall cannot tell: the run with neither the fault nor the
+// defenses has come down from 0.38 to ~0.05 by the late fault (step 30 of 60) and falls little
+// more, while an LR scaled by 0.01 keeps the defended run at ~0.42 from step 1 on, its noise
+// falling about as far over steps 31..60 (red-team finding: "held, ok" for a classifier kept at
+// chance). Against that run it stalled by its level; the run with its defenses and without the
+// fault sits there too: not earned. Control: the same skip without the LR scale holds, earned.
+TEST(Verdict, ARunKeptAtItsStartingLossBesideAConvergedRunHeldNothing) {
+  const auto run = [](const std::string& lr_scale) {
+    return run_scenario(parse_scenario_text(
+        "name: lv\nmodel: {type: mlp, layers: 2, hidden: 32, in_features: 16, out_features: 4, dropout: 0.0}\n"
+        "data: {batch: 16, seed: 1}\ntraining: {steps: 60, optimizer: adam, lr: 0.01, segments: 0}\n"
+        "injections: [{type: grad_nonfinite, step: 30}]\ndefenses: {skip_nonfinite: true, lr_scale: " +
+            lr_scale + "}\nexpect: {params_finite: true, loss_finite: true}\n",
+        "lv.yaml"));
+  };
+  ScenarioResult r = run("0.01");
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "held") << why(r);
+  const ExpectationCheck* trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_NE(trained->observed.find("; against that run over steps 31..60 its loss ends at 0.41"), std::string::npos)
+      << trained->observed;
+  EXPECT_NE(trained->observed.find(", where without the fault it ends at 0.05"), std::string::npos)
+      << trained->observed;
+  EXPECT_NE(trained->observed.find("less than 0.25 of that way down; could not tell: "), std::string::npos)
+      << trained->observed;
+  r = run("1");
+  EXPECT_TRUE(r.passed) << why(r);
+}
+
 TEST(Verdict, AControlWhoseDefensesSkippedTheWholeFinalWindowHasNoFinalLossBreakage) {
   const std::string rest =
       "defenses: {validate_batch: true}\ninjections: [{type: corrupt_batch, step: 2, duration: 3}]\n";

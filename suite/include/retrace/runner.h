@@ -82,6 +82,14 @@ inline constexpr double kMovedAtAllInFloat32 = 1.1920928955078125e-07;  // FLT_E
 // 1e32 times, while the spike's momentum and the weight decay still move the parameters. The median
 // leaves out a single element (a bit flip in one of 2048 stalls that one only).
 inline constexpr double kSaturatedState = 1e4;
+// The same bar for a buffer (kind buffer in state(): BatchNorm's running statistics), by its
+// largest magnitude (ScenarioResult::buffer_scale), against the larger of the same buffer's in that
+// run and kBufferScaleFloor: a running variance 100 times larger is a standard deviation 10 times
+// larger, and an eval-mode forward normalized by it is at chance (a fc1 output x 300 for one step
+// left running_var 5800 times the run's without it, eval accuracy 0.27 against 0.74, the training
+// loss bit for bit the same).
+inline constexpr double kSaturatedBuffer = 100;
+inline constexpr double kBufferScaleFloor = 1;
 // trained's loss bar, against a run of the same configuration without the fault (for a scenario
 // without defenses, the run without the fault; with defenses, the run with neither, and where that
 // stalls the run with the defenses kept): over the steps after the fault's first no injection fired
@@ -142,10 +150,10 @@ enum class BreakKind {
   kNonFiniteBuffers,         // a buffer non-finite at the end, the parameters and the optimizer's
                              // state finite (step: the run's last): BatchNorm's running statistics,
                              // which eval mode reads
-  kSaturatedBuffers,         // a held run's (or the undefended run's) buffer ends kSaturatedState
+  kSaturatedBuffers,         // a held run's (or the undefended run's) buffer ends kSaturatedBuffer
                              // times the same buffer's largest magnitude in the run with neither the
-                             // fault nor the defenses (step: the run's last): finite running
-                             // statistics of 1e34 break eval mode as NaN ones do
+                             // fault nor the defenses, or kBufferScaleFloor (step: the run's last):
+                             // finite running statistics blown up break eval mode as NaN ones do
 };
 const char* to_string(BreakKind kind);  // "non_finite_params", ...
 
@@ -293,8 +301,8 @@ struct ScenarioResult {
   // nothing: its numbers stay in the state and scale the optimizer's updates down for as long.
   std::map<std::string, double> optimizer_state_scale;
   // Each floating-point tensor of kind buffer in state() at the end, by name: the largest magnitude
-  // of its finite elements. One kSaturatedState times the same buffer's in the run with neither the
-  // fault nor the defenses held nothing either (BreakKind::kSaturatedBuffers).
+  // of its finite elements. One kSaturatedBuffer times the same buffer's in the run with neither the
+  // fault nor the defenses (or kBufferScaleFloor) held nothing either (BreakKind::kSaturatedBuffers).
   std::map<std::string, double> buffer_scale;
   // The last step of the window an injection is due on, on any rank (0: none). At the run's last
   // step, no step after the fault shows training going on (kStepAfterFault).
