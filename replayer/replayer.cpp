@@ -183,7 +183,19 @@ struct StepRecords {
   std::optional<std::string> raised;       // what the step raised (an exception event raised_by_step)
   bool exception = false;                  // an exception event names this step (raised by it or not)
   std::int64_t exception_collective = -1;  // ... and the collective it left (a data-parallel rank)
+  // The trace holds what the step came to: its step_end, or the exception it raised. Without either,
+  // the run died during it.
+  bool has_outcome() const { return end || raised; }
 };
+
+// The last step with a step_begin record; -1 where none has one.
+std::int64_t last_begun_step(const std::map<std::int64_t, StepRecords>& steps) {
+  std::int64_t last = -1;
+  for (const auto& [s, recs] : steps) {
+    if (!recs.begins.empty()) last = s;
+  }
+  return last;
+}
 
 // With `hash`, the digests of a list of tensors' host (CPU) tensors, taken on LibTorch's intra-op
 // threads (a post-step state is 1.2 GB for GPT-2 small with AdamW; one thread hashed it alone),
@@ -625,10 +637,7 @@ std::map<std::int64_t, StepRecords> index_steps(const TraceReader& trace) {
   // A step without its outcome is the step a run died in: its last. One with steps after it lost
   // its step_end record (the trace was edited or damaged), and replaying past it would compare
   // less than it says.
-  std::int64_t last = -1;
-  for (const auto& [s, recs] : steps) {
-    if (!recs.begins.empty()) last = s;
-  }
+  const std::int64_t last = last_begun_step(steps);
   for (const auto& [s, recs] : steps) {
     if (s >= last || recs.begins.empty() || recs.end || recs.exception) continue;
     throw Error(trace.path() + ": step " + std::to_string(s) + " has a step_begin record (byte offset " +
@@ -642,10 +651,7 @@ std::map<std::int64_t, StepRecords> index_steps(const TraceReader& trace) {
 
 // The step to replay up to: the one asked for, or the last recorded.
 std::int64_t target_step(const std::map<std::int64_t, StepRecords>& steps, const ReplayOptions& options) {
-  std::int64_t last = -1;
-  for (const auto& [s, recs] : steps) {
-    if (!recs.begins.empty()) last = s;
-  }
+  const std::int64_t last = last_begun_step(steps);
   if (last < 0) throw Error("the trace holds no recorded step");
   const std::string range = std::to_string(steps.begin()->first) + ".." + std::to_string(last);
   std::int64_t target = last;
@@ -896,11 +902,13 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
   const std::vector<NamedTensor> state_after = program.state();
   const HostScan scan = scan_host(state_after, comparer.compares_state(), true);
   comparer.finish(state_after, scan);
-  if (!comparer.first && recs.end && !recs.raised) {
+  std::optional<StepEndRecord> recorded_end;
+  if (recs.end) recorded_end = StepEndRecord::decode(trace.read_table(*recs.end), trace.path());
+  if (!comparer.first && recorded_end && !recs.raised) {
     // The step's recorded outcome, field by field: what a defense decided (skip, rollback, loss
     // scale, LR) is the step's verdict too, not only the tensors it left (red-team finding: a
     // step_end saying "skipped" or another loss replayed "bitwise").
-    const StepEndRecord recorded = StepEndRecord::decode(trace.read_table(*recs.end), trace.path());
+    const StepEndRecord& recorded = *recorded_end;
     std::string what;
     const auto differs = [&](const char* field, double was, double now) {
       if (what.empty() && !same_double(was, now)) {
@@ -929,8 +937,6 @@ bool replay_step(const TraceReader& trace, Program& program, std::int64_t s, con
     // The recorded run rolled back in this step to a state from before it: its rollback defense
     // restored a snapshot its ring kept, which a replay starting here has not seen (the ring is
     // not in state(), docs/defenses.md). That, not an incomplete state(), is what differs.
-    std::optional<StepEndRecord> recorded_end;
-    if (recs.end) recorded_end = StepEndRecord::decode(trace.read_table(*recs.end), trace.path());
     if (anchor && recorded_end && recorded_end->rolled_back && recorded_end->rolled_back_to >= 0 &&
         recorded_end->rolled_back_to < s) {
       d.hint = "the recorded run rolled back in step " + std::to_string(s) + " to the state from the start of step " +
@@ -1074,7 +1080,7 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
   const std::int64_t target = target_step(steps, options);
   const RunStart start = run_start(trace_, steps);
   const auto last = steps.find(target);
-  const bool died = last != steps.end() && !last->second.end && !last->second.raised;
+  const bool died = last != steps.end() && !last->second.has_outcome();
   Anchor anchor = [&] {
     // The step the run died in has no outcome to compare: from a snapshot before it, where the
     // trace holds one, the steps before it are compared and it is re-executed after them.
@@ -1126,7 +1132,7 @@ ReplayResult Replayer::run(const ReplayOptions& options) {
     for (std::int64_t s = result.from_step; s <= result.to_step; ++s) {
       const auto it = steps.find(s);
       if (it == steps.end()) continue;
-      outcome_compared = outcome_compared || it->second.end || it->second.raised;
+      outcome_compared = outcome_compared || it->second.has_outcome();
       segment_records += it->second.segments.size();
     }
     if (!outcome_compared) {

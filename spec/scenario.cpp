@@ -3,6 +3,7 @@
 #include <retrace/autocast.h>
 #include <retrace/checkpoint.h>
 #include <retrace/error.h>
+#include <retrace/number.h>
 
 #include <ATen/ops/lstm.h>
 #include <ATen/ops/zeros.h>
@@ -75,8 +76,8 @@ class Parser {
     }
   }
 
-  // A quoted scalar is a string (YAML's core schema): "0.1" is not the number 0.1, "true" not true.
-  // A quoted scalar (tag "!") or one tagged !!str is a string, whatever it spells.
+  // A quoted scalar (tag "!") or one tagged !!str is a string (YAML's core schema): "0.1" is not the
+  // number 0.1, "true" not true, whatever it spells.
   static bool string_tagged(const YAML::Node& n) { return n.Tag() == "!" || n.Tag() == "tag:yaml.org,2002:str"; }
   void unquoted(const YAML::Node& n, const std::string& full, const char* what) const {
     if (string_tagged(n))
@@ -299,13 +300,10 @@ InjectionSpec parse_injection(const Parser& p, const YAML::Node& n, const std::s
   if (n["factor"].IsDefined() && in.factor == 0 && p.source() == ScenarioSource::kWritten) {
     // 0 is what InjectionSpec holds for "the type's default": taken as written it would be swapped
     // for a factor of 1000 or more without a word. (Canonical text of earlier versions wrote it.)
-    p.fail(
-        n["factor"],
-        at + ".factor", "is 0, which retrace cannot take as written (0 stands for the type's default, " + [&] {
-          std::ostringstream os;
-          os << InjectionSpec{in.type}.effective_factor();
-          return os.str();
-        }() + "); omit the key for that default, or give a small number such as 1e-12");
+    p.fail(n["factor"], at + ".factor",
+           "is 0, which retrace cannot take as written (0 stands for the type's default, " +
+               number_text(InjectionSpec{in.type}.effective_factor()) +
+               "); omit the key for that default, or give a small number such as 1e-12");
   }
   if (n["factor"].IsDefined() && in.factor == 1 && in.type != InjectionType::kLayerNormInput) {
     p.fail(n["factor"], at + ".factor",

@@ -350,7 +350,8 @@ Classification classify(const ScenarioSpec& spec, const Window& w, double origin
       c.detail = std::string("re-executing the step from its state fails again") +
                  (as_before ? ", bit for bit as the run did" : " (with other bits than the run)") +
                  ": the cause is in the state, the data or the code, and a restart on other hardware will not help";
-      // No injection in this step; one on an earlier step of the window left the state it fails from.
+      // An injection on an earlier step left the state it fails from (where one fires in this step
+      // too, the detail below weighs that one instead).
       const Injector schedule(spec.injections);
       std::string earlier;
       for (std::size_t i = 0; i < spec.injections.size(); ++i) {
@@ -367,26 +368,23 @@ Classification classify(const ScenarioSpec& spec, const Window& w, double origin
         const Run c2 = once(clean);
         const bool fails_clean = c2.failed;
         // Bad data comes back with its batch: only the other faults pass with a retry. (A
-        // corrupt_batch due on the step fires: it always has inputs to corrupt.)
-        const Injector schedule(spec.injections);
-        bool data = false;
+        // corrupt_batch due on the step fires: it always has inputs to corrupt.) A fault the step
+        // computes (an overflow, a loss or LR spike, bad LayerNorm input) a real run's same state
+        // and data would compute again, unlike a bit flip or a stray NaN.
+        bool data = false, computed = false;
         std::int64_t again = 0, last_again = 0;  // later steps an injection that is not data is due on
         for (std::size_t i = 0; i < spec.injections.size(); ++i) {
-          data = data || (spec.injections[i].type == InjectionType::kCorruptBatch && schedule.scheduled(i, w.start));
-          if (spec.injections[i].type == InjectionType::kCorruptBatch) continue;
+          const InjectionType type = spec.injections[i].type;
+          const bool now = schedule.scheduled(i, w.start);
+          data = data || (type == InjectionType::kCorruptBatch && now);
+          if (type == InjectionType::kCorruptBatch) continue;
+          computed = computed || (now && type != InjectionType::kBitFlip && type != InjectionType::kGradNonFinite &&
+                                  type != InjectionType::kRngDesync);
           const std::vector<std::int64_t> due = schedule.due_steps(i, w.start + 1, spec.training.steps);
           again += static_cast<std::int64_t>(due.size());
           if (!due.empty()) last_again = std::max(last_again, due.back());
         }
         c.injected_fault_repeats = !fails_clean && !data && again > 0;
-        // A fault the step computes (an overflow, a loss or LR spike, bad LayerNorm input), which a
-        // real run's same state and data would compute again, unlike a bit flip or a stray NaN.
-        bool computed = false;
-        for (const InjectionSpec& in : spec.injections) {
-          computed = computed ||
-                     (schedule.scheduled(&in - spec.injections.data(), w.start) && in.type != InjectionType::kBitFlip &&
-                      in.type != InjectionType::kGradNonFinite && in.type != InjectionType::kRngDesync);
-        }
         c.detail = "re-executing the step from its state fails again" +
                    std::string(as_before ? ", bit for bit as the run did," : "") + " with the scenario's " +
                    (a.injected.size() > 1 ? "injections (" : "injection (") + joined(a.injected) +

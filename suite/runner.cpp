@@ -880,17 +880,16 @@ class ScenarioRun {
       for (const NamedTensor& n : program_->state()) r_.state_digests.emplace_back(n.name, digest(n.tensor).hex());
     }
     r_.param_movement = param_movement();
+    // Each floating tensor of the kind: the median (optimizer state) or largest (buffers) of its
+    // finite elements' magnitudes.
     for (const NamedTensor& n : state) {
-      if (n.kind != TensorKind::kOptimizerState || !n.tensor.is_floating_point() || n.tensor.numel() == 0) continue;
+      const bool optimizer = n.kind == TensorKind::kOptimizerState, buffer = n.kind == TensorKind::kBuffer;
+      if ((!optimizer && !buffer) || !n.tensor.is_floating_point() || n.tensor.numel() == 0) continue;
       const at::Tensor a = n.tensor.detach().abs().to(at::kDouble);
       const at::Tensor finite = a.masked_select(a.isfinite());
-      if (finite.numel() > 0) r_.optimizer_state_scale[n.name] = finite.median().item<double>();
-    }
-    for (const NamedTensor& n : state) {
-      if (n.kind != TensorKind::kBuffer || !n.tensor.is_floating_point() || n.tensor.numel() == 0) continue;
-      const at::Tensor a = n.tensor.detach().abs().to(at::kDouble);
-      const at::Tensor finite = a.masked_select(a.isfinite());
-      if (finite.numel() > 0) r_.buffer_scale[n.name] = finite.max().item<double>();
+      if (finite.numel() == 0) continue;
+      if (optimizer) r_.optimizer_state_scale[n.name] = finite.median().item<double>();
+      else r_.buffer_scale[n.name] = finite.max().item<double>();
     }
   }
 
@@ -1420,9 +1419,8 @@ std::string went(const LossFall& f) {
          fmt(f.end) + ")";
 }
 
-std::string stalled(const ScenarioResult& r, const std::vector<StepPoint>& with_fault,
-                    const std::vector<StepPoint>& without_fault, std::int64_t last) {
-  const LossComparison c = compare_loss(r, with_fault, without_fault, last);
+// A comparison's stall said in a line, over steps up to `last`; "" where it did not stall.
+std::string stall_text(const LossComparison& c, std::int64_t last) {
   if (!c.stalled) return "";
   if (c.level_only) {
     return "over steps " + std::to_string(c.window.first) + ".." + std::to_string(last) + " its loss ends at " +
@@ -1442,6 +1440,11 @@ std::string stalled(const ScenarioResult& r, const std::vector<StepPoint>& with_
          (with.fall() >= 0 ? fmt(ratio) + " as far as" : "where it fell " + fmt(without.fall())) +
          " without the fault (" + fmt(without.start) + " -> " + fmt(without.end) + "), and ends above " +
          fmt(c.quarter_way) + ", where that run was " + fmt(kLossFallFraction) + " of its way down";
+}
+
+std::string stalled(const ScenarioResult& r, const std::vector<StepPoint>& with_fault,
+                    const std::vector<StepPoint>& without_fault, std::int64_t last) {
+  return stall_text(compare_loss(r, with_fault, without_fault, last), last);
 }
 
 // r against c over the steps both ran.
@@ -1565,7 +1568,7 @@ void weigh_defended_loss(const ScenarioResult& c, ScenarioResult& r) {
   const std::int64_t last = std::min(r.last_step, c.last_step);
   const LossComparison cmp = compare_loss(r, r.steps, c.steps, last);
   if (cmp.stalled) {
-    const std::string stall = stalled(r, c);
+    const std::string stall = stall_text(cmp, last);
     trained.passed = false;
     trained.observed += "; " + stall + " (with its defenses)";
     training_stopped(r, trained, "its loss stalled: " + stall + " (with its defenses)");
