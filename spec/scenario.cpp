@@ -460,8 +460,11 @@ void parse_expect(const Parser& p, const YAML::Node& e, ExpectSpec& out) {
   out.diverges = p.boolean(e, "diverges", "expect.diverges", false);
   // Expecting the run to break is a negative control's claim, judged as one (its fault's evidence,
   // its counterfactual): not a scenario that expects to hold.
-  for (const char* key : {"params_finite", "loss_finite"}) {
-    const std::optional<bool>& v = std::string(key) == "params_finite" ? out.params_finite : out.loss_finite;
+  for (const char* key : {"params_finite", "loss_finite", "recompute_bitwise"}) {
+    const std::string k = key;
+    const std::optional<bool>& v = k == "params_finite" ? out.params_finite
+                                   : k == "loss_finite" ? out.loss_finite
+                                                        : out.recompute_bitwise;
     if (v == false && !out.diverges) {
       p.fail(e[key], std::string("expect.") + key,
              std::string("false expects the run to break, which is a negative control's claim: write ") + key +

@@ -316,7 +316,9 @@ void find_breakage(const ExpectSpec& e, ScenarioResult& r) {
             ", expected below " + fmt(*e.final_loss_below),
         any_applied || !e.diverges);
   }
-  if (failed(CheckKind::kRecomputeBitwise) && r.first_silent_mismatch_step > 0) {
+  // Either way it is written (a control may expect `false`), a recompute that was not bitwise in
+  // an applied step is breakage: the control's claim is that it breaks.
+  if (e.recompute_bitwise && r.first_silent_mismatch_step > 0) {
     add(BreakKind::kSilentRecompute, r.first_silent_mismatch_step,
         "step " + std::to_string(r.first_silent_mismatch_step) +
             " applied gradients from a recompute that was not bitwise",

@@ -108,6 +108,10 @@ TEST(Schema, BooleansAndNumbersAreTheCoreSchemasAndExpectingBreakageNeedsDiverge
                "test.yaml:6: key 'expect.params_finite': false expects the run to break, which is a negative "
                "control's claim: write params_finite: true with diverges: true");
   expect_error("expect: {loss_finite: false}\n", "key 'expect.loss_finite': false expects the run to break");
+  // A held scenario expecting a recompute that is not bitwise: a bitwise one had "broke" it.
+  expect_error("expect: {recompute_bitwise: false}\n",
+               "key 'expect.recompute_bitwise': false expects the run to break, which is a negative control's "
+               "claim: write recompute_bitwise: true with diverges: true");
   const ScenarioSpec ok = with("defenses: {warmup_steps: 4}\nexpect: {diverges: True, params_finite: false, "
                                "final_loss_below: 3.5, replay_bitwise: FALSE}\n");
   EXPECT_TRUE(ok.expect.diverges);

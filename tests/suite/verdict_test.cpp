@@ -210,6 +210,13 @@ TEST(Verdict, BreakageBeforeTheFaultDoesNotCount) {
   EXPECT_TRUE(r.passed) << why(r);
   EXPECT_EQ(r.evidence()->kind, BreakKind::kSilentRecompute);
   EXPECT_EQ(r.outcome(), "broke");
+  // A control may write what it expects, `false`: the same breakage, the same verdict (it had
+  // passed its check and counted no breakage, "held" beside a recompute that was not bitwise).
+  r = run_scenario(with(run + "expect: {recompute_bitwise: false, diverges: true}\n"));
+  EXPECT_TRUE(r.passed) << why(r);
+  ASSERT_TRUE(r.evidence()) << why(r);
+  EXPECT_EQ(r.evidence()->kind, BreakKind::kSilentRecompute);
+  EXPECT_EQ(r.outcome(), "broke");
   // And a control whose fault did not bite, with nothing broken before it, held.
   r = run_scenario(with("injections: [{type: loss_spike, step: 3, factor: 0.999}]\nexpect: {params_finite: true, "
                         "diverges: true}\n"));
