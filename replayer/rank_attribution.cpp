@@ -287,13 +287,33 @@ RankAttribution attribute_ranks(const std::vector<const TraceReader*>& traces) {
             << ", the other ranks' at most " << number_text(others);
       }
     }
+    // Ranks whose traces were not given: where every given contribution was finite and the result
+    // was not, the non-finite part came from one of them (red-team finding: rank 2's NaN, its trace
+    // left out, made "ranks 0, 1 ... every rank's: no single culprit" a step later, exit 0).
+    std::vector<int> absent;
+    for (int r = 0; r < out.run.world_size; ++r) {
+      if (out.traces[static_cast<std::size_t>(r)].empty()) absent.push_back(r);
+    }
+    const bool result_nonfinite =
+        std::any_of(have.begin(), have.end(), [&](std::size_t i) { return at(i).record.output.nonfinite > 0; });
+    if (!absent.empty() && nonfinite.empty() && result_nonfinite && !handled) {
+      c.kind = CulpritRank::Kind::kNonFinite;
+      c.ranks = absent;
+      c.detail = "the given ranks' contributions were finite and the result was not: the rank(s) whose traces are "
+                 "not given contributed the NaN/Inf (give every rank's trace to confirm)";
+      out.culprit = std::move(c);
+      return out;
+    }
     if (!nonfinite.empty() || !huge.empty()) {
       const bool non_finite = !nonfinite.empty();
       const std::vector<std::size_t>& bad = non_finite ? nonfinite : huge;
       std::ostringstream d;
       if (non_finite) {
         if (bad.size() == contributors.size() && contributors.size() > 1)
-          d << "every rank's: no single culprit, a cause they share (the parameters, an fp16 overflow); ";
+          d << (absent.empty() ? "every rank's: no single culprit, a cause they share (the parameters, an fp16 "
+                                 "overflow); "
+                               : "every given rank's (some ranks' traces are not given): a cause they share, or "
+                                 "one the others' earlier steps passed on; ");
         for (std::size_t n = 0; n < bad.size(); ++n) {
           const CollectiveRecord& r = at(bad[n]).record;
           d << (n ? "; " : "") << "rank " << ranks[bad[n]].rank << ": " << r.input.nonfinite

@@ -564,6 +564,14 @@ Diagnosis diagnose_trace(const std::string& path, const DiagnoseOptions& options
                 "' and its 'config:', docs/scenarios.md), then diagnose that file, or a trace "
                 "recorded from it (record SCENARIO.yaml)");
   }
+  if (header.ranks && header.ranks->distributed()) {
+    // Its variants would each be one process of a data-parallel run (red-team finding: every variant
+    // "raised" the world_size refusal, and diagnose called the step persistent, with no fix).
+    throw Error(path + ": this is rank " + std::to_string(header.ranks->rank) + "'s trace of a data-parallel run of " +
+                std::to_string(header.ranks->world_size) +
+                " ranks, and diagnose re-runs a failing step in one process; name the culprit rank with "
+                "'retrace replay' or 'retrace inspect' of every rank's trace (docs/data-parallel.md)");
+  }
   const ScenarioSpec spec =
       parse_scenario_text(header.program->config, path + " (program config)", ScenarioSource::kCanonical);
   Diagnosis d;

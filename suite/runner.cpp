@@ -308,13 +308,14 @@ void find_breakage(const ExpectSpec& e, ScenarioResult& r) {
   }
   if (failed(CheckKind::kFinalLossBelow)) {
     const bool any_applied = applied_in_final_window(r);
-    // With no applied step in the window there is no final loss: for a control, that is the
-    // defenses refusing every step of it (a validated batch skipped), not the fault raising the loss.
+    // With no applied step in the window there is no final loss: that is the defenses refusing
+    // every step of it (a validated batch skipped, a NaN on the last step skipped), not the fault
+    // raising the loss; the progress rule and step_after_fault speak of it.
     add(BreakKind::kFinalLoss, r.last_step,
         (any_applied ? "final loss " + fmt(r.final_loss) + " (" + final_window(r) + ")"
                      : "no applied step in " + final_window(r) + " to take a final loss from") +
             ", expected below " + fmt(*e.final_loss_below),
-        any_applied || !e.diverges);
+        any_applied);
   }
   // Either way it is written (a control may expect `false`), a recompute that was not bitwise in
   // an applied step is breakage: the control's claim is that it breaks.
@@ -375,10 +376,17 @@ void decide_verdict(const ExpectSpec& e, ScenarioResult& r) {
                              });
     // A harness error never got to its fault: what its checks of what breaks say (loss_finite: no
     // applied step) is no breakage, and its outcome is "not exercised".
+    // A final window the defenses skipped whole has no final loss to fail: final_loss_below and
+    // loss_finite fail there without breakage (red-team finding: a NaN on the last step, skipped as
+    // it should be, "broke" the run; the progress rule and step_after_fault say what it is).
+    const bool window_skipped = !applied_in_final_window(r);
     r.broke = !r.harness_error && ((r.raised && !raise_expected) || wrong_raise || !r.params_finite ||
                                    (!r.nonfinite_state.empty() && r.params_finite) ||
-                                   std::any_of(r.checks.begin(), r.checks.end(), [](const ExpectationCheck& c) {
-                                     return !c.passed && role_of(c.kind) == CheckRole::kBreakage;
+                                   std::any_of(r.checks.begin(), r.checks.end(), [&](const ExpectationCheck& c) {
+                                     const bool no_final_loss =
+                                         window_skipped && (c.kind == CheckKind::kFinalLossBelow ||
+                                                            (c.kind == CheckKind::kLossFinite && r.all_losses_finite));
+                                     return !c.passed && role_of(c.kind) == CheckRole::kBreakage && !no_final_loss;
                                    }));
     if (r.raised && !raise_expected && !r.harness_error)
       reason("raised at step " + std::to_string(r.raised_at_step) + ": " + r.error);
@@ -1367,6 +1375,12 @@ struct LossComparison {
   // run learned from its start) ended above the quarter way from start_level down to that run's end.
   bool stalled = false;
   double quarter_way = std::numeric_limits<double>::quiet_NaN();
+  // Not stalled, but ending more than kLossFallFraction of that run's way down (over the window, or
+  // from its start_level where it learned before the window) above where that run ends: with
+  // defenses, the run with them and without the fault decides whether the fault or the defenses
+  // hold it back (a clip at 1e-6 beside a weight decay that shrinks the model to chance, "held").
+  bool behind = false;
+  double behind_bar = std::numeric_limits<double>::quiet_NaN();
 };
 LossComparison compare_loss(const ScenarioResult& r, const std::vector<StepPoint>& with_fault,
                             const std::vector<StepPoint>& without_fault, std::int64_t last) {
@@ -1396,6 +1410,14 @@ LossComparison compare_loss(const ScenarioResult& r, const std::vector<StepPoint
   const bool learned_before = std::isfinite(c.start_level) && std::isfinite(c.without.end) &&
                               c.start_level - c.without.end >= kLearnedFraction * std::abs(c.start_level);
   c.reference_learned = learned_in_window || learned_before;
+  // Behind: measured wherever that run came down at all, from the window's start where it learned
+  // in it, else from its start level (a clip at 1e-6 beside a weight decay: the run drifts to
+  // chance, 4.16 = ln 64, the run with neither reaches 3.88 from 4.18, 7% of its level).
+  if (const double from = learned_in_window ? c.without.start : c.start_level;
+      std::isfinite(c.with.end) && std::isfinite(c.without.end) && std::isfinite(from) && from > c.without.end) {
+    c.behind_bar = c.without.end + kLossFallFraction * (from - c.without.end);
+    c.behind = c.with.end > c.behind_bar;
+  }
   if (!c.reference_learned || !std::isfinite(c.with.fall())) return c;
   if (learned_in_window) {
     c.quarter_way = c.without.start - kLossFallFraction * c.without.fall();
@@ -1412,7 +1434,50 @@ LossComparison compare_loss(const ScenarioResult& r, const std::vector<StepPoint
       c.quarter_way = quarter_way;
     }
   }
+  if (c.stalled) c.behind = false;
   return c;
+}
+
+// "its loss ends at 4.16 (means of 5 steps), where without the fault it ends at 3.88: above 4.02, ...":
+// a comparison that is behind (LossComparison::behind), said in a line.
+std::string behind_text(const LossComparison& c, std::int64_t last) {
+  return "over steps " + std::to_string(c.window.first) + ".." + std::to_string(last) + " its loss ends at " +
+         fmt(c.with.end) + " (means of " + std::to_string(c.k) + " steps" +
+         (c.window.left_out ? ", injected steps left out" : "") + "), where without the fault it ends at " +
+         fmt(c.without.end) + ": above " + fmt(c.behind_bar) + ", more than " + fmt(kLossFallFraction) +
+         " of that run's way down above it";
+}
+
+// trained's runaway bar (kLossRanAway): "" where `steps`' final window (max(fault_step, last - 2)
+// .. last: its applied, finite steps no injection fired on) ends at most kLossRanAway times the
+// untrained model's loss, the first step of `ref` (`whose`), or where either is missing; else the
+// finding in a line.
+std::string ran_away_from_untrained(const std::vector<StepPoint>& steps, std::int64_t fault_step, std::int64_t last,
+                                    const std::vector<StepPoint>& ref, const std::string& whose) {
+  if (ref.empty() || ref.front().skipped || !std::isfinite(ref.front().loss) || ref.front().loss == 0) return "";
+  const double untrained = ref.front().loss;
+  const std::int64_t from = std::max(fault_step, last - 2);
+  const double bar = untrained + (kLossRanAway - 1) * std::abs(untrained);
+  // The mean over the window of `of`'s applied, finite steps no injection fired on, and how many.
+  const auto window_mean = [&](const std::vector<StepPoint>& of) -> std::pair<double, int> {
+    double sum = 0;
+    int n = 0;
+    for (const StepPoint& p : of) {
+      if (p.step < from || p.step > last || p.skipped || p.injected || !std::isfinite(p.loss)) continue;
+      sum += p.loss;
+      ++n;
+    }
+    return {n > 0 ? sum / n : std::numeric_limits<double>::quiet_NaN(), n};
+  };
+  const auto [end, n] = window_mean(steps);
+  if (n == 0 || !(end > bar)) return "";
+  // Where `ref` runs away too over the same steps (past the bar, or to no finite loss: SGD at LR 20
+  // diverges without its clip), the configuration does, not the fault.
+  if (const double ref_end = window_mean(ref).first; !(ref_end <= bar)) return "";
+  return "its loss ends at " + fmt(end) + " (steps " + std::to_string(from) + ".." + std::to_string(last) +
+         (n < last - from + 1 ? ", " + std::to_string(n) + " of them applied and not injected" : std::string()) +
+         "), above " + fmt(bar) + ", " + fmt(kLossRanAway) + " times the untrained model's " + fmt(untrained) +
+         " (step " + std::to_string(ref.front().step) + " of " + whose + "): the fault's damage stands";
 }
 
 // "rose 0.1 (4.1 -> 4.2)": how a run's loss went over the window.
@@ -1497,7 +1562,20 @@ bool weigh_training(const ScenarioResult& c0, ScenarioResult& r, LossBar bar) {
   const Saturation saturated_state = saturation(r, c0);
   const bool same_configuration = bar == LossBar::kSameConfiguration;
   const std::string stall = same_configuration ? stalled(r, c0) : "";
-  const bool trained = moved && !saturated_state && stall.empty();
+  const std::string ran_away = ran_away_from_untrained(r.steps, r.fault_step, r.last_step, c0.steps,
+                                                       bar == LossBar::kNone ? "the run without the defenses"
+                                                                             : "the run with neither the fault nor "
+                                                                               "the defenses");
+  const bool trained = moved && !saturated_state && stall.empty() && ran_away.empty();
+  // Where the window is too short for the loss bar, the evidence says so: the check then rests on
+  // the movement, the optimizer state and the buffers alone.
+  const LossWindow loss_steps = loss_window(r, r.steps, std::min(r.last_step, c0.last_step));
+  const std::string unweighed =
+      bar == LossBar::kNone || loss_steps.weighable()
+          ? std::string()
+          : "; its loss not weighed: " + std::to_string(loss_steps.steps.size()) + " step(s) after the fault" +
+                (loss_steps.left_out ? " without an injection" : "") + ", where the loss bar needs " +
+                std::to_string(kLossFallSteps) + " (run more steps after it to have the loss weighed)";
   check(r, CheckKind::kTrained,
         window + ", the parameters move at least " + fmt(kTrainedFraction) +
             " as far as in the run with neither the fault nor the defenses (where that run runs away, " +
@@ -1507,27 +1585,30 @@ bool weigh_training(const ScenarioResult& c0, ScenarioResult& r, LossBar bar) {
             " times that run's or " + fmt(kSaturatedBuffer * kBufferScaleFloor) +
             (same_configuration ? "; and where that run's loss falls clearly, this one's falls at least " +
                                       fmt(kLossFallFraction) + " as far"
-                                : std::string()),
+                                : std::string()) +
+            "; and its loss ends at most " + fmt(kLossRanAway) + " times that run's on its first step",
         "they moved " + fmt(m) + ", that run's " +
             (c0.params_finite ? fmt(m0) + (runs_away ? " (it runs away)" : " (" + fmt(ratio) + " as far)")
                               : std::string("non-finite (it runs away)")) +
             (saturated_state ? "; " + saturated_state.text() : std::string()) +
-            (stall.empty() ? std::string() : "; " + stall),
+            (stall.empty() ? std::string() : "; " + stall) + (ran_away.empty() ? std::string() : "; " + ran_away) +
+            unweighed,
         trained);
   if (trained && bar == LossBar::kDefended) {
     // Its loss against the run with neither: where it stalled, the run with the defenses and
     // without the fault decides (weigh_defended_loss); the numbers stay in the check's evidence.
-    const std::string against_bare = stalled(r, c0);
-    if (against_bare.empty()) return false;
-    r.checks.back().observed += "; against that run " + against_bare;
+    const std::int64_t last = std::min(r.last_step, c0.last_step);
+    const LossComparison cmp = compare_loss(r, r.steps, c0.steps, last);
+    if (!cmp.stalled && !cmp.behind) return false;
+    r.checks.back().observed += "; against that run " + (cmp.stalled ? stall_text(cmp, last) : behind_text(cmp, last));
     return true;
   }
   if (trained) return false;
   std::string why =
       "the parameters moved " + fmt(m) + " of their norm from step " + std::to_string(r.param_movement_from) + " on";
   if (moved && !saturated_state) {
-    why = "its loss stalled: " + stall + " (the parameters moved " + fmt(m) + " of their norm, " + fmt(ratio) +
-          " as far: moving is not training)";
+    why = (ran_away.empty() ? "its loss stalled: " + stall : "its loss ran away: " + ran_away) +
+          " (the parameters moved " + fmt(m) + " of their norm, " + fmt(ratio) + " as far: moving is not training)";
   } else if (moved && saturated_state.buffer) {
     r.reasons.push_back(reason_of(r.checks.back()));
     r.passed = false;
@@ -1598,6 +1679,14 @@ void weigh_defended_loss(const ScenarioResult& c, ScenarioResult& r) {
                       " as far as the run's with its defenses and without the fault";
 }
 
+// Whether the undefended run `c` may have run away by trained's runaway bar: against r's first step
+// where that came before the fault (the same untrained model and batch), else (a fault on the first
+// step) wherever its final loss is finite, for the run with neither to say.
+bool may_have_run_away(const ScenarioResult& c, const ScenarioResult& r) {
+  if (r.steps.empty() || r.steps.front().step >= r.fault_step) return std::isfinite(c.final_loss);
+  return !ran_away_from_untrained(c.steps, r.fault_step, c.last_step, r.steps, "").empty();
+}
+
 // fault_bites' expectation, as the undefended and the bare run state it.
 std::string bites_expected(const ScenarioSpec& spec) {
   return "the run without its defenses (" + defense_label(spec) + ") breaks, and not without the fault";
@@ -1627,10 +1716,10 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
                "; the defenses did not make the raise";
   } else if (c.breakage.empty() && !spec.injections.empty() &&
              (!c.optimizer_state_scale.empty() || !c.buffer_scale.empty() ||
-              loss_window(r, c.steps, c.last_step).weighable())) {
+              loss_window(r, c.steps, c.last_step).weighable() || may_have_run_away(c, r))) {
     // It held, by every rule of its own: whether the fault left its optimizer's state or its
     // buffers saturated (training frozen, eval-mode statistics blown, the numbers finite) or its
-    // loss stalled, the run with neither says.
+    // loss stalled or ran away, the run with neither says.
     CounterfactualPlan next = plan;
     next.kind = CounterfactualKind::kBare;
     return next;
@@ -1680,6 +1769,11 @@ CounterfactualPlan weigh_bare(const ScenarioSpec& spec, const CounterfactualPlan
                !stall.empty()) {
       cf.breakage.push_back(
           {BreakKind::kNoProgress, cf.last_step, "training did not go on: its loss stalled: " + stall, true});
+    } else if (const std::string away = ran_away_from_untrained(cf.steps, r.fault_step, cf.last_step, c0.steps,
+                                                                "the run with neither the fault nor the defenses");
+               !away.empty()) {
+      cf.breakage.push_back(
+          {BreakKind::kNoProgress, cf.last_step, "training did not go on: its loss ran away: " + away, true});
     }
   }
   if (cf.breakage.empty()) {  // it held (weigh_undefended asked for the saturation and loss rules alone)

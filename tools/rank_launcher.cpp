@@ -9,7 +9,9 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <algorithm>
 #include <map>
+#include <optional>
 #include <random>
 #include <sys/prctl.h>
 #include <sstream>
@@ -111,18 +113,48 @@ int launch_ranks(int ranks, const std::vector<std::string>& args) {
     }
     running[pid] = r;
   }
-  // Each rank bounds its own waits (RETRACE_DIST_TIMEOUT): a rank whose peer died times out.
+  // Each rank bounds its own waits (RETRACE_DIST_TIMEOUT): a rank whose peer died times out. One
+  // that does not (stopped, or stuck outside any collective) is killed once the first rank has been
+  // gone that long and 10 s more (red-team finding: a rank held by SIGSTOP kept its launcher in
+  // waitpid for good). The ranks check the variable themselves; a malformed one is theirs to refuse.
+  long timeout_s = 60;
+  if (const char* t = std::getenv("RETRACE_DIST_TIMEOUT")) {
+    char* end = nullptr;
+    const long v = std::strtol(t, &end, 10);
+    if (end != t && *end == '\0' && v > 0) timeout_s = v;
+  }
+  std::optional<std::chrono::steady_clock::time_point> deadline;
+  std::vector<char> killed(static_cast<std::size_t>(ranks), 0);
   while (!running.empty()) {
     int st = 0;
-    const pid_t pid = ::waitpid(-1, &st, 0);
+    const pid_t pid = ::waitpid(-1, &st, deadline ? WNOHANG : 0);
     if (pid < 0) {
       if (errno == EINTR) continue;
       throw Error(std::string("waiting for the ranks failed: ") + std::strerror(errno));
+    }
+    if (pid == 0) {  // some rank is still running past the first one's end
+      if (std::chrono::steady_clock::now() < *deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        continue;
+      }
+      for (const auto& [p, rank] : running) {
+        if (killed[static_cast<std::size_t>(rank)]) continue;
+        killed[static_cast<std::size_t>(rank)] = 1;
+        std::cerr << "retrace: rank " << rank << " was still running " << timeout_s + 10
+                  << " s after another rank ended (RETRACE_DIST_TIMEOUT " << timeout_s
+                  << " s, and 10 s more); killed\n";
+        ::kill(p, SIGKILL);
+      }
+      deadline.reset();  // the killed ranks are reaped next, with a blocking wait
+      continue;
     }
     auto it = running.find(pid);
     if (it == running.end()) continue;
     status[static_cast<std::size_t>(it->second)] = st;
     running.erase(it);
+    if (!deadline && !running.empty() && !killed[static_cast<std::size_t>(it->second)] &&
+        std::none_of(killed.begin(), killed.end(), [](char k) { return k != 0; }))
+      deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s + 10);
   }
   int code = 0;
   for (int r = 0; r < ranks; ++r) {

@@ -105,9 +105,11 @@ bool print_summary(const std::vector<StepOutcome>& outcomes, bool params_finite,
 bool report_unfired(const std::vector<char>& fired, const Defenses* defenses, std::int64_t n) {
   bool all_fired = true;
   for (std::size_t i = 0; i < fired.size(); ++i) {
-    if (fired[i]) continue;
-    all_fired = false;
     const InjectionSpec& in = defenses->injector().specs()[i];
+    // Another rank's: that rank's trace holds it (red-team finding: every rank: injection was
+    // reported as never fired by the others, and record exited 1).
+    if (fired[i] || (in.rank >= 0 && in.rank != defenses->injector().rank())) continue;
+    all_fired = false;
     std::cerr << binary_name() << " record: injections[" << i << "] (" << to_string(in.type) << ", step " << in.step
               << ") never fired" << (in.step > n ? "; the run stopped at step " + std::to_string(n) + " (--steps)" : "")
               << ": the trace holds a run without it\n";
@@ -251,6 +253,14 @@ int run_record(const std::vector<std::string>& args) {
         for (const InjectionEvent& e : defenses->injector().fired()) fired.at(e.entry) = 1;
       }
     });
+  } catch (const DefenseRefusal& e) {
+    // A defense refusing to go on (clip.error_if_nonfinite) is the run's outcome, not bad input:
+    // the trace holds the steps up to it and the raise, which a replay raises again.
+    recorder.close();
+    std::cerr << binary_name() << " record: a defense stopped the run: " << e.what() << "\n";
+    std::cerr << binary_name() << " record: " << output
+              << " holds the steps up to it and the raise; 'retrace replay' raises it again\n";
+    return 1;
   } catch (const StateCheckError& e) {
     // A check that failed, not bad input: record_run closed the trace after the checked step.
     std::cerr << binary_name() << " record: " << e.what() << "\n";

@@ -166,10 +166,27 @@ ScenarioResult merge_ranks(const ScenarioSpec& spec, const std::string& source,
   std::stable_sort(r.notes.begin(), r.notes.end(), [](const StepNote& a, const StepNote& b) {
     return a.step != b.step ? a.step < b.step : a.kind < b.kind;  // a step's injections before its skip
   });
+  // injections_fired speaks of the run, every rank's injections: each rank counted its own (an
+  // injection for rank 1 had made rank 0's check say "0 fired", and the run "not exercised").
+  if (const std::optional<bool> want = spec.expect.injections_fired) {
+    r.checks.erase(std::remove_if(r.checks.begin(), r.checks.end(),
+                                  [](const ExpectationCheck& c) { return c.kind == CheckKind::kInjectionsFired; }),
+                   r.checks.end());
+    const std::size_t fired = r.notes_of(StepNoteKind::kInjected).size();
+    r.checks.push_back({CheckKind::kInjectionsFired, *want ? "true" : "false",
+                        std::to_string(fired) + " fired (every rank's)", (fired == 0) != *want});
+  }
   // Ranks in step end with the same state. One that ends otherwise (its own update: an LR spike or
   // a bit flip on one rank) split the run, which no rank sees alone: the run broke.
+  // A run whose ranks all raised in the same step is judged too: each stopped before that step's
+  // update (a defense refusing the shared gradient norm on every rank; a crash on one, its peers'
+  // collective closed), and their state is that of the step before (red-team finding: an LR spike on
+  // rank 1 split all 30 parameters, then a clip refusing at step 5 made it "held, ok").
+  const bool raised_together = std::all_of(ranks.begin(), ranks.end(), [&](const std::optional<ScenarioResult>& x) {
+    return x && x->raised && x->raised_at_step == ranks.front()->raised_at_step;
+  });
   std::string split;
-  if (ranks.front() && !r.raised && !r.harness_error) {
+  if (ranks.front() && (!r.raised || raised_together) && !r.harness_error) {
     const auto& base = ranks.front()->state_digests;
     for (std::size_t k = 1; k < ranks.size() && split.empty(); ++k) {
       const auto& other = ranks[k]->state_digests;

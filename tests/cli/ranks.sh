@@ -2,7 +2,7 @@
 # Data-parallel runs through the CLI (2 ranks, Gloo over loopback, a file store), as a user runs
 # them. Every wait is bounded: RETRACE_DIST_TIMEOUT for the ranks, `timeout` for each command.
 #   ranks.sh CASE RETRACE_BIN RETRACE_CRASHABLE_BIN SCENARIO_DIR
-# CASE: replay_alone | culprit | sigkill | config_mismatch | counterfactual
+# CASE: replay_alone | culprit | sigkill | stopped | config_mismatch | counterfactual | merge
 set -euo pipefail
 case_name=$1 bin=$2 crashable=$3 scenarios=$4
 work=$(mktemp -d)
@@ -49,6 +49,14 @@ replay_alone)
     fail "replay of both ranks: $(cat "$work/both")"
   grep -q "no rank went bad" "$work/both" && [[ $(grep -c "reproduced bitwise" "$work/both") -eq 2 ]] ||
     fail "$(cat "$work/both")"
+  # diagnose re-runs one process: a rank's trace is refused, one line, exit 2 (its variants had each
+  # "raised" the world_size refusal, and the step was called persistent).
+  set +e
+  timeout 120 "$bin" diagnose "$work/clean.rank1.trace" >"$work/diag" 2>&1
+  rc=$?
+  set -e
+  [[ $rc -eq 2 ]] && grep -q "this is rank 1's trace of a data-parallel run of 2 ranks, and diagnose re-runs" "$work/diag" ||
+    fail "diagnose of a rank trace: exit $rc, $(cat "$work/diag")"
   ;;
 culprit)
   # Rank 1's gradient goes NaN at step 3: inspect names rank 1, step 3, the all-reduce; replay of
@@ -133,6 +141,35 @@ sigkill)
   grep -q "reproduced bitwise" "$work/replay1" || fail "killed rank: $(cat "$work/replay1")"
   timeout 60 "$bin" inspect "$work/kill.rank0.trace" "$work/kill.rank1.trace.incomplete" >"$work/inspect"
   grep -q "culprit: step 3: rank 1 stopped recording" "$work/inspect" || fail "attribution: $(cat "$work/inspect")"
+  ;;
+stopped)
+  # Rank 1 is stopped (SIGSTOP) mid-run; rank 0 times out in a collective and ends. The launcher
+  # kills rank 1 once rank 0 has been gone RETRACE_DIST_TIMEOUT and 10 s more, and says so (it had
+  # waited for good).
+  scenario long ""
+  sed -i 's/steps: 4,/steps: 100000,/' "$work/long.yaml"
+  RETRACE_DIST_TIMEOUT=5 timeout 120 "$bin" record "$work/long.yaml" -o "$work/long.trace" >"$work/out" 2>&1 &
+  launcher=$!  # the timeout process
+  rank1=""
+  for _ in $(seq 1 600); do  # up to 60 s for the ranks to start
+    retrace_pid=$(pgrep -P "$launcher" | head -1 || true)  # timeout's child: the launcher
+    for p in $(pgrep -P "${retrace_pid:-0}" || true); do
+      if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=1"; then rank1=$p; fi
+    done
+    [[ -n $rank1 && -f "$work/long.rank1.trace.incomplete" ]] && break
+    sleep 0.1
+  done
+  [[ -n $rank1 ]] || fail "rank 1 never started: $(cat "$work/out")"
+  sleep 1
+  kill -STOP "$rank1"
+  set +e
+  wait "$launcher"
+  rc=$?
+  set -e
+  [[ $rc -ne 124 ]] || fail "the launcher waited for the stopped rank until timeout killed it: $(cat "$work/out")"
+  [[ $rc -eq 1 ]] || fail "record with a stopped rank: exit $rc, $(cat "$work/out")"
+  grep -q "retrace: rank 1 was still running 15 s after another rank ended (RETRACE_DIST_TIMEOUT 5 s, and 10 s more); killed" \
+    "$work/out" || fail "the launcher did not say it killed rank 1: $(cat "$work/out")"
   ;;
 config_mismatch)
   # Two ranks launched by hand (torchrun's variables) with different configs: both refuse at the
@@ -262,6 +299,49 @@ assert r["injections"][0]["fired"] == [4], r["injections"]
 assert any(n["kind"] == "injected" and n["step"] == 4 and n["text"].startswith("rank 1: bit_flip") for n in r["notes"]), r["notes"]
 assert [s["step"] for s in r["steps"] if s["injected"]] == [4], r["steps"]
 PY
+  ;;
+merge)
+  # The combined verdict speaks of every rank (red-team findings).
+  outcome() {  # outcome NAME: run it; prints the outcome and the verdict's line
+    timeout 200 "$bin" run "$work/$1.yaml" -j 1 --threads 1 --json "$work/$1.json" >"$work/$1.out" 2>&1 || true
+    python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))["scenarios"][0]; print(r["outcome"], r["passed"])' \
+      "$work/$1.json" || fail "$1: no result: $(cat "$work/$1.out")"
+  }
+  # An LR spike on rank 1 splits the ranks' parameters; a clip refusing an Inf gradient on every rank
+  # at the last step then stops the run as the scenario expects. The ranks raised together, each
+  # before that step's update: their state is compared still (it had been skipped: "held, ok").
+  raising="defenses: {clip: {mode: global, max_norm: 1.0, error_if_nonfinite: true}}
+expect: {raises: true, raises_match: 'clipping refuses it'}"
+  scenario splitraise "$raising
+injections: [{type: lr_spike, step: 2, rank: 1, factor: 100}, {type: grad_nonfinite, step: 4, mode: inf}]"
+  got=$(outcome splitraise)
+  [[ $got == "broke False" ]] || fail "splitraise: $got, $(cat "$work/splitraise.out")"
+  grep -q "the ranks' state split: rank 1's differs from rank 0's" "$work/splitraise.out" || fail "$(cat "$work/splitraise.out")"
+  # Control: the raise alone leaves the ranks equal, and the run held by raising.
+  scenario raiseonly "$raising
+injections: [{type: grad_nonfinite, step: 4, mode: inf}]"
+  got=$(outcome raiseonly)
+  [[ $got == "held True" ]] || fail "raiseonly: $got, $(cat "$work/raiseonly.out")"
+  # injections_fired counts every rank's injections: rank 1's NaN fired (rank 0's count alone had
+  # said "0 fired", the run "not exercised").
+  scenario fired "defenses: {skip_nonfinite_ranks: true}
+injections: [{type: grad_nonfinite, step: 2, mode: nan, rank: 1}]
+expect: {params_finite: true, injections_fired: true}"
+  got=$(outcome fired)
+  [[ $got == "held True" ]] || fail "fired: $got, $(cat "$work/fired.out")"
+  python3 - "$work/fired.json" <<'PY' || fail "fired: $(cat "$work/fired.json")"
+import json, sys
+r = json.load(open(sys.argv[1]))["scenarios"][0]
+assert [(c["observed"], c["passed"]) for c in r["checks"] if c["name"] == "injections_fired"] == [("1 fired (every rank's)", True)]
+PY
+  # record: rank 0 does not call rank 1's injection "never fired" (it had, and exited 1).
+  timeout 120 "$bin" record "$work/fired.yaml" -o "$work/fired.trace" >"$work/record.out" 2>&1 ||
+    fail "record of a rank 1 injection: $(cat "$work/record.out")"
+  ! grep -q "never fired" "$work/record.out" || fail "$(cat "$work/record.out")"
+  # Control: expecting none to fire fails on the same count.
+  sed -i 's/injections_fired: true/injections_fired: false/' "$work/fired.yaml"
+  got=$(outcome fired)
+  [[ $got == "not exercised False" ]] || fail "fired (false): $got, $(cat "$work/fired.out")"
   ;;
 *) fail "unknown case $case_name" ;;
 esac

@@ -136,7 +136,15 @@ inspect_has "$trace" -q "ring_dump: exception: signal SIGTERM" || fail "no ring 
 # 6. A step that raised (clipping refuses an Inf gradient norm, defenses.clip.error_if_nonfinite):
 # replay raises the same at the same step, a verdict like any other -- exit 0, --json and --report
 # written. (Traces whose replay raises otherwise, exit 1: ReplayCli.* in replayer_tests.)
-"$bin" record "$scenarios/../../suite/scenarios/grad-inf-clip-error.yaml" -o "$work/raise.trace" >/dev/null 2>&1 && fail "the clip error did not raise"
+# record says so and exits 1, a run's outcome -- not 2, bad input (it had said "retrace record:
+# ... clipping refuses it" and exited 2).
+set +e
+"$bin" record "$scenarios/../../suite/scenarios/grad-inf-clip-error.yaml" -o "$work/raise.trace" >"$work/record.out" 2>&1
+rc=$?
+set -e
+[[ $rc -eq 1 ]] || fail "record of a defense refusing: exit $rc, $(cat "$work/record.out")"
+grep -q "record: a defense stopped the run: .*clipping refuses it" "$work/record.out" &&
+  grep -q "raise.trace holds the steps up to it and the raise" "$work/record.out" || fail "$(cat "$work/record.out")"
 set +e
 "$bin" replay "$work/raise.trace" --json "$work/raise.json" --report "$work/raise.html" >"$work/raise.out" 2>&1
 rc=$?

@@ -173,6 +173,7 @@ struct Fake {
   std::int64_t numel = 8;
   float result = 1.0f;
   double abs_max = 0.5;
+  std::int64_t output_nonfinite = 0;
 };
 
 // How a synthetic rank trace ends.
@@ -201,6 +202,7 @@ std::string fake_rank(const std::string& name, int rank, const std::vector<Fake>
     c.rank = rank;
     c.input.nonfinite = f.nonfinite;
     c.input.abs_max = f.abs_max;
+    c.output.nonfinite = f.output_nonfinite;
     const at::Tensor in = torch::ones({f.numel});
     const at::Tensor out = torch::full({f.numel}, f.result);
     w.append(RecordType::kCollective, c.to_meta(),
@@ -327,6 +329,37 @@ TEST(DistAttribution, EveryRankNonFiniteIsNoSingleCulprit) {
   EXPECT_EQ(a.culprit->kind, CulpritRank::Kind::kNonFinite);
   EXPECT_EQ(a.culprit->ranks, (std::vector<int>{0, 1}));
   EXPECT_NE(a.culprit->detail.find("no single culprit"), std::string::npos) << a.culprit->detail;
+}
+
+// A rank whose trace is not given: where the given ranks' contributions were finite and the result
+// was not, it is the culprit (red-team finding: rank 2's NaN, its trace left out, read as "ranks 0, 1
+// ... every rank's: no single culprit" a step later). Controls: with every trace given the same
+// result names no one by this rule; both given ranks non-finite later do not say "every rank's".
+TEST(DistAttribution, ARankLeftOutIsNamedWhereTheGivenContributionsWereFiniteAndTheResultWasNot) {
+  Ending three;
+  three.world = 3;
+  const std::vector<Fake> poisoned = {{1, 0}, {2, 0, 0, "allreduce", 8, 1.0f, 0.5, 8}, {3, 0, 4}};
+  const TraceReader t0(fake_rank("lo0", 0, poisoned, three)), t1(fake_rank("lo1", 1, poisoned, three));
+  const RankAttribution a = attribute_ranks({&t0, &t1});
+  ASSERT_TRUE(a.culprit);
+  EXPECT_EQ(a.culprit->kind, CulpritRank::Kind::kNonFinite);
+  EXPECT_EQ(a.culprit->step, 2);
+  EXPECT_EQ(a.culprit->ranks, std::vector<int>{2});
+  EXPECT_NE(a.culprit->detail.find("whose traces are not given"), std::string::npos) << a.culprit->detail;
+  // Rank 2 given, its contribution finite too (a result gone non-finite otherwise): not named by it.
+  const TraceReader t2(fake_rank("lo2", 2, poisoned, three));
+  const RankAttribution b = attribute_ranks({&t0, &t1, &t2});
+  ASSERT_TRUE(b.culprit);
+  EXPECT_EQ(b.culprit->step, 3);
+  EXPECT_NE(b.culprit->detail.find("every rank's: no single culprit"), std::string::npos) << b.culprit->detail;
+  // Rank 2 left out, no result non-finite before: "every given rank's", not "every rank's".
+  const std::vector<Fake> later = {{1, 0}, {3, 0, 4}};
+  const TraceReader u0(fake_rank("lo3", 0, later, three)), u1(fake_rank("lo4", 1, later, three));
+  const RankAttribution c = attribute_ranks({&u0, &u1});
+  ASSERT_TRUE(c.culprit);
+  EXPECT_EQ(c.culprit->ranks, (std::vector<int>{0, 1}));
+  EXPECT_NE(c.culprit->detail.find("every given rank's (some ranks' traces are not given)"), std::string::npos)
+      << c.culprit->detail;
 }
 
 TEST(DistAttribution, AStepEveryRankSkippedIsHandledNotACulprit) {

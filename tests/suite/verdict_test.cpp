@@ -580,11 +580,94 @@ TEST(Verdict, TrainedIsMeasuredAfterTheFaultAndZeroGradientsTrainNothing) {
   ASSERT_NE(trained, nullptr) << why(r);
   EXPECT_FALSE(trained->passed) << trained->observed;
   EXPECT_GT(r.param_movement, kMovedAtAll) << why(r);  // the floor alone would have passed it
-  r = run_scenario(parse_scenario_text(sgd("steps: 20, lr: 1.0", "defenses: {lr_scale: 0.1}\n" + spike), "s.yaml"));
+  // (An LR scaled by 0.1 had been this control: the run with it and without the spike falls 4% of
+  // its level, and the loss bar's verdict is "could not tell".)
+  r = run_scenario(parse_scenario_text(sgd("steps: 20, lr: 1.0", "defenses: {lr_scale: 0.5}\n" + spike), "s.yaml"));
   EXPECT_TRUE(r.passed) << why(r);
   trained = find_check(r, "trained");
   ASSERT_NE(trained, nullptr) << why(r);
   EXPECT_TRUE(trained->passed) << trained->observed;
+}
+
+// A final window the defenses skipped whole has no final loss: final_loss_below and loss_finite fail
+// there, but nothing broke (red-team finding: a NaN gradient on the last step, skipped as it should
+// be, made the run "broke"); the run is not exercised, no step after the fault showing training go
+// on. Control: a final window with an applied step above final_loss_below is breakage.
+TEST(Verdict, AFinalWindowTheDefensesSkippedWholeBrokeNothing) {
+  const std::string skip = "defenses: {skip_nonfinite: true}\n";
+  ScenarioResult r = run_scenario(with(
+      skip + "injections: [{type: grad_nonfinite, step: 4}]\nexpect: {final_loss_below: 10, loss_finite: true}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_FALSE(r.broke) << why(r);
+  EXPECT_EQ(r.outcome(), "not exercised") << why(r);
+  EXPECT_TRUE(has_reason(r, "final_loss_below: expected < 10 (steps 4..4), got no applied step in steps 4..4"))
+      << why(r);
+  EXPECT_TRUE(has_reason(r, "step_after_fault")) << why(r);
+
+  r = run_scenario(with(skip + "injections: [{type: grad_nonfinite, step: 3}]\nexpect: {final_loss_below: 0.01}\n"));
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_TRUE(r.broke || r.outcome_kind() == Outcome::kBrokeWithoutFault) << why(r);
+  EXPECT_NE(r.outcome(), "not exercised") << why(r);
+}
+
+// A loss the fault left above twice the untrained model's held nothing, however few steps follow it
+// (red-team finding: SGD at lr 1, a loss x 1e10 clipped at 1e6, 1e10 over the last five of eight
+// steps, too few for the loss bar: "held, ok" on the parameters' movement alone). Controls: clipping
+// at 1.0 holds (the loss comes back under the bar), and the rule is said where it held.
+TEST(Verdict, ALossLeftAboveTwiceTheUntrainedModelsHeldNothingInAShortRun) {
+  const std::string sgd =
+      "name: t\nmodel: {type: tiny_gpt, layers: 2, d_model: 32, heads: 4, vocab: 64, seq_len: 16}\n"
+      "data: {batch: 8, seed: 1}\ntraining: {steps: 8, optimizer: sgd, lr: 1.0, segments: 2}\n"
+      "injections: [{type: loss_spike, step: 3, factor: 1.0e10}]\nexpect: {params_finite: true, loss_finite: true}\n";
+  ScenarioResult r =
+      run_scenario(parse_scenario_text(sgd + "defenses: {clip: {mode: global, max_norm: 1.0e6}}\n", "clip1e6.yaml"));
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  const ExpectationCheck* trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_FALSE(trained->passed) << why(r);
+  EXPECT_NE(trained->observed.find("2 times the untrained model's"), std::string::npos) << trained->observed;
+  EXPECT_NE(trained->observed.find("its loss not weighed: 5 step(s) after the fault"), std::string::npos)
+      << trained->observed;
+  ASSERT_FALSE(r.breakage.empty()) << why(r);
+  EXPECT_EQ(r.breakage.back().kind, BreakKind::kNoProgress);
+  EXPECT_NE(r.breakage.back().detail.find("its loss ran away: its loss ends at"), std::string::npos)
+      << r.breakage.back().detail;
+
+  r = run_scenario(parse_scenario_text(sgd + "defenses: {clip: {mode: global, max_norm: 1.0}}\n", "clip1.yaml"));
+  EXPECT_EQ(r.outcome(), "held") << why(r);
+  EXPECT_TRUE(r.passed) << why(r);
+  trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_NE(trained->expected.find("its loss ends at most 2 times that run's on its first step"), std::string::npos)
+      << trained->expected;
+  EXPECT_EQ(trained->observed.find("untrained"), std::string::npos) << trained->observed;
+}
+
+// A defended run whose loss ends behind the run with neither the fault nor the defenses, though
+// neither rule of the loss bar says stalled, is weighed against the run with its defenses and
+// without the fault (red-team finding: a clip at 1e-6 beside a weight decay drifted the loss to
+// chance, 4.16 = ln 64, while the run with neither reached 3.88 from 4.18 -- 7% of its level, "not
+// learning" by the loss bar -- and it "held, ok"): there the defenses alone stop training, and the
+// verdict is not earned. Control: a clip that lets the model learn held.
+TEST(Verdict, ARunBehindTheRunWithNeitherIsWeighedAgainstItsDefensesWithoutTheFault) {
+  const std::string sgd =
+      "name: t\nmodel: {type: tiny_gpt, layers: 4, d_model: 32, heads: 4, vocab: 64, seq_len: 16, dropout: 0.1}\n"
+      "data: {batch: 8, seed: 1}\ntraining: {steps: 30, optimizer: sgd, lr: 1.0, weight_decay: 0.05, segments: 2}\n"
+      "injections: [{type: loss_spike, step: 3, factor: 1.0e10}]\nexpect: {params_finite: true, loss_finite: true}\n";
+  ScenarioResult r =
+      run_scenario(parse_scenario_text(sgd + "defenses: {clip: {mode: global, max_norm: 1.0e-6}}\n", "clip1e-6.yaml"));
+  EXPECT_FALSE(r.passed) << why(r);
+  const ExpectationCheck* trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_FALSE(trained->passed) << why(r);
+  EXPECT_NE(trained->observed.find("where without the fault it ends at"), std::string::npos) << trained->observed;
+  EXPECT_NE(trained->observed.find("could not tell: with its defenses and without the fault"), std::string::npos)
+      << trained->observed;
+  EXPECT_EQ(r.counterfactual.kind, CounterfactualKind::kUndefended);
+
+  r = run_scenario(parse_scenario_text(sgd + "defenses: {clip: {mode: global, max_norm: 1.0}}\n", "clip1.yaml"));
+  EXPECT_TRUE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "held") << why(r);
 }
 
 // A fault whose numbers stay in the optimizer's state holds nothing, though the parameters stay
@@ -883,8 +966,12 @@ TEST(Verdict, AControlWhoseDefensesSkippedTheWholeFinalWindowHasNoFinalLossBreak
   EXPECT_NE(r.breakage.front().detail.find("no applied step in steps 2..4 to take a final loss from"),
             std::string::npos)
       << r.breakage.front().detail;
+  // A scenario expecting to hold: no breakage either (it had been "broke"): the fault lasts to the
+  // end, and no step after it shows anything.
   r = run_scenario(with(rest + "expect: {final_loss_below: 10.0, min_applied_steps: 0}\n"));
-  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  EXPECT_FALSE(r.passed) << why(r);
+  EXPECT_EQ(r.outcome(), "not exercised") << why(r);
+  EXPECT_TRUE(has_reason(r, "step_after_fault")) << why(r);
 }
 
 // A run that expected to hold and broke is weighed against the run without its injections (its

@@ -102,6 +102,14 @@ inline constexpr double kBufferScaleFloor = 1;
 inline constexpr double kLossFallFraction = 0.25;
 inline constexpr double kLearnedFraction = 0.1;
 inline constexpr std::int64_t kLossFallSteps = 10;
+// trained's runaway bar, whatever the window's length: the run's final loss (the final window's
+// applied, finite steps no injection fired on) ends at most kLossRanAway times the untrained model's
+// -- the loss of the first step of the run with neither the fault nor the defenses, before any update
+// (for a loss L0 that is not positive: at most L0 + (kLossRanAway - 1) |L0|), where that run's
+// stays under the bar over the same steps (else the configuration runs away). A loss x 1e10 clipped
+// at 1e6 left an SGD run's loss at 1e10 over the last five of eight steps, too few for the loss bar,
+// and it "held" on its parameters' movement.
+inline constexpr double kLossRanAway = 2;
 // The least change of the final loss, as a fraction of final_loss_below, that a fault must make for
 // its final-loss breakage to be its own: one that moves it less only nudged it across the threshold
 // (the run without it then counts as breaking too).
