@@ -10,6 +10,7 @@
 
 #include <boost/program_options.hpp>
 
+#include <algorithm>
 #include <iostream>
 
 namespace retrace::cli {
@@ -57,7 +58,7 @@ void print_result(std::ostream& out, const ReplayResult& result, const std::stri
 }
 
 // `retrace replay RANK_TRACE...`: names the culprit rank and replays it alone to its first
-// non-finite op; with no culprit, replays every rank alone.
+// non-finite op (each rank the culprit names); with no culprit, replays every rank alone.
 int replay_ranks(const std::vector<std::string>& paths, ReplayOptions options, int threads,
                  const std::string& json_path) {
   std::vector<TraceReader> traces;
@@ -70,9 +71,14 @@ int replay_ranks(const std::vector<std::string>& paths, ReplayOptions options, i
   out << a.verdict() << "\n";
   std::vector<std::size_t> which;
   if (a.culprit) {
-    const int rank = a.culprit->ranks.front();
+    // Every rank it names (two ranks apart with no majority: both; it had been the first alone).
+    const std::vector<int>& named = a.culprit->ranks;
     for (std::size_t i = 0; i < traces.size(); ++i) {
-      if (TraceHeader::decode(traces[i]).ranks->rank == rank) which.push_back(i);
+      if (std::count(named.begin(), named.end(), TraceHeader::decode(traces[i]).ranks->rank) > 0) which.push_back(i);
+    }
+    if (which.empty()) {  // the culprit's trace was not given
+      out << "not replayed: the culprit's trace is not given; give it to replay it\n";
+      return 1;
     }
     // Up to the step it went bad in; a rank that stopped is replayed to its last complete step.
     if (!options.step && a.culprit->kind != CulpritRank::Kind::kStopped) options.step = a.culprit->step;

@@ -166,6 +166,41 @@ ScenarioResult merge_ranks(const ScenarioSpec& spec, const std::string& source,
   std::stable_sort(r.notes.begin(), r.notes.end(), [](const StepNote& a, const StepNote& b) {
     return a.step != b.step ? a.step < b.step : a.kind < b.kind;  // a step's injections before its skip
   });
+  // raises speaks of the run: a rank whose own raise is the one expected (its check passed) is the
+  // run's raise, whatever its peers raised after it (red-team finding: rank 1 crashed with "index out
+  // of range", rank 0 then raised "Connection closed by peer", and rank 0's error was the run's: a
+  // control's crash could pass only on rank 0).
+  if (spec.expect.raises) {
+    const auto raised_as_expected = [](const ScenarioResult& x) {
+      return std::any_of(x.checks.begin(), x.checks.end(),
+                         [](const ExpectationCheck& c) { return c.kind == CheckKind::kRaises && c.passed; });
+    };
+    for (std::size_t k = 0; k < ranks.size(); ++k) {
+      if (!ranks[k] || !ranks[k]->raised || !raised_as_expected(*ranks[k])) continue;
+      const ScenarioResult& x = *ranks[k];
+      const std::string who = "rank " + std::to_string(k);
+      r.checks.erase(std::remove_if(r.checks.begin(), r.checks.end(),
+                                    [](const ExpectationCheck& c) { return c.kind == CheckKind::kRaises; }),
+                     r.checks.end());
+      ExpectationCheck c = *std::find_if(x.checks.begin(), x.checks.end(),
+                                         [](const ExpectationCheck& c) { return c.kind == CheckKind::kRaises; });
+      if (k > 0) c.observed = who + ": " + c.observed;
+      r.checks.push_back(std::move(c));
+      r.error = k > 0 ? who + ": " + x.error : x.error;
+      r.raised_by_defense = x.raised_by_defense;
+      r.raised_at_step = x.raised_at_step;
+      // Its raise is the run's breakage (a control's evidence), not the peer's that followed.
+      r.breakage.erase(std::remove_if(r.breakage.begin(), r.breakage.end(),
+                                      [](const Breakage& b) { return b.kind == BreakKind::kRaised; }),
+                       r.breakage.end());
+      for (const Breakage& b : x.breakage) {
+        if (b.kind != BreakKind::kRaised) continue;
+        r.breakage.push_back(b);
+        if (k > 0) r.breakage.back().detail = who + ": " + b.detail;
+      }
+      break;
+    }
+  }
   // injections_fired speaks of the run, every rank's injections: each rank counted its own (an
   // injection for rank 1 had made rank 0's check say "0 fired", and the run "not exercised").
   if (const std::optional<bool> want = spec.expect.injections_fired) {

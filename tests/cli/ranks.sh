@@ -322,6 +322,17 @@ injections: [{type: lr_spike, step: 2, rank: 1, factor: 100}, {type: grad_nonfin
 injections: [{type: grad_nonfinite, step: 4, mode: inf}]"
   got=$(outcome raiseonly)
   [[ $got == "held True" ]] || fail "raiseonly: $got, $(cat "$work/raiseonly.out")"
+  # A control crashing rank 1 (a token out of range): rank 1's raise is the run's, not the peer
+  # closure rank 0 raised after it (it had been "held: the fault did not bite").
+  scenario crash "injections: [{type: corrupt_batch, step: 2, rank: 1}]
+expect: {params_finite: true, raises: true, raises_match: 'index out of range', diverges: true}"
+  got=$(RETRACE_DIST_TIMEOUT=10 outcome crash)
+  [[ $got == "broke True" ]] || fail "crash: $got, $(cat "$work/crash.out")"
+  grep -q "ok (broke: rank 1: step 2 raised: index out of range in self)" "$work/crash.out" || fail "$(cat "$work/crash.out")"
+  # Control: a raises_match no rank raised fails.
+  sed -i "s/raises_match: 'index out of range'/raises_match: 'no rank raises this'/" "$work/crash.yaml"
+  got=$(RETRACE_DIST_TIMEOUT=10 outcome crash)
+  [[ $got == *" False" ]] || fail "crash (no match): $got, $(cat "$work/crash.out")"
   # injections_fired counts every rank's injections: rank 1's NaN fired (rank 0's count alone had
   # said "0 fired", the run "not exercised").
   scenario fired "defenses: {skip_nonfinite_ranks: true}

@@ -179,17 +179,28 @@ struct Fake {
 // How a synthetic rank trace ends.
 struct Ending {
   std::string run = "run-a";
+  std::string config;  // the header's program config
   int world = 2;
   bool close = true;
   std::int64_t raised_in = -1;        // an exception event in step 3 left collective #raised_in ...
   bool raised_outside = false;        // ... or no collective
   std::vector<std::int64_t> skipped;  // steps with a step_end that says skipped
+  // Steps with a step_end holding the state digest of one tensor, state.param.w (a tensor of 4
+  // elements `state`), its loss finite or not, skipped or not, and an injected fault's line.
+  struct End {
+    std::int64_t step;
+    float state = 1.0f;
+    bool finite = true;
+    bool skipped = false;
+    std::string injected;
+  };
+  std::vector<End> ends;
 };
 
 std::string fake_rank(const std::string& name, int rank, const std::vector<Fake>& collectives, Ending end = {}) {
   const std::string path = temp_path(name + ".trace");
   TraceHeader h;
-  h.program = ProgramRef{"fake", ""};
+  h.program = ProgramRef{"fake", end.config};
   h.ranks = RankInfo{rank, end.world, end.run};
   TraceWriter w(path, h.to_meta());
   for (const Fake& f : collectives) {
@@ -208,6 +219,16 @@ std::string fake_rank(const std::string& name, int rank, const std::vector<Fake>
     w.append(RecordType::kCollective, c.to_meta(),
              {TensorToWrite::digest_only("input.0", in, digest(in)),
               TensorToWrite::digest_only("output.0", out, digest(out))});
+  }
+  for (const Ending::End& x : end.ends) {
+    StepEndRecord e;
+    e.step = x.step;
+    e.finite = x.finite;
+    e.loss = x.finite ? 2.0 : std::numeric_limits<double>::quiet_NaN();
+    e.skipped = x.skipped;
+    if (!x.injected.empty()) e.injected = {x.injected};
+    const at::Tensor state = torch::full({4}, x.state);
+    w.append(RecordType::kStepEnd, e.to_meta(), {TensorToWrite::digest_only("state.param.w", state, digest(state))});
   }
   for (std::int64_t s : end.skipped) {
     StepEndRecord e;
@@ -362,6 +383,60 @@ TEST(DistAttribution, ARankLeftOutIsNamedWhereTheGivenContributionsWereFiniteAnd
       << c.culprit->detail;
 }
 
+// Every collective agreeing, the ranks' step_end records are compared (red-team findings: rank 1's
+// weights flipped to 3.4e38, every later step skipped for its NaN gradients while the finiteness flag
+// the ranks exchange agreed; an LR spike on rank 1 alone that split the ranks' parameters -- both
+// "no rank went bad"). Controls: equal ends name no one; a non-finite step every rank skipped and
+// that later steps recovered from is a note.
+TEST(DistAttribution, StepEndsThatDifferNameTheRankWhereEveryCollectiveAgreed) {
+  const std::vector<Fake> agreeing = {{1, 0}, {2, 0}, {3, 0}};
+  Ending same, split, spiked;
+  same.ends = split.ends = {{1}, {2}, {3}};
+  spiked.ends = {{1}, {2, 5.0f, true, false, "lr_spike lr: x100"}, {3, 5.0f}};
+  RankAttribution a = attribute(fake_rank("se0", 0, agreeing, same), fake_rank("se1", 1, agreeing, spiked));
+  ASSERT_TRUE(a.culprit);
+  EXPECT_EQ(a.culprit->kind, CulpritRank::Kind::kStepEnd);
+  EXPECT_EQ(a.culprit->step, 2);
+  EXPECT_EQ(a.culprit->ranks, (std::vector<int>{0, 1}));  // two ranks: no majority
+  EXPECT_NE(a.culprit->detail.find("the state after the step differs: rank 1's from rank 0's in 1 of 1 tensors "
+                                   "(first state.param.w), with no majority; rank 1's step notes an injected fault: "
+                                   "lr_spike lr: x100"),
+            std::string::npos)
+      << a.culprit->detail;
+  // A step's end is compared before the next step's collectives: a collective every rank's NaN
+  // reached at step 3 comes after the split of step 2 (an LR spike, then a shared overflow).
+  const std::vector<Fake> later_nan = {{1, 0}, {2, 0}, {3, 0, 4}};
+  a = attribute(fake_rank("se11", 0, later_nan, same), fake_rank("se12", 1, later_nan, spiked));
+  ASSERT_TRUE(a.culprit);
+  EXPECT_EQ(a.culprit->kind, CulpritRank::Kind::kStepEnd);
+  EXPECT_EQ(a.culprit->step, 2);
+  // Three ranks: the one apart is named.
+  Ending same3 = same, spiked3 = spiked;
+  same3.world = spiked3.world = 3;
+  const TraceReader t0(fake_rank("se2", 0, agreeing, same3)), t1(fake_rank("se3", 1, agreeing, spiked3)),
+      t2(fake_rank("se4", 2, agreeing, same3));
+  const RankAttribution b = attribute_ranks({&t0, &t1, &t2});
+  ASSERT_TRUE(b.culprit);
+  EXPECT_EQ(b.culprit->ranks, std::vector<int>{1});
+  // A step rank 1 ended non-finite and every rank skipped, never finite again on rank 1: named.
+  Ending stuck0, stuck1;
+  stuck0.ends = {{1}, {2, 1.0f, true, true}, {3, 1.0f, true, true}};
+  stuck1.ends = {{1}, {2, 1.0f, false, true}, {3, 1.0f, false, true}};
+  a = attribute(fake_rank("se5", 0, agreeing, stuck0), fake_rank("se6", 1, agreeing, stuck1));
+  ASSERT_TRUE(a.culprit);
+  EXPECT_EQ(a.culprit->step, 3);
+  EXPECT_EQ(a.culprit->ranks, std::vector<int>{1});
+  EXPECT_NE(a.culprit->detail.find("no step ended finite on every rank after it"), std::string::npos)
+      << a.culprit->detail;
+  // Controls: the same skipped step, recovered from, is a note; equal ends name no one.
+  stuck1.ends.back().finite = true;
+  a = attribute(fake_rank("se7", 0, agreeing, stuck0), fake_rank("se8", 1, agreeing, stuck1));
+  EXPECT_FALSE(a.culprit) << a.culprit->message();
+  ASSERT_FALSE(a.notes.empty());
+  EXPECT_NE(a.notes.back().find("every rank skipped the step (a defense handled it)"), std::string::npos);
+  EXPECT_FALSE(attribute(fake_rank("se9", 0, agreeing, same), fake_rank("se10", 1, agreeing, split)).culprit);
+}
+
 TEST(DistAttribution, AStepEveryRankSkippedIsHandledNotACulprit) {
   Ending skipped;
   skipped.skipped = {2};
@@ -396,6 +471,19 @@ TEST(DistAttribution, TracesOfAnotherRunAreRefused) {
   other_run.run = "run-b";
   EXPECT_THROW(attribute(fake_rank("r0", 0, {{1, 0}}), fake_rank("r1", 1, {{1, 0}}, other_run)), Error);
   EXPECT_THROW(attribute(fake_rank("r2", 1, {{1, 0}}), fake_rank("r3", 1, {{1, 0}})), Error);  // rank 1 twice
+  // The same run id and world size, another config: two runs (a launcher of one's own reusing
+  // RETRACE_RUN_ID; red-team finding: a culprit was named between them, exit 0).
+  Ending other_config;
+  other_config.config = "lr: 0.004";
+  try {
+    attribute(fake_rank("r4", 0, {{1, 0}}), fake_rank("r5", 1, {{1, 0}}, other_config));
+    ADD_FAILURE() << "traces of two configs were compared";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("another program or config: 'fake' against 'fake', configs differ"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_NO_THROW(attribute(fake_rank("r6", 0, {{1, 0}}, other_config), fake_rank("r7", 1, {{1, 0}}, other_config)));
 }
 
 TEST(Rendezvous, MalformedEnvironmentIsOneClearError) {

@@ -23,6 +23,8 @@ struct CulpritRank {
     kResult,     // the ranks got different results (a collective gives every rank the same bits)
     kStopped,    // the ranks' traces end here: they stopped recording while the others went on
     kRaised,     // the ranks raised outside any collective while the others waited in one
+    kStepEnd,    // every collective agreed, but the ranks' step_end records do not: a rank's step
+                 // ended non-finite, or the ranks' state after the step differs (seq -1)
   };
   Kind kind = Kind::kNonFinite;
   std::int64_t step = -1;
@@ -33,7 +35,7 @@ struct CulpritRank {
   std::string message() const;  // "step 3 collective #0 allreduce(sum): rank 1's contribution went non-finite ..."
   nlohmann::json to_json() const;
 };
-// "non_finite", "magnitude", "desync", "result", "stopped", "raised"
+// "non_finite", "magnitude", "desync", "result", "stopped", "raised", "step_end"
 const char* to_string(CulpritRank::Kind kind);
 
 // The factor kMagnitude takes: shards of one batch give gradients within a few x of each other;
@@ -56,7 +58,10 @@ struct RankAttribution {
 
 // Compares the collective records of every given rank trace of one run, in (step, seq) order,
 // and names the first collective where a rank's contribution went non-finite, the ranks called
-// different collectives, their results differ, or some ranks' traces end. Needs two or more rank
+// different collectives, their results differ, or some ranks' traces end. Where every collective
+// agreed, the ranks' step_end records are compared step by step: a rank whose step ended
+// non-finite while the others' did not (where every rank skipped it, a note, unless it never
+// ended finite again), or state after the step that differs between ranks (kStepEnd). Needs two or more rank
 // traces; throws retrace::Error when they are not of one data-parallel run (another run id or
 // world size, a rank twice, a trace without ranks).
 RankAttribution attribute_ranks(const std::vector<const TraceReader*>& traces);
