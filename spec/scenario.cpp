@@ -484,7 +484,21 @@ void parse_injections_and_expect(const Parser& p, const YAML::Node& root, Scenar
       s.injections.push_back(parse_injection(p, list[i], "injections[" + std::to_string(i) + "]", s));
     }
   }
-  if (const YAML::Node e = root["expect"]; e.IsDefined()) parse_expect(p, e, s.expect);
+  if (const YAML::Node e = root["expect"]; e.IsDefined()) {
+    parse_expect(p, e, s.expect);
+    // More applied steps than the run has from its fault's step on can never pass (red-team
+    // finding: min_applied_steps 100 in a 6-step run was graded "broke").
+    std::int64_t fault_step = 1;
+    for (std::size_t i = 0; i < s.injections.size(); ++i)
+      fault_step = i == 0 ? s.injections[i].step : std::min(fault_step, s.injections[i].step);
+    const std::int64_t room = s.training.steps - fault_step + 1;
+    if (s.expect.min_applied_steps && *s.expect.min_applied_steps > room) {
+      p.fail(e["min_applied_steps"], "expect.min_applied_steps",
+             "is " + std::to_string(*s.expect.min_applied_steps) + ", but steps " + std::to_string(fault_step) + ".." +
+                 std::to_string(s.training.steps) + " are " + std::to_string(room) +
+                 ", so it could never pass; lower it or raise training.steps");
+    }
+  }
 }
 
 // Block style all the way down, whatever the file wrote ({a: 1} included).

@@ -108,6 +108,13 @@ TEST(Schema, BooleansAndNumbersAreTheCoreSchemasAndExpectingBreakageNeedsDiverge
                "test.yaml:6: key 'expect.params_finite': false expects the run to break, which is a negative "
                "control's claim: write params_finite: true with diverges: true");
   expect_error("expect: {loss_finite: false}\n", "key 'expect.loss_finite': false expects the run to break");
+  // More applied steps than steps from the fault on (the test scenario has 4): never passes.
+  expect_error("injections: [{type: grad_nonfinite, step: 2}]\nexpect: {min_applied_steps: 4}\n",
+               "key 'expect.min_applied_steps': is 4, but steps 2..4 are 3, so it could never pass; lower it or "
+               "raise training.steps");
+  EXPECT_EQ(
+      with("injections: [{type: grad_nonfinite, step: 2}]\nexpect: {min_applied_steps: 3}\n").expect.min_applied_steps,
+      3);
   // A held scenario expecting a recompute that is not bitwise: a bitwise one had "broke" it.
   expect_error("expect: {recompute_bitwise: false}\n",
                "key 'expect.recompute_bitwise': false expects the run to break, which is a negative control's "
