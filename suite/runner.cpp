@@ -1450,14 +1450,20 @@ std::string behind_text(const LossComparison& c, std::int64_t last) {
 
 // trained's runaway bar (kLossRanAway): "" where `steps`' final window (max(fault_step, last - 2)
 // .. last: its applied, finite steps no injection fired on) ends at most kLossRanAway times the
-// untrained model's loss, the first step of `ref` (`whose`), or where either is missing; else the
-// finding in a line.
+// untrained model's loss -- the first step of `ref` (`whose`) -- or at most kLossRanAway times
+// where `ref` ends over the same steps (the same batches: a noisy first batch, L0 0.006 beside a run
+// ending at 0.6, made any loss above 0.012 "ran away"); or where either is missing; else the
+// finding in a line. `ref` without the fault: one that ran away too, past the bar and within
+// kLossRanAway of this run or to no finite loss, is the configuration running away (SGD at LR 20
+// diverges without its clip). `ref_is_the_fault` (a scenario whose configuration is the fault:
+// `ref` is the run without the defenses) takes only its untrained loss.
 std::string ran_away_from_untrained(const std::vector<StepPoint>& steps, std::int64_t fault_step, std::int64_t last,
-                                    const std::vector<StepPoint>& ref, const std::string& whose) {
+                                    const std::vector<StepPoint>& ref, const std::string& whose,
+                                    bool ref_is_the_fault = false) {
   if (ref.empty() || ref.front().skipped || !std::isfinite(ref.front().loss) || ref.front().loss == 0) return "";
   const double untrained = ref.front().loss;
   const std::int64_t from = std::max(fault_step, last - 2);
-  const double bar = untrained + (kLossRanAway - 1) * std::abs(untrained);
+  const auto above = [](double x, double level) { return x - level > (kLossRanAway - 1) * std::abs(level); };
   // The mean over the window of `of`'s applied, finite steps no injection fired on, and how many.
   const auto window_mean = [&](const std::vector<StepPoint>& of) -> std::pair<double, int> {
     double sum = 0;
@@ -1470,14 +1476,17 @@ std::string ran_away_from_untrained(const std::vector<StepPoint>& steps, std::in
     return {n > 0 ? sum / n : std::numeric_limits<double>::quiet_NaN(), n};
   };
   const auto [end, n] = window_mean(steps);
-  if (n == 0 || !(end > bar)) return "";
-  // Where `ref` runs away too over the same steps (past the bar, or to no finite loss: SGD at LR 20
-  // diverges without its clip), the configuration does, not the fault.
-  if (const double ref_end = window_mean(ref).first; !(ref_end <= bar)) return "";
+  if (n == 0 || !above(end, untrained)) return "";
+  std::string against;
+  if (!ref_is_the_fault) {
+    const double ref_end = window_mean(ref).first;
+    if (!std::isfinite(ref_end) || !above(end, ref_end)) return "";
+    against = " and " + fmt(kLossRanAway) + " times where that run ends over the same steps, " + fmt(ref_end);
+  }
   return "its loss ends at " + fmt(end) + " (steps " + std::to_string(from) + ".." + std::to_string(last) +
          (n < last - from + 1 ? ", " + std::to_string(n) + " of them applied and not injected" : std::string()) +
-         "), above " + fmt(bar) + ", " + fmt(kLossRanAway) + " times the untrained model's " + fmt(untrained) +
-         " (step " + std::to_string(ref.front().step) + " of " + whose + "): the fault's damage stands";
+         "), above " + fmt(kLossRanAway) + " times the untrained model's " + fmt(untrained) + " (step " +
+         std::to_string(ref.front().step) + " of " + whose + ")" + against + ": the fault's damage stands";
 }
 
 // "rose 0.1 (4.1 -> 4.2)": how a run's loss went over the window.
@@ -1562,10 +1571,10 @@ bool weigh_training(const ScenarioResult& c0, ScenarioResult& r, LossBar bar) {
   const Saturation saturated_state = saturation(r, c0);
   const bool same_configuration = bar == LossBar::kSameConfiguration;
   const std::string stall = same_configuration ? stalled(r, c0) : "";
-  const std::string ran_away = ran_away_from_untrained(r.steps, r.fault_step, r.last_step, c0.steps,
-                                                       bar == LossBar::kNone ? "the run without the defenses"
-                                                                             : "the run with neither the fault nor "
-                                                                               "the defenses");
+  const std::string ran_away = ran_away_from_untrained(
+      r.steps, r.fault_step, r.last_step, c0.steps,
+      bar == LossBar::kNone ? "the run without the defenses" : "the run with neither the fault nor the defenses",
+      bar == LossBar::kNone);
   const bool trained = moved && !saturated_state && stall.empty() && ran_away.empty();
   // Where the window is too short for the loss bar, the evidence says so: the check then rests on
   // the movement, the optimizer state and the buffers alone.
@@ -1576,24 +1585,26 @@ bool weigh_training(const ScenarioResult& c0, ScenarioResult& r, LossBar bar) {
           : "; its loss not weighed: " + std::to_string(loss_steps.steps.size()) + " step(s) after the fault" +
                 (loss_steps.left_out ? " without an injection" : "") + ", where the loss bar needs " +
                 std::to_string(kLossFallSteps) + " (run more steps after it to have the loss weighed)";
-  check(r, CheckKind::kTrained,
-        window + ", the parameters move at least " + fmt(kTrainedFraction) +
-            " as far as in the run with neither the fault nor the defenses (where that run runs away, " +
-            fmt(kMovedAtAll) + " of their norm), and at least " + fmt(kMovedAtAllInFloat32) +
-            " of their norm; and the optimizer's state (its median magnitude) ends below " + fmt(kSaturatedState) +
-            " times that run's, and the buffers (their largest) below " + fmt(kSaturatedBuffer) +
-            " times that run's or " + fmt(kSaturatedBuffer * kBufferScaleFloor) +
-            (same_configuration ? "; and where that run's loss falls clearly, this one's falls at least " +
-                                      fmt(kLossFallFraction) + " as far"
-                                : std::string()) +
-            "; and its loss ends at most " + fmt(kLossRanAway) + " times that run's on its first step",
-        "they moved " + fmt(m) + ", that run's " +
-            (c0.params_finite ? fmt(m0) + (runs_away ? " (it runs away)" : " (" + fmt(ratio) + " as far)")
-                              : std::string("non-finite (it runs away)")) +
-            (saturated_state ? "; " + saturated_state.text() : std::string()) +
-            (stall.empty() ? std::string() : "; " + stall) + (ran_away.empty() ? std::string() : "; " + ran_away) +
-            unweighed,
-        trained);
+  check(
+      r, CheckKind::kTrained,
+      window + ", the parameters move at least " + fmt(kTrainedFraction) +
+          " as far as in the run with neither the fault nor the defenses (where that run runs away, " +
+          fmt(kMovedAtAll) + " of their norm), and at least " + fmt(kMovedAtAllInFloat32) +
+          " of their norm; and the optimizer's state (its median magnitude) ends below " + fmt(kSaturatedState) +
+          " times that run's, and the buffers (their largest) below " + fmt(kSaturatedBuffer) +
+          " times that run's or " + fmt(kSaturatedBuffer * kBufferScaleFloor) +
+          (same_configuration ? "; and where that run's loss falls clearly, this one's falls at least " +
+                                    fmt(kLossFallFraction) + " as far"
+                              : std::string()) +
+          "; and its loss ends at most " + fmt(kLossRanAway) + " times that run's on its first step" +
+          (bar == LossBar::kNone ? std::string() : ", or at most " + fmt(kLossRanAway) + " times where that run ends"),
+      "they moved " + fmt(m) + ", that run's " +
+          (c0.params_finite ? fmt(m0) + (runs_away ? " (it runs away)" : " (" + fmt(ratio) + " as far)")
+                            : std::string("non-finite (it runs away)")) +
+          (saturated_state ? "; " + saturated_state.text() : std::string()) +
+          (stall.empty() ? std::string() : "; " + stall) + (ran_away.empty() ? std::string() : "; " + ran_away) +
+          unweighed,
+      trained);
   if (trained && bar == LossBar::kDefended) {
     // Its loss against the run with neither: where it stalled, the run with the defenses and
     // without the fault decides (weigh_defended_loss); the numbers stay in the check's evidence.
@@ -1679,12 +1690,12 @@ void weigh_defended_loss(const ScenarioResult& c, ScenarioResult& r) {
                       " as far as the run's with its defenses and without the fault";
 }
 
-// Whether the undefended run `c` may have run away by trained's runaway bar: against r's first step
-// where that came before the fault (the same untrained model and batch), else (a fault on the first
-// step) wherever its final loss is finite, for the run with neither to say.
+// Whether the undefended run `c` may have run away by trained's runaway bar: above twice r's first
+// step where that came before the fault (the same untrained model and batch), else (a fault on the
+// first step) wherever its final loss is finite; the run with neither then says whether it did.
 bool may_have_run_away(const ScenarioResult& c, const ScenarioResult& r) {
   if (r.steps.empty() || r.steps.front().step >= r.fault_step) return std::isfinite(c.final_loss);
-  return !ran_away_from_untrained(c.steps, r.fault_step, c.last_step, r.steps, "").empty();
+  return !ran_away_from_untrained(c.steps, r.fault_step, c.last_step, r.steps, "", /*ref_is_the_fault=*/true).empty();
 }
 
 // fault_bites' expectation, as the undefended and the bare run state it.
@@ -1723,6 +1734,20 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
     CounterfactualPlan next = plan;
     next.kind = CounterfactualKind::kBare;
     return next;
+  } else if (const std::string away =
+                 c.breakage.empty() && spec.injections.empty()
+                     ? ran_away_from_untrained(c.steps, r.fault_step, c.last_step, c.steps, "itself", true)
+                     : std::string();
+             !away.empty()) {
+    // The configuration is the fault, and the run without the defenses held by its own rules but
+    // ran away (red-team finding: Adam at LR 1 from 4.43 to 61, "held too", not exercised): it broke.
+    r.counterfactual.broke = true;
+    r.counterfactual.breakage.push_back(
+        {BreakKind::kNoProgress, c.last_step, "training did not go on: its loss ran away: " + away, true});
+    settle_counterfactual(CheckKind::kFaultBites, expected, "broke: training did not go on: its loss ran away: " + away,
+                          true, r, false);
+    weigh_training(c, r, LossBar::kNone);
+    return {};
   } else if (c.breakage.empty()) {
     observed = held_too(spec, plan.first_step, c.last_step, c.final_loss);
   } else if (std::none_of(c.breakage.begin(), c.breakage.end(),

@@ -643,6 +643,57 @@ TEST(Verdict, ALossLeftAboveTwiceTheUntrainedModelsHeldNothingInAShortRun) {
   EXPECT_EQ(trained->observed.find("untrained"), std::string::npos) << trained->observed;
 }
 
+// The runaway bar against outsider attacks on it (red15): the configuration as the fault, and an
+// untrained loss that one easy batch made tiny.
+TEST(Verdict, TheRunawayBarHoldsWhereTheConfigurationIsTheFaultAndAgainstANoisyFirstBatch) {
+  // SGD at LR 50 without injections, clipped at 10: the loss ends at 3e4 from 4.3. The run without
+  // the defenses is the fault itself (non-finite early): it had exempted the run, "held, ok".
+  const std::string gpt = "model: {type: tiny_gpt, layers: 2, d_model: 32, heads: 4, vocab: 64, seq_len: 16}\n"
+                          "data: {batch: 8, seed: 1}\n";
+  ScenarioResult r = run_scenario(parse_scenario_text(
+      "name: lr50\n" + gpt +
+          "training: {steps: 12, optimizer: sgd, lr: 50, segments: 1}\ndefenses: {clip: {mode: global, "
+          "max_norm: 10.0}}\nexpect: {params_finite: true}\n",
+      "lr50.yaml"));
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  const ExpectationCheck* trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_NE(trained->observed.find("(step 1 of the run without the defenses): the fault's damage stands"),
+            std::string::npos)
+      << trained->observed;
+  // Adam at LR 1 with a warmup of 2, no injections: the run without the defenses ends at 61 from 4.4.
+  // It held by its own rules and fault_bites had said "held too": it ran away, and broke.
+  r = run_scenario(parse_scenario_text(
+      "name: adam1\nmodel: {type: tiny_gpt, layers: 4, d_model: 32, heads: 4, vocab: 64, seq_len: 16, dropout: "
+      "0.1}\ndata: {batch: 8, seed: 1}\ntraining: {steps: 20, optimizer: adam, lr: 1.0, segments: 2}\n"
+      "defenses: {warmup_steps: 2}\nexpect: {params_finite: true}\n",
+      "adam1.yaml"));
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  const ExpectationCheck* bites = find_check(r, "fault_bites");
+  ASSERT_NE(bites, nullptr) << why(r);
+  EXPECT_TRUE(bites->passed) << why(r);
+  EXPECT_NE(bites->observed.find("broke: training did not go on: its loss ran away"), std::string::npos)
+      << bites->observed;
+  // An MLP on batches of 2 whose first batch is easy (L0 0.0057; the run without the fault ends at
+  // 0.6 on the same batches): a loss x 1e10 clipped at 100 ends at 9e4. That run ending above twice
+  // L0 had exempted it as "the configuration running away"; now it must also end within twice
+  // where that run ends.
+  const std::string mlp = "name: mlp\nmodel: {type: mlp, layers: 2, hidden: 32, in_features: 4, out_features: 1, "
+                          "dropout: 0.0}\ndata: {batch: 2, seed: 30}\ntraining: {steps: 8, optimizer: sgd, lr: 0.1, "
+                          "segments: 1}\ninjections: [{type: loss_spike, step: 3, factor: 1.0e10}]\n"
+                          "expect: {params_finite: true, loss_finite: true}\n";
+  r = run_scenario(parse_scenario_text(mlp + "defenses: {clip: {mode: global, max_norm: 100}}\n", "mlp.yaml"));
+  EXPECT_EQ(r.outcome(), "broke") << why(r);
+  trained = find_check(r, "trained");
+  ASSERT_NE(trained, nullptr) << why(r);
+  EXPECT_NE(trained->observed.find("times where that run ends over the same steps"), std::string::npos)
+      << trained->observed;
+  // Control: clipped at 1.0 the same run holds (its end within twice that run's, though above 2 L0).
+  r = run_scenario(parse_scenario_text(mlp + "defenses: {clip: {mode: global, max_norm: 1.0}}\n", "mlp1.yaml"));
+  EXPECT_EQ(r.outcome(), "held") << why(r);
+  EXPECT_TRUE(r.passed) << why(r);
+}
+
 // A defended run whose loss ends behind the run with neither the fault nor the defenses, though
 // neither rule of the loss bar says stalled, is weighed against the run with its defenses and
 // without the fault (red-team finding: a clip at 1e-6 beside a weight decay drifted the loss to

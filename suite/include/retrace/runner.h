@@ -105,8 +105,10 @@ inline constexpr std::int64_t kLossFallSteps = 10;
 // trained's runaway bar, whatever the window's length: the run's final loss (the final window's
 // applied, finite steps no injection fired on) ends at most kLossRanAway times the untrained model's
 // -- the loss of the first step of the run with neither the fault nor the defenses, before any update
-// (for a loss L0 that is not positive: at most L0 + (kLossRanAway - 1) |L0|), where that run's
-// stays under the bar over the same steps (else the configuration runs away). A loss x 1e10 clipped
+// (for a loss L0 that is not positive: at most L0 + (kLossRanAway - 1) |L0|), or at most kLossRanAway
+// times where that run ends over the same steps (one that ends with no finite loss there: the
+// configuration runs away, and the bar is off; where the configuration is the fault, the first
+// step alone counts). A loss x 1e10 clipped
 // at 1e6 left an SGD run's loss at 1e10 over the last five of eight steps, too few for the loss bar,
 // and it "held" on its parameters' movement.
 inline constexpr double kLossRanAway = 2;
