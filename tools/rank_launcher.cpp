@@ -152,8 +152,8 @@ int launch_ranks(int ranks, const std::vector<std::string>& args) {
     if (it == running.end()) continue;
     status[static_cast<std::size_t>(it->second)] = st;
     running.erase(it);
-    if (!deadline && !running.empty() && !killed[static_cast<std::size_t>(it->second)] &&
-        std::none_of(killed.begin(), killed.end(), [](char k) { return k != 0; }))
+    // The first rank to end (none killed yet) starts the others' grace.
+    if (!deadline && !running.empty() && std::none_of(killed.begin(), killed.end(), [](char k) { return k != 0; }))
       deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s + 10);
   }
   int code = 0;
