@@ -1444,8 +1444,8 @@ std::string behind_text(const LossComparison& c, std::int64_t last) {
   return "over steps " + std::to_string(c.window.first) + ".." + std::to_string(last) + " its loss ends at " +
          fmt(c.with.end) + " (means of " + std::to_string(c.k) + " steps" +
          (c.window.left_out ? ", injected steps left out" : "") + "), where without the fault it ends at " +
-         fmt(c.without.end) + ": above " + fmt(c.behind_bar) + ", more than " + fmt(kLossFallFraction) +
-         " of that run's way down above it";
+         fmt(c.without.end) + ": above " + fmt(c.behind_bar) + " (that end plus " + fmt(kLossFallFraction) +
+         " of that run's way down to it)";
 }
 
 // trained's runaway bar (kLossRanAway): "" where `steps`' final window (max(fault_step, last - 2)
