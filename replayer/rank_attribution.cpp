@@ -263,21 +263,16 @@ RankAttribution attribute_ranks(const std::vector<const TraceReader*>& traces) {
   // ended (red-team finding: a weight of rank 1 flipped to 3.4e38, every later step skipped for its NaN
   // gradients -- the flag the ranks exchange agreeing -- and an LR spike on rank 1 alone, its
   // parameters apart from rank 0's, both read "no rank went bad").
-  std::set<std::int64_t> steps;
-  for (const RankTrace& r : ranks) {
-    for (const auto& [step, end] : r.ends) steps.insert(step);
-  }
-  std::int64_t last_common = -1;
-  for (std::int64_t step : steps) {
+  std::set<std::int64_t> steps;  // those every given rank ended
+  for (const auto& [step, end] : ranks.front().ends) {
     if (std::all_of(ranks.begin(), ranks.end(), [&](const RankTrace& r) { return r.ends.count(step) > 0; }))
-      last_common = step;
+      steps.insert(step);
   }
+  const std::int64_t last_common = steps.empty() ? -1 : *steps.rbegin();
   std::vector<std::size_t> all(ranks.size());
   for (std::size_t i = 0; i < ranks.size(); ++i) all[i] = i;
   // Whether step `step`'s ends name a culprit (then in out.culprit).
   auto ends_disagree = [&](std::int64_t step) {
-    if (!std::all_of(ranks.begin(), ranks.end(), [&](const RankTrace& r) { return r.ends.count(step) > 0; }))
-      return false;
     auto end = [&](std::size_t i) -> const RankTrace::End& { return ranks[i].ends.at(step); };
     CulpritRank c;
     c.kind = CulpritRank::Kind::kStepEnd;

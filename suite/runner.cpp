@@ -956,9 +956,13 @@ class ScenarioRun {
   std::size_t seen_mismatches_ = 0;
 };
 
+// The final window's first step: the last three steps of a run that ended at `last`, none before
+// the fault's.
+std::int64_t final_window_start(std::int64_t fault_step, std::int64_t last) { return std::max(fault_step, last - 2); }
+
 // The final loss: the mean of the applied steps among the last three, none before the fault.
 void set_final_loss(ScenarioResult& r) {
-  r.final_window_first = std::max(r.fault_step, r.last_step - 2);
+  r.final_window_first = final_window_start(r.fault_step, r.last_step);
   r.final_loss = std::numeric_limits<double>::quiet_NaN();
   double sum = 0;
   int n = 0;
@@ -1462,7 +1466,7 @@ std::string ran_away_from_untrained(const std::vector<StepPoint>& steps, std::in
                                     bool ref_is_the_fault = false) {
   if (ref.empty() || ref.front().skipped || !std::isfinite(ref.front().loss) || ref.front().loss == 0) return "";
   const double untrained = ref.front().loss;
-  const std::int64_t from = std::max(fault_step, last - 2);
+  const std::int64_t from = final_window_start(fault_step, last);
   const auto above = [](double x, double level) { return x - level > (kLossRanAway - 1) * std::abs(level); };
   // The mean over the window of `of`'s applied, finite steps no injection fired on, and how many.
   const auto window_mean = [&](const std::vector<StepPoint>& of) -> std::pair<double, int> {
@@ -1718,6 +1722,14 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
                                     ScenarioResult& r) {
   r.counterfactual = summary_of(CounterfactualKind::kUndefended, c);
   const std::string expected = bites_expected(spec);
+  // The configuration is the fault (no injections) and the run without the defenses broke by
+  // `detail`: the fault bites, and trained weighs the run against this one.
+  const auto configuration_broke = [&](const std::string& detail) {
+    r.counterfactual.broke = true;
+    settle_counterfactual(CheckKind::kFaultBites, expected, "broke: " + detail, true, r, false);
+    weigh_training(c, r, LossBar::kNone);
+    return CounterfactualPlan{};
+  };
   std::string observed;
   if (c.harness_error) {
     observed = "could not tell: " + c.error;
@@ -1741,13 +1753,9 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
              !away.empty()) {
     // The configuration is the fault, and the run without the defenses held by its own rules but
     // ran away (red-team finding: Adam at LR 1 from 4.43 to 61, "held too", not exercised): it broke.
-    r.counterfactual.broke = true;
     r.counterfactual.breakage.push_back(
         {BreakKind::kNoProgress, c.last_step, "training did not go on: its loss ran away: " + away, true});
-    settle_counterfactual(CheckKind::kFaultBites, expected, "broke: training did not go on: its loss ran away: " + away,
-                          true, r, false);
-    weigh_training(c, r, LossBar::kNone);
-    return {};
+    return configuration_broke(r.counterfactual.breakage.back().detail);
   } else if (c.breakage.empty()) {
     observed = held_too(spec, plan.first_step, c.last_step, c.final_loss);
   } else if (std::none_of(c.breakage.begin(), c.breakage.end(),
@@ -1758,10 +1766,7 @@ CounterfactualPlan weigh_undefended(const ScenarioSpec& spec, const Counterfactu
                c.breakage.front().detail +
                "; the defenses hold the configuration, and this fault's own bite is not shown";
   } else if (spec.injections.empty()) {  // the configuration is the fault: the bare run is this one
-    r.counterfactual.broke = true;
-    settle_counterfactual(CheckKind::kFaultBites, expected, "broke: " + c.breakage.front().detail, true, r, false);
-    weigh_training(c, r, LossBar::kNone);
-    return {};
+    return configuration_broke(c.breakage.front().detail);
   } else {
     CounterfactualPlan next = plan;  // the whole window: breakage later than the fault's counts too
     next.kind = CounterfactualKind::kBare;

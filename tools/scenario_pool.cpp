@@ -171,19 +171,18 @@ ScenarioResult merge_ranks(const ScenarioSpec& spec, const std::string& source,
   // of range", rank 0 then raised "Connection closed by peer", and rank 0's error was the run's: a
   // control's crash could pass only on rank 0).
   if (spec.expect.raises) {
-    const auto raised_as_expected = [](const ScenarioResult& x) {
-      return std::any_of(x.checks.begin(), x.checks.end(),
-                         [](const ExpectationCheck& c) { return c.kind == CheckKind::kRaises && c.passed; });
-    };
     for (std::size_t k = 0; k < ranks.size(); ++k) {
-      if (!ranks[k] || !ranks[k]->raised || !raised_as_expected(*ranks[k])) continue;
+      if (!ranks[k] || !ranks[k]->raised) continue;
       const ScenarioResult& x = *ranks[k];
+      const auto passed = std::find_if(x.checks.begin(), x.checks.end(), [](const ExpectationCheck& c) {
+        return c.kind == CheckKind::kRaises && c.passed;
+      });
+      if (passed == x.checks.end()) continue;
       const std::string who = "rank " + std::to_string(k);
       r.checks.erase(std::remove_if(r.checks.begin(), r.checks.end(),
                                     [](const ExpectationCheck& c) { return c.kind == CheckKind::kRaises; }),
                      r.checks.end());
-      ExpectationCheck c = *std::find_if(x.checks.begin(), x.checks.end(),
-                                         [](const ExpectationCheck& c) { return c.kind == CheckKind::kRaises; });
+      ExpectationCheck c = *passed;
       if (k > 0) c.observed = who + ": " + c.observed;
       r.checks.push_back(std::move(c));
       r.error = k > 0 ? who + ": " + x.error : x.error;
